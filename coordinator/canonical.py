@@ -1,0 +1,157 @@
+"""Strict JSON parsing and RFC 8785 canonical encoding.
+
+The strict parser refuses what a lenient one lets through and a reference
+reader in another language would refuse: duplicate keys at any depth, invalid
+UTF-8, lone surrogates, NaN/Infinity, integers beyond +/-(2**53 - 1), control
+characters inside strings, trailing data and absurd nesting. Canonical encoding
+is the ``rfc8785`` package's; a manifest is accepted only if its bytes already
+are the canonical encoding of what they parse to.
+
+msgspec is faster but silently keeps the last of two duplicate keys, so
+parsing uses the stdlib decoder with hooks on every object and number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import rfc8785
+
+from ._errors import JsonError, JsonValueError, NotCanonicalError
+from ._types import BytesLike
+
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_SAFE_INTEGER",
+    "canonical_bytes",
+    "is_canonical",
+    "parse_canonical",
+    "parse_strict",
+]
+
+MAX_SAFE_INTEGER = 2**53 - 1
+MAX_DEPTH = 128
+# Longest spelling of a safe integer: "-9007199254740991".
+_MAX_INT_CHARS = 17
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise JsonError(f"duplicate key {key!r}")
+            seen.add(key)
+    return result
+
+
+def _integer(text: str) -> int:
+    if len(text) <= _MAX_INT_CHARS:
+        value = int(text)
+        if -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
+            return value
+    raise JsonError(f"integer beyond +/-(2**53 - 1): {text[:24]}")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise JsonError(f"number out of range: {text[:24]}")
+    return value
+
+
+def _constant(name: str) -> Any:
+    raise JsonError(f"non-finite number {name}")
+
+
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_object,
+    parse_int=_integer,
+    parse_float=_float,
+    parse_constant=_constant,
+    strict=True,  # control characters inside strings are errors
+)
+
+
+def _check_tree(value: Any) -> None:
+    """Refuse lone surrogates and nesting deeper than ``MAX_DEPTH`` (iteratively)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            _check_string(item)
+        elif isinstance(item, (dict, list)):
+            if depth >= MAX_DEPTH:
+                raise JsonError(f"nesting deeper than {MAX_DEPTH}")
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    _check_string(key)
+                    stack.append((child, depth + 1))
+            else:
+                stack.extend((child, depth + 1) for child in item)
+
+
+def _check_string(text: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise JsonError("lone surrogate in string") from error
+
+
+def parse_strict(data: BytesLike) -> Any:
+    """Parse UTF-8 JSON bytes strictly; raise ``JsonError`` for anything doubtful."""
+    raw = bytes(data)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise JsonError("invalid UTF-8", position=error.start) from None
+    try:
+        value = _DECODER.decode(text)
+    except json.JSONDecodeError as error:
+        raise JsonError(
+            error.msg.removesuffix(" at"), position=len(text[: error.pos].encode("utf-8"))
+        ) from None
+    except RecursionError:
+        raise JsonError(f"nesting deeper than {MAX_DEPTH}") from None
+    _check_tree(value)
+    return value
+
+
+def canonical_bytes(value: Any) -> bytes:
+    """The RFC 8785 encoding of a JSON-compatible value (dict, list, str, int, ...)."""
+    try:
+        return rfc8785.dumps(value)
+    except rfc8785.CanonicalizationError as error:
+        raise JsonValueError(f"no canonical JSON for this value: {error}") from None
+    except RecursionError:
+        raise JsonValueError("value nested too deeply for canonical JSON") from None
+
+
+def parse_canonical(data: BytesLike) -> Any:
+    """Parse strictly and require ``data`` to be the canonical encoding of its value."""
+    raw = bytes(data)
+    value = parse_strict(raw)
+    try:
+        again = canonical_bytes(value)
+    except JsonValueError as error:  # e.g. a float the canonical form cannot express
+        raise NotCanonicalError(str(error)) from None
+    if again != raw:
+        position = next(
+            (i for i, (a, b) in enumerate(zip(raw, again, strict=False)) if a != b),
+            min(len(raw), len(again)),
+        )
+        raise NotCanonicalError("not in RFC 8785 canonical form", position=position)
+    return value
+
+
+def is_canonical(data: BytesLike) -> bool:
+    """Whether ``data`` is strict JSON already in canonical form."""
+    try:
+        parse_canonical(data)
+    except JsonError:
+        return False
+    return True

@@ -1,0 +1,664 @@
+"""FLYSESS1 checkpoint envelopes: bytes to values and back, with no I/O.
+
+Like h11, this module contains no file or network code at all: it imports
+neither ``os``, anyio nor nats. The store hands it bytes (often an mmap) and
+writes the pieces it produces.
+
+Layout (all integers unsigned little-endian, digests raw SHA-256)::
+
+    header   32 B   "FLYSESS1" version=1 headerBytes=32 manifestBytes
+                    payloadCount(<=64) tableOffset reserved=0
+    manifest        canonical JSON (RFC 8785) at offset 32
+    table           at align8(32 + manifestBytes): payloadCount x 112 B
+                    name[64] (Id, NUL-padded) offset u64 byteLength u64 sha256[32]
+    payloads        each at the aligned end of the previous one; zero padding
+    footer   48 B   fileBytes u64, sha256 of every byte before it, "FLYSESSF"
+
+``decode`` performs the reader checks of section 4 of the spec in the spec's
+order and raises ``CorruptEnvelopeError`` naming the first that fails. Every
+byte is hashed twice (once for its payload, once for the footer); the two
+hash streams run on two threads, because hashlib releases the GIL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import re
+import struct
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+
+from ._errors import (
+    CorruptEnvelopeError,
+    EnvelopeInputError,
+    JsonError,
+    JsonValueError,
+    NotCanonicalError,
+)
+from ._types import BytesLike
+from .canonical import canonical_bytes, parse_canonical
+from .ids import is_digest, is_id
+
+__all__ = [
+    "ALIGNMENT",
+    "ENTRY_BYTES",
+    "FOOTER_BYTES",
+    "FOOTER_MAGIC",
+    "HEADER_BYTES",
+    "MAGIC",
+    "MAX_PAYLOADS",
+    "REQUIRED_MANIFEST_FIELDS",
+    "TRANSIENT_KEYS",
+    "VERSION",
+    "Envelope",
+    "EnvelopePlan",
+    "Layout",
+    "PayloadEntry",
+    "decode",
+    "encode",
+    "plan",
+]
+
+MAGIC = b"FLYSESS1"
+FOOTER_MAGIC = b"FLYSESSF"
+VERSION = 1
+HEADER_BYTES = 32
+ENTRY_BYTES = 112
+FOOTER_BYTES = 48
+NAME_BYTES = 64
+MAX_PAYLOADS = 64
+ALIGNMENT = 8
+
+_HEADER = struct.Struct("<8s6I")
+_ENTRY = struct.Struct("<64sQQ32s")
+_FOOTER = struct.Struct("<Q32s8s")
+_ID_BYTES = re.compile(rb"[a-z0-9][a-z0-9._-]{0,63}")
+_ZERO_PAGE = bytes(4096)
+
+REQUIRED_MANIFEST_FIELDS = frozenset(
+    {
+        "envelopeVersion",
+        "checkpointId",
+        "sourceScope",
+        "episodeId",
+        "worldTime",
+        "schedulerId",
+        "compositionDigest",
+        "portMap",
+        "compatibility",
+        "agents",
+        "coordinator",
+        "environment",
+        "helperState",
+        "payloads",
+    }
+)
+#: Keys that name a transient bus identity. Only payload bytes and durable
+#: content identity may survive a restart, so a manifest carrying any of these
+#: (at any depth) is refused.
+TRANSIENT_KEYS = frozenset(
+    {
+        "storeId",
+        "serverId",
+        "artifactId",
+        "artifactName",
+        "objectId",
+        "objectName",
+        "bucket",
+        "ownerToken",
+        "pointer",
+        "mapping",
+    }
+)
+
+# Below this many bytes a second thread costs more than it saves.
+_PARALLEL_MIN = 1 << 20
+# Hash windows: both streams meet at each boundary, where mapped pages may be dropped.
+_WINDOW = 16 << 20
+
+
+class PayloadEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One row of the payload table."""
+
+    name: str
+    offset: int
+    byte_length: int
+    digest: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.byte_length
+
+
+class Layout(msgspec.Struct, frozen=True, kw_only=True):
+    """Where everything sits in an envelope."""
+
+    envelope_version: int
+    header_bytes: int
+    manifest_offset: int
+    manifest_bytes: int
+    payload_count: int
+    table_offset: int
+    entries: tuple[PayloadEntry, ...]
+    footer_offset: int
+    file_bytes: int
+
+
+def _align(value: int) -> int:
+    return (value + ALIGNMENT - 1) & -ALIGNMENT
+
+
+def _byte_view(data: BytesLike) -> memoryview:
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _is_zero(view: memoryview) -> bool:
+    for start in range(0, len(view), len(_ZERO_PAGE)):
+        chunk = view[start : start + len(_ZERO_PAGE)]
+        if chunk != _ZERO_PAGE[: len(chunk)]:
+            return False
+    return True
+
+
+# --- hashing: two streams over the same bytes, on two threads -------------------------
+
+_Pieces = Sequence[tuple[int, memoryview]]
+
+
+def _feed(hasher: Any, pieces: _Pieces, low: int, high: int) -> None:
+    for offset, piece in pieces:
+        start, stop = max(low, offset), min(high, offset + len(piece))
+        if start < stop:
+            hasher.update(piece[start - offset : stop - offset])
+
+
+def _hash_streams(
+    body: _Pieces,
+    payloads: _Pieces,
+    end: int,
+    release: Callable[[int, int], None] | None = None,
+) -> tuple[bytes, list[bytes]]:
+    """SHA-256 of ``body`` (all bytes before ``end``) and of each payload.
+
+    ``body`` and ``payloads`` are ``(file offset, view)`` pieces. The body
+    stream runs on a worker thread while this thread hashes the payloads,
+    window by window; ``release(low, high)`` is called after each window.
+    """
+    body_hash = hashlib.sha256()
+    payload_hashes = [hashlib.sha256() for _ in payloads]
+
+    def payload_window(low: int, high: int) -> None:
+        for hasher, piece in zip(payload_hashes, payloads, strict=True):
+            _feed(hasher, (piece,), low, high)
+
+    if end < _PARALLEL_MIN:
+        _feed(body_hash, body, 0, end)
+        payload_window(0, end)
+    else:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flysess-hash") as pool:
+            for low in range(0, end, _WINDOW):
+                high = min(low + _WINDOW, end)
+                body_job = pool.submit(_feed, body_hash, body, low, high)
+                payload_window(low, high)
+                body_job.result()
+                if release is not None:
+                    release(low, high)
+    return body_hash.digest(), [hasher.digest() for hasher in payload_hashes]
+
+
+# --- the manifest rules shared by the writer and the reader ----------------------------
+
+
+def _manifest_problem(manifest: Any, entries: Sequence[PayloadEntry]) -> tuple[str, str] | None:
+    """The first rule of check 7 that ``manifest`` breaks, as (check, detail)."""
+    if not isinstance(manifest, dict):
+        return "manifest-fields", "the manifest is not a JSON object"
+    missing = sorted(REQUIRED_MANIFEST_FIELDS - manifest.keys())
+    if missing:
+        return "manifest-fields", f"required fields missing: {', '.join(missing)}"
+    version = manifest["envelopeVersion"]
+    if type(version) is not int or version != VERSION:
+        return "manifest-version", f"envelopeVersion is {version!r}, not {VERSION}"
+    records = manifest["payloads"]
+    if not isinstance(records, list) or len(records) != len(entries):
+        count = len(records) if isinstance(records, list) else type(records).__name__
+        return "manifest-payloads", f"payloads lists {count} entries, the table {len(entries)}"
+    for index, (record, entry) in enumerate(zip(records, entries, strict=True)):
+        wanted = {"name": entry.name, "byteLength": str(entry.byte_length), "digest": entry.digest}
+        if record != wanted:
+            return "manifest-payloads", f"payloads[{index}] disagrees with table entry {index}"
+    transient = _find_transient_key(manifest)
+    if transient is not None:
+        return "manifest-transient", f"transient bus identity {transient!r} in the manifest"
+    return None
+
+
+def _find_transient_key(value: Any) -> str | None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if key in TRANSIENT_KEYS:
+                    return str(key)
+                stack.append(child)
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
+# --- writing ---------------------------------------------------------------------------
+
+
+class EnvelopePlan:
+    """An envelope laid out but not yet sealed: everything but the footer.
+
+    ``pieces()`` are every byte before the footer, in file order, and never
+    copy a payload; ``seal()`` hashes them; ``footer()`` closes the file.
+    ``stream()`` does all three, hashing on worker threads while the caller
+    consumes the pieces.
+    """
+
+    def __init__(
+        self, prefix: bytes, layout: Layout, payloads: Sequence[memoryview], manifest: Any
+    ) -> None:
+        self.prefix = prefix
+        self.layout = layout
+        self.manifest = manifest
+        self._payloads = tuple(payloads)
+
+    @property
+    def size(self) -> int:
+        return self.layout.file_bytes
+
+    def pieces(self) -> Iterator[memoryview]:
+        """The prefix (header, manifest, table), then each payload and its padding."""
+        yield memoryview(self.prefix)
+        entries = self.layout.entries
+        for index, (entry, view) in enumerate(zip(entries, self._payloads, strict=True)):
+            yield view
+            if index + 1 < len(entries):
+                gap = entries[index + 1].offset - entry.end
+                if gap:
+                    yield memoryview(bytes(gap))
+
+    def seal(self) -> bytes:
+        """The footer digest; raises ``EnvelopeInputError`` if a payload disagrees
+        with the digest its manifest record claims (it changed after it was described)."""
+        body: list[tuple[int, memoryview]] = []
+        offset = 0
+        for piece in self.pieces():
+            body.append((offset, piece))
+            offset += len(piece)
+        spans = [(e.offset, v) for e, v in zip(self.layout.entries, self._payloads, strict=True)]
+        body_digest, actual = _hash_streams(body, spans, self.layout.footer_offset)
+        for entry, digest in zip(self.layout.entries, actual, strict=True):
+            if digest.hex() != entry.digest:
+                raise EnvelopeInputError(
+                    f"payload {entry.name!r} does not match its manifest digest "
+                    f"{entry.digest}: its bytes hash to {digest.hex()}"
+                )
+        return body_digest
+
+    def footer(self, body_digest: bytes) -> bytes:
+        return _FOOTER.pack(self.layout.file_bytes, body_digest, FOOTER_MAGIC)
+
+    def stream(self) -> Iterator[memoryview]:
+        """Every byte of the envelope, piece by piece, the footer last.
+
+        Hashing runs on worker threads while the caller handles the pieces; a
+        payload that disagrees with its digest raises before the footer.
+        """
+        if self.layout.footer_offset < _PARALLEL_MIN:
+            digest = self.seal()
+            yield from self.pieces()
+            yield memoryview(self.footer(digest))
+            return
+        outcome: list[bytes | BaseException] = []
+
+        def run() -> None:
+            try:
+                outcome.append(self.seal())
+            except BaseException as error:  # handed to the consumer below
+                outcome.append(error)
+
+        sealer = threading.Thread(target=run, name="flysess-seal", daemon=True)
+        sealer.start()
+        try:
+            yield from self.pieces()
+        finally:
+            sealer.join()
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            raise result
+        yield memoryview(self.footer(result))
+
+
+def plan(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]]) -> EnvelopePlan:
+    """Lay out an envelope for ``manifest`` and ``payloads`` (written in that order).
+
+    The manifest must already carry the ``payloads`` records (see
+    ``coordinator.manifest.build_manifest``); their
+    digests go into the table, and ``seal()`` proves them against the bytes.
+    """
+    if len(payloads) > MAX_PAYLOADS:
+        raise EnvelopeInputError(f"{len(payloads)} payloads; an envelope holds at most 64")
+    names: list[str] = []
+    views: list[memoryview] = []
+    for name, data in payloads:
+        if not is_id(name):
+            raise EnvelopeInputError(f"payload name {name!r} is not an Id")
+        if name in names:
+            raise EnvelopeInputError(f"payload name {name!r} appears twice")
+        names.append(name)
+        views.append(_byte_view(data))
+    if not isinstance(manifest, Mapping):
+        raise EnvelopeInputError("the manifest must be a mapping")
+    body = dict(manifest)
+    try:
+        manifest_json = canonical_bytes(body)
+    except JsonValueError as error:
+        raise EnvelopeInputError(f"the manifest has no canonical JSON form: {error}") from None
+    if len(manifest_json) > 0xFFFFFFFF:
+        raise EnvelopeInputError("the manifest is larger than 4 GiB")
+    records = body.get("payloads")
+    if not isinstance(records, list) or len(records) != len(views):
+        raise EnvelopeInputError(
+            "manifest 'payloads' must list every payload: "
+            "build it with coordinator.manifest.build_manifest()"
+        )
+
+    table_offset = _align(HEADER_BYTES + len(manifest_json))
+    offset = table_offset + ENTRY_BYTES * len(views)
+    entries: list[PayloadEntry] = []
+    for name, view, record in zip(names, views, records, strict=True):
+        claimed = record.get("digest") if isinstance(record, dict) else None
+        if not is_digest(claimed):
+            raise EnvelopeInputError(f"manifest payload record for {name!r} has no valid digest")
+        entries.append(
+            PayloadEntry(name=name, offset=offset, byte_length=len(view), digest=str(claimed))
+        )
+        offset = _align(offset + len(view))
+    footer_offset = entries[-1].end if entries else table_offset
+    problem = _manifest_problem(body, entries)
+    if problem is not None:
+        raise EnvelopeInputError(f"the manifest breaks rule {problem[0]}: {problem[1]}")
+
+    layout = Layout(
+        envelope_version=VERSION,
+        header_bytes=HEADER_BYTES,
+        manifest_offset=HEADER_BYTES,
+        manifest_bytes=len(manifest_json),
+        payload_count=len(entries),
+        table_offset=table_offset,
+        entries=tuple(entries),
+        footer_offset=footer_offset,
+        file_bytes=footer_offset + FOOTER_BYTES,
+    )
+    prefix = bytearray(table_offset + ENTRY_BYTES * len(entries))
+    _HEADER.pack_into(
+        prefix, 0, MAGIC, VERSION, HEADER_BYTES, len(manifest_json), len(entries), table_offset, 0
+    )
+    prefix[HEADER_BYTES : HEADER_BYTES + len(manifest_json)] = manifest_json
+    for index, entry in enumerate(entries):
+        _ENTRY.pack_into(
+            prefix,
+            table_offset + ENTRY_BYTES * index,
+            entry.name.encode("ascii"),
+            entry.offset,
+            entry.byte_length,
+            bytes.fromhex(entry.digest),
+        )
+    return EnvelopePlan(bytes(prefix), layout, views, body)
+
+
+def encode(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]]) -> bytes:
+    """The complete envelope as one ``bytes`` (deterministic for the same input)."""
+    envelope_plan = plan(manifest, payloads)
+    digest = envelope_plan.seal()
+    return b"".join([*envelope_plan.pieces(), envelope_plan.footer(digest)])
+
+
+# --- reading ---------------------------------------------------------------------------
+
+
+class Envelope:
+    """A decoded, fully verified envelope. Payloads are zero-copy views of the input."""
+
+    __slots__ = ("_views", "layout", "manifest", "prefix_digest")
+
+    def __init__(
+        self, manifest: dict[str, Any], layout: Layout, prefix_digest: str, view: memoryview
+    ) -> None:
+        self.manifest = manifest
+        self.layout = layout
+        self.prefix_digest = prefix_digest
+        self._views = {e.name: view[e.offset : e.end] for e in layout.entries}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Payload names in table (write) order."""
+        return tuple(self._views)
+
+    def payload(self, name: str) -> memoryview:
+        """The bytes of payload ``name``, without a copy. ``KeyError`` if absent."""
+        return self._views[name]
+
+    def release(self) -> None:
+        """Drop this envelope's views so the caller can close an mmap under it."""
+        for view in self._views.values():
+            view.release()
+
+    def __repr__(self) -> str:
+        return f"<Envelope {self.layout.file_bytes} bytes, payloads {list(self.names)}>"
+
+
+def _corrupt(step: int, check: str, detail: str, **where: Any) -> CorruptEnvelopeError:
+    return CorruptEnvelopeError(step, check, detail, **where)
+
+
+def _page_dropper(data: BytesLike) -> Callable[[int, int], None] | None:
+    """For a read-only mmap: drop hashed pages from this process, so that
+    verifying a file larger than memory keeps RSS flat. The page cache keeps
+    them; a later touch maps them back. Writable maps are left alone."""
+    if not isinstance(data, mmap.mmap):
+        return None
+    with memoryview(data) as probe:
+        if not probe.readonly:
+            return None
+
+    def drop(low: int, high: int) -> None:
+        data.madvise(mmap.MADV_DONTNEED, low, high - low)
+
+    return drop
+
+
+class _Structure(msgspec.Struct):
+    """What checks 3-5 found before any hashing: the entries that passed, and
+    the first structural failure, raised only after the digests it follows."""
+
+    manifest: Any = None
+    entries: list[PayloadEntry] = msgspec.field(default_factory=list)
+    failure: CorruptEnvelopeError | None = None
+
+
+def _read_structure(
+    view: memoryview, manifest_bytes: int, count: int, table_offset: int, footer_offset: int
+) -> _Structure:
+    found = _Structure()
+    # 3. the manifest
+    manifest_end = HEADER_BYTES + manifest_bytes
+    if manifest_end > footer_offset:
+        found.failure = _corrupt(
+            3, "manifest-bounds", "the manifest runs past the payload area",
+            offset=16, expected=f"<= {footer_offset - HEADER_BYTES}", actual=manifest_bytes,
+        )  # fmt: skip
+        return found
+    try:
+        found.manifest = parse_canonical(view[HEADER_BYTES:manifest_end])
+    except JsonError as error:
+        check = "manifest-canonical" if isinstance(error, NotCanonicalError) else "manifest-json"
+        position = HEADER_BYTES + (error.position or 0)
+        found.failure = _corrupt(3, check, error.reason, offset=position)
+        return found
+    # 4. the table
+    expected_table = _align(manifest_end)
+    if table_offset != expected_table:
+        found.failure = _corrupt(
+            4, "table-offset", "tableOffset is not at the aligned end of the manifest",
+            offset=24, expected=expected_table, actual=table_offset,
+        )  # fmt: skip
+        return found
+    if not _is_zero(view[manifest_end:table_offset]):
+        found.failure = _corrupt(
+            4, "table-padding", "non-zero padding after the manifest", offset=manifest_end
+        )
+        return found
+    if count > MAX_PAYLOADS:
+        found.failure = _corrupt(
+            4, "payload-count", "too many payloads", offset=20, expected="<= 64", actual=count
+        )
+        return found
+    table_end = table_offset + ENTRY_BYTES * count
+    if table_end > footer_offset:
+        found.failure = _corrupt(
+            4, "table-bounds", "the payload table runs past the payload area",
+            offset=table_offset, expected=f"<= {footer_offset}", actual=table_end,
+        )  # fmt: skip
+        return found
+    # 5. the entries, each in full before the next
+    previous_end = table_end
+    names: set[str] = set()
+    for index in range(count):
+        at = table_offset + ENTRY_BYTES * index
+        raw_name, offset, length, digest = _ENTRY.unpack_from(view, at)
+        name_bytes, _, tail = raw_name.partition(b"\0")
+        if tail.strip(b"\0") or _ID_BYTES.fullmatch(name_bytes) is None:
+            why = "bytes after the name's terminator" if tail.strip(b"\0") else "not an Id"
+            found.failure = _corrupt(5, "entry-name", f"entry {index}: {why}", offset=at)
+            return found
+        name = name_bytes.decode("ascii")
+        if name in names:
+            found.failure = _corrupt(
+                5, "entry-name-unique", f"entry {index}: name {name!r} repeats", offset=at
+            )
+            return found
+        names.add(name)
+        expected_offset = _align(previous_end)
+        if offset != expected_offset:
+            found.failure = _corrupt(
+                5, "entry-offset", f"entry {index} ({name}) is not at the aligned end of "
+                "the previous payload", offset=at + 64, expected=expected_offset, actual=offset,
+            )  # fmt: skip
+            return found
+        if offset + length > footer_offset:
+            found.failure = _corrupt(
+                5, "entry-bounds", f"entry {index} ({name}) runs past the payload area",
+                offset=at + 72, expected=f"<= {footer_offset - offset}", actual=length,
+            )  # fmt: skip
+            return found
+        if not _is_zero(view[previous_end:offset]):
+            found.failure = _corrupt(
+                5, "entry-padding", f"non-zero padding before entry {index} ({name})",
+                offset=previous_end,
+            )  # fmt: skip
+            return found
+        found.entries.append(
+            PayloadEntry(name=name, offset=offset, byte_length=length, digest=digest.hex())
+        )
+        previous_end = offset + length
+    return found
+
+
+def decode(data: BytesLike) -> Envelope:
+    """Verify ``data`` as a FLYSESS1 envelope and return its values.
+
+    ``data`` may be bytes, a memoryview or an mmap; payloads come back as
+    views of it. Corrupt or foreign input raises ``CorruptEnvelopeError``
+    naming the first of the spec's reader checks that fails, and nothing else.
+    """
+    view = _byte_view(data)
+    size = len(view)
+    # 1. the header
+    if size < HEADER_BYTES + FOOTER_BYTES:
+        raise _corrupt(
+            1, "length", "shorter than a header and a footer",
+            offset=0, expected=f">= {HEADER_BYTES + FOOTER_BYTES}", actual=size,
+        )  # fmt: skip
+    magic, version, header_bytes, manifest_bytes, count, table_offset, reserved = (
+        _HEADER.unpack_from(view, 0)
+    )
+    if magic != MAGIC:
+        raise _corrupt(
+            1, "magic", "not a FLYSESS1 envelope", offset=0, expected=MAGIC, actual=magic
+        )
+    if version != VERSION:
+        raise _corrupt(1, "version", "unknown version", offset=8, expected=VERSION, actual=version)
+    if header_bytes != HEADER_BYTES:
+        raise _corrupt(
+            1, "header-bytes", "wrong header size", offset=12, expected=32, actual=header_bytes
+        )
+    if reserved != 0:
+        raise _corrupt(1, "reserved", "reserved word is not zero", offset=28, expected=0,
+                       actual=reserved)  # fmt: skip
+    # 2. the footer (its digest is checked with the payload digests, reported first)
+    footer_offset = size - FOOTER_BYTES
+    file_bytes, prefix_digest, footer_magic = _FOOTER.unpack_from(view, footer_offset)
+    if footer_magic != FOOTER_MAGIC:
+        raise _corrupt(
+            2, "footer-magic", "no footer magic (truncated?)",
+            offset=footer_offset + 40, expected=FOOTER_MAGIC, actual=footer_magic,
+        )  # fmt: skip
+    if file_bytes != size:
+        raise _corrupt(
+            2, "file-bytes", "recorded length differs from the actual length",
+            offset=footer_offset, expected=size, actual=file_bytes,
+        )  # fmt: skip
+    found = _read_structure(view, manifest_bytes, count, table_offset, footer_offset)
+
+    spans = [(entry.offset, view[entry.offset : entry.end]) for entry in found.entries]
+    actual_prefix, actual_payloads = _hash_streams(
+        [(0, view[:footer_offset])], spans, footer_offset, _page_dropper(data)
+    )
+    if actual_prefix != prefix_digest:
+        raise _corrupt(
+            2, "prefix-digest", "the bytes before the footer do not match the footer digest",
+            offset=footer_offset + 8, expected=prefix_digest.hex(), actual=actual_prefix.hex(),
+        )  # fmt: skip
+    for index, (entry, digest) in enumerate(zip(found.entries, actual_payloads, strict=True)):
+        if digest.hex() != entry.digest:
+            raise _corrupt(
+                5, "entry-digest", f"entry {index} ({entry.name}): bytes do not match the digest",
+                offset=entry.offset, expected=entry.digest, actual=digest.hex(),
+            )  # fmt: skip
+    if found.failure is not None:
+        raise found.failure
+    # 6. nothing between the last payload and the footer
+    end = found.entries[-1].end if found.entries else table_offset
+    if end != footer_offset:
+        raise _corrupt(
+            6, "trailing-padding", "bytes between the last payload and the footer",
+            offset=end, expected=end, actual=footer_offset,
+        )  # fmt: skip
+    # 7. the manifest's own rules
+    problem = _manifest_problem(found.manifest, found.entries)
+    if problem is not None:
+        raise _corrupt(7, problem[0], problem[1], offset=HEADER_BYTES)
+    layout = Layout(
+        envelope_version=version,
+        header_bytes=header_bytes,
+        manifest_offset=HEADER_BYTES,
+        manifest_bytes=manifest_bytes,
+        payload_count=count,
+        table_offset=table_offset,
+        entries=tuple(found.entries),
+        footer_offset=footer_offset,
+        file_bytes=size,
+    )
+    return Envelope(found.manifest, layout, prefix_digest.hex(), view)
