@@ -27,6 +27,7 @@ import mmap
 import re
 import struct
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -584,6 +585,17 @@ def decode(data: BytesLike) -> Envelope:
     naming the first of the spec's reader checks that fails, and nothing else.
     """
     view = _byte_view(data)
+    try:
+        return _decode(view, _page_dropper(data))
+    except BaseException as error:
+        # The traceback's frames hold views of ``data``; clear them so the
+        # caller can close its mmap while handling the error.
+        traceback.clear_frames(error.__traceback__)
+        view.release()
+        raise
+
+
+def _decode(view: memoryview, release: Callable[[int, int], None] | None) -> Envelope:
     size = len(view)
     # 1. the header
     if size < HEADER_BYTES + FOOTER_BYTES:
@@ -624,7 +636,7 @@ def decode(data: BytesLike) -> Envelope:
 
     spans = [(entry.offset, view[entry.offset : entry.end]) for entry in found.entries]
     actual_prefix, actual_payloads = _hash_streams(
-        [(0, view[:footer_offset])], spans, footer_offset, _page_dropper(data)
+        [(0, view[:footer_offset])], spans, footer_offset, release
     )
     if actual_prefix != prefix_digest:
         raise _corrupt(

@@ -1,0 +1,107 @@
+"""``coordinator bench``: every figure beside the baseline measured in the same run.
+
+The output convention is the project's one (``shared/design/BENCH.md``): each
+result carries ``ours`` and ``baseline`` in one unit, ``ratio = ours /
+baseline``, the issue's ``target`` for it and whether it was ``met``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = ["GROUPS", "Result", "median", "render", "report", "result"]
+
+
+class Result(msgspec.Struct, frozen=True, kw_only=True):
+    metric: str
+    unit: str
+    ours: float
+    baseline: float | None
+    baseline_name: str | None
+    ratio: float | None
+    better: Literal["higher", "lower"]
+    target: float
+    met: bool
+    detail: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+def result(
+    metric: str,
+    *,
+    ours: float,
+    baseline: float | None,
+    baseline_name: str | None,
+    better: Literal["higher", "lower"],
+    target: float,
+    unit: str = "ratio",
+    detail: dict[str, Any] | None = None,
+) -> Result:
+    """A result whose ratio and verdict are derived, never typed in."""
+    ratio = None if baseline is None else ours / baseline
+    judged = ours if ratio is None else ratio
+    met = judged >= target if better == "higher" else judged <= target
+    return Result(
+        metric=metric,
+        unit=unit,
+        ours=round(ours, 6),
+        baseline=None if baseline is None else round(baseline, 6),
+        baseline_name=baseline_name,
+        ratio=None if ratio is None else round(ratio, 4),
+        better=better,
+        target=target,
+        met=met,
+        detail=detail or {},
+    )
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def report(group: str, results: Sequence[Result]) -> dict[str, Any]:
+    machine = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    return {"group": group, "machine": machine, "results": msgspec.to_builtins(list(results))}
+
+
+def render(document: dict[str, Any]) -> str:
+    """A table a person can read."""
+    rows = [("metric", "ours", "baseline", "ratio", "target", "met")]
+    for item in document["results"]:
+        unit = item["detail"].get("ours_unit", item["unit"])
+        baseline = "-" if item["baseline"] is None else f"{item['baseline']:.4g} {unit}"
+        ratio = "-" if item["ratio"] is None else f"{item['ratio']:.3f}"
+        sign = ">=" if item["better"] == "higher" else "<="
+        rows.append(
+            (
+                item["metric"],
+                f"{item['ours']:.4g} {unit}",
+                baseline,
+                ratio,
+                f"{sign} {item['target']}",
+                "yes" if item["met"] else "NO",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [f"group {document['group']}  (cpus {document['machine']['cpus']})"]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    for item in document["results"]:
+        lines.append(f"  {item['metric']}: baseline = {item['baseline_name'] or 'none'}")
+        for key, value in item["detail"].items():
+            lines.append(f"      {key}: {value}")
+    return "\n".join(lines)
+
+
+def _envelope(size: int, runs: int) -> list[Result]:
+    from .envelope import run
+
+    return run(size=size, runs=runs)
+
+
+GROUPS: dict[str, Callable[[int, int], list[Result]]] = {"envelope": _envelope}

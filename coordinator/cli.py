@@ -1,0 +1,187 @@
+"""The ``coordinator`` command.
+
+Exit status: 0 success; 1 the thing checked is corrupt or failed its check;
+2 bad command line; 3 a file could not be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import msgspec
+
+from ._errors import CoordinatorError, CorruptEnvelopeError
+from .envelope import Envelope, decode
+
+__all__ = ["main"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREADABLE = 3
+
+_SIZE = re.compile(r"(\d+)\s*(B|KiB|MiB|GiB)?", re.IGNORECASE)
+_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def _size(text: str) -> int:
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1GiB or 256MiB)")
+    return int(match[1]) * _UNITS[(match[2] or "b").lower()]
+
+
+@contextlib.contextmanager
+def _open_envelope(path: Path) -> Iterator[Envelope]:
+    """Decode ``path`` through a read-only mmap; views are dropped before unmapping."""
+    with path.open("rb") as file:
+        if path.stat().st_size == 0:
+            yield decode(b"")  # refused: too short
+            return
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            envelope = decode(mapped)
+            try:
+                yield envelope
+            finally:
+                envelope.release()
+
+
+def _describe(envelope: Envelope, path: Path) -> dict[str, Any]:
+    return {
+        "file": str(path),
+        "layout": msgspec.to_builtins(envelope.layout),
+        "prefixDigest": envelope.prefix_digest,
+        "manifest": envelope.manifest,
+    }
+
+
+def _print_inspect(envelope: Envelope, path: Path, out: TextIO) -> None:
+    layout = envelope.layout
+    manifest = envelope.manifest
+    scope = manifest.get("sourceScope", {})
+    print(f"file        {path} ({layout.file_bytes} bytes)", file=out)
+    print(
+        f"envelope    FLYSESS1 version {layout.envelope_version}, "
+        f"header {layout.header_bytes} bytes",
+        file=out,
+    )
+    print(f"manifest    offset {layout.manifest_offset}, {layout.manifest_bytes} bytes", file=out)
+    print(f"table       offset {layout.table_offset}, {layout.payload_count} entries", file=out)
+    print(f"footer      offset {layout.footer_offset}, sha256 {envelope.prefix_digest}", file=out)
+    print(
+        f"checkpoint  {manifest.get('checkpointId')}  session {scope.get('sessionId')}  "
+        f"epoch {scope.get('epoch')}  step {scope.get('step')}  "
+        f"episode {manifest.get('episodeId')}",
+        file=out,
+    )
+    if layout.entries:
+        width = max(len(entry.name) for entry in layout.entries)
+        print("payloads", file=out)
+        print(f"  {'name'.ljust(width)}  {'offset':>12}  {'bytes':>12}  sha256", file=out)
+        for entry in layout.entries:
+            print(
+                f"  {entry.name.ljust(width)}  {entry.offset:>12}  {entry.byte_length:>12}  "
+                f"{entry.digest}",
+                file=out,
+            )
+    print("manifest (canonical on disk, indented here):", file=out)
+    print(json.dumps(manifest, indent=2, ensure_ascii=False), file=out)
+
+
+def _report_failure(error: CoordinatorError, path: Path, err: TextIO) -> int:
+    if isinstance(error, CorruptEnvelopeError):
+        print(f"{path}: CORRUPT [{error.code}] check {error.step} {error.check}", file=err)
+    else:
+        print(f"{path}: FAILED [{error.code}]", file=err)
+    print(f"  {error}", file=err)
+    return EXIT_FAILED
+
+
+def _inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    with _open_envelope(args.file) as envelope:
+        if args.json:
+            print(
+                json.dumps(_describe(envelope, args.file), indent=2, ensure_ascii=False), file=out
+            )
+        else:
+            _print_inspect(envelope, args.file, out)
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    with _open_envelope(args.file) as envelope:
+        layout = envelope.layout
+        print(
+            f"{args.file}: ok, FLYSESS1 checkpoint {envelope.manifest['checkpointId']}, "
+            f"{layout.payload_count} payloads, {layout.file_bytes} bytes",
+            file=out,
+        )
+    return EXIT_OK
+
+
+def _bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .bench import GROUPS, render, report
+
+    groups = list(GROUPS) if args.group == "all" else [args.group]
+    for group in groups:
+        document = report(group, GROUPS[group](args.size, args.runs))
+        print(json.dumps(document) if args.json else render(document), file=out)
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .bench import GROUPS
+
+    parser = argparse.ArgumentParser(
+        prog="coordinator", description="Checkpoint coordinator: FLYSESS1 envelopes and stores."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    inspect = commands.add_parser("inspect", help="print an envelope's layout and manifest")
+    inspect.add_argument("file", type=Path)
+    inspect.add_argument("--json", action="store_true", help="one JSON object for machines")
+    inspect.set_defaults(run=_inspect)
+
+    verify = commands.add_parser("verify", help="check an envelope; exit 0 only if it is valid")
+    verify.add_argument("file", type=Path)
+    verify.set_defaults(run=_verify)
+
+    bench = commands.add_parser("bench", help="measure against same-run baselines")
+    bench.add_argument("group", choices=[*GROUPS, "all"])
+    bench.add_argument("--json", action="store_true", help="one JSON object per group")
+    bench.add_argument("--size", type=_size, default=1 << 30, help="bytes to move (default 1GiB)")
+    bench.add_argument("--runs", type=int, default=5, help="repetitions; the median is reported")
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def main(
+    argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    try:
+        return int(args.run(args, out, err))
+    except CoordinatorError as error:
+        return _report_failure(error, getattr(args, "file", Path("?")), err)
+    except OSError as error:
+        print(
+            f"coordinator: cannot read {error.filename or ''}: {error.strerror or error}", file=err
+        )
+        return EXIT_UNREADABLE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
