@@ -123,7 +123,7 @@ _PARALLEL_MIN = 1 << 20
 _WINDOW = 16 << 20
 
 
-class PayloadEntry(msgspec.Struct, frozen=True, kw_only=True):
+class PayloadEntry(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """One row of the payload table."""
 
     name: str
@@ -136,7 +136,7 @@ class PayloadEntry(msgspec.Struct, frozen=True, kw_only=True):
         return self.offset + self.byte_length
 
 
-class Layout(msgspec.Struct, frozen=True, kw_only=True):
+class Layout(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """Where everything sits in an envelope."""
 
     envelope_version: int

@@ -155,10 +155,23 @@ class CheckpointManifest(ManifestBody, frozen=True, kw_only=True):
     payloads: list[PayloadRecord]
 
 
-def _safe_seed(agents: Sequence[AgentRecord]) -> None:
-    for agent in agents:
+def _check_rules(manifest: CheckpointManifest) -> None:
+    """Rules a type cannot express: safe seeds, and every named payload present."""
+    for agent in manifest.agents:
         if isinstance(agent.seed, bool) or abs(agent.seed) > 2**53 - 1:
             raise ManifestError(f"agent {agent.agent_id}: seed must be an integer within 2**53")
+    present = {record.name for record in manifest.payloads}
+    if len(present) != len(manifest.payloads):
+        raise ManifestError("payload names repeat")
+    named = [
+        *(agent.payload for agent in manifest.agents),
+        *(executor.payload for executor in manifest.coordinator.executor_state),
+        manifest.environment.payload,
+        *manifest.helper_state,
+    ]
+    missing = sorted(set(named) - present)
+    if missing:
+        raise ManifestError(f"the manifest names payloads it does not carry: {missing}")
 
 
 def payload_records(payloads: Sequence[tuple[str, BytesLike]]) -> list[PayloadRecord]:
@@ -183,9 +196,10 @@ def manifest_with_records(
     body: ManifestBody, records: Sequence[PayloadRecord]
 ) -> CheckpointManifest:
     """The complete manifest from records whose digests are already known."""
-    _safe_seed(body.agents)
     fields = {name: getattr(body, name) for name in body.__struct_fields__}
-    return CheckpointManifest(**fields, payloads=list(records))
+    manifest = CheckpointManifest(**fields, payloads=list(records))
+    _check_rules(manifest)
+    return manifest
 
 
 def manifest_to_builtins(manifest: CheckpointManifest) -> dict[str, Any]:
@@ -201,5 +215,5 @@ def manifest_from_builtins(value: Any) -> CheckpointManifest:
         manifest = msgspec.convert(value, CheckpointManifest, strict=True)
     except msgspec.ValidationError as error:
         raise ManifestError(f"invalid manifest: {error}") from None
-    _safe_seed(manifest.agents)
+    _check_rules(manifest)
     return manifest
