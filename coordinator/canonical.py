@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import rfc8785
@@ -76,19 +77,18 @@ _DECODER = json.JSONDecoder(
 )
 
 
-def _check_tree(value: Any) -> None:
-    """Refuse lone surrogates and nesting deeper than ``MAX_DEPTH`` (iteratively)."""
+def _nodes(value: Any) -> Iterator[Any]:
+    """Every value and object key in a JSON tree, iteratively; refuses absurd nesting."""
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, str):
-            _check_string(item)
-        elif isinstance(item, (dict, list)):
+        yield item
+        if isinstance(item, (dict, list, tuple)):
             if depth >= MAX_DEPTH:
                 raise JsonError(f"nesting deeper than {MAX_DEPTH}")
             if isinstance(item, dict):
                 for key, child in item.items():
-                    _check_string(key)
+                    yield key
                     stack.append((child, depth + 1))
             else:
                 stack.extend((child, depth + 1) for child in item)
@@ -117,12 +117,24 @@ def parse_strict(data: BytesLike) -> Any:
         ) from None
     except RecursionError:
         raise JsonError(f"nesting deeper than {MAX_DEPTH}") from None
-    _check_tree(value)
+    for node in _nodes(value):
+        if isinstance(node, str):
+            _check_string(node)
     return value
 
 
 def canonical_bytes(value: Any) -> bytes:
-    """The RFC 8785 encoding of a JSON-compatible value (dict, list, str, int, ...)."""
+    """The RFC 8785 encoding of a JSON-compatible value (dict, list, str, int, ...).
+
+    Refuses what the strict parser would refuse to read back, such as a float
+    that would be written as an integer beyond 2**53.
+    """
+    try:
+        for node in _nodes(value):
+            if isinstance(node, float) and node.is_integer() and 2**53 <= abs(node) < 1e21:
+                raise JsonValueError(f"{node!r} would be written as an integer beyond 2**53")
+    except JsonError as error:
+        raise JsonValueError(str(error)) from None
     try:
         return rfc8785.dumps(value)
     except rfc8785.CanonicalizationError as error:

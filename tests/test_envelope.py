@@ -128,7 +128,9 @@ def test_decode_reads_a_read_only_mmap_and_lets_it_close(tmp_path: Path, referen
         mapped.close()
 
 
-def test_failed_decode_of_an_mmap_leaves_it_closable(tmp_path: Path, reference_bytes: bytes) -> None:
+def test_failed_decode_of_an_mmap_leaves_it_closable(
+    tmp_path: Path, reference_bytes: bytes
+) -> None:
     """A refused mmap can be closed in the except block: no view outlives the error."""
     path = tmp_path / "bad.flysess"
     path.write_bytes(patch_byte(reference_bytes, 3000))
