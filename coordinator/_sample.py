@@ -26,9 +26,9 @@ def _digest(label: str) -> str:
     return hashlib.sha256(label.encode()).hexdigest()
 
 
-def sample_payload_names(agent_ids: Sequence[str]) -> list[str]:
+def sample_payload_names(agent_ids: Sequence[str], *, admission: bool = False) -> list[str]:
     """Payload names in the reference write order: world, agents (sorted), task
-    ledger, prior inspection, executors (sorted)."""
+    ledger, prior inspection, executors (sorted), admission."""
     agents = sorted(agent_ids)
     return [
         "world",
@@ -36,6 +36,7 @@ def sample_payload_names(agent_ids: Sequence[str]) -> list[str]:
         "task-ledger",
         "prior-inspection",
         *(f"executor-{a}" for a in agents),
+        *(["coordinator-admission"] if admission else []),
     ]
 
 
@@ -47,6 +48,7 @@ def sample_body(
     epoch: str = "epoch-1",
     step: int = 0,
     episode_id: str = "episode-1",
+    admission: bool = False,
 ) -> ManifestBody:
     agents = sorted(agent_ids)
     return ManifestBody(
@@ -82,7 +84,7 @@ def sample_body(
             task_ledger="task-ledger",
             prior_inspection="prior-inspection",
             executor_state=[ExecutorState(agent_id=a, payload=f"executor-{a}") for a in agents],
-            admission_state=None,
+            admission_state="coordinator-admission" if admission else None,
             event_watermarks=EventWatermarks(last_source_step=str(step), issued=str(step)),
         ),
         environment=EnvironmentRecord(worker_id="worker-1", payload="world"),

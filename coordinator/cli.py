@@ -96,7 +96,7 @@ def _print_inspect(envelope: Envelope, path: Path, out: TextIO) -> None:
     print(json.dumps(manifest, indent=2, ensure_ascii=False), file=out)
 
 
-def _report_failure(error: CoordinatorError, path: Path, err: TextIO) -> int:
+def _report_failure(error: CoordinatorError, path: Path | str, err: TextIO) -> int:
     if isinstance(error, CorruptEnvelopeError):
         print(f"{path}: CORRUPT [{error.code}] check {error.step} {error.check}", file=err)
     else:
@@ -175,7 +175,7 @@ def main(
     try:
         return int(args.run(args, out, err))
     except CoordinatorError as error:
-        return _report_failure(error, getattr(args, "file", Path("?")), err)
+        return _report_failure(error, getattr(args, "file", f"coordinator {args.command}"), err)
     except OSError as error:
         print(
             f"coordinator: cannot read {error.filename or ''}: {error.strerror or error}", file=err

@@ -1,0 +1,109 @@
+"""The coordinator command: inspect, verify and bench."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import VECTORS
+
+from coordinator.cli import main
+
+REFERENCE = VECTORS / "reference.flysess"
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_verify_accepts_a_valid_envelope() -> None:
+    """verify exits 0 and names the checkpoint."""
+    code, out, _ = run("verify", str(REFERENCE))
+    assert code == 0
+    assert "ok" in out and "ckpt-41" in out
+
+
+def test_verify_reports_code_and_check_of_a_corrupt_envelope(tmp_path: Path) -> None:
+    """verify exits 1 and prints the error code and the failed check."""
+    data = bytearray(REFERENCE.read_bytes())
+    data[100] ^= 1
+    bad = tmp_path / "bad.flysess"
+    bad.write_bytes(bytes(data))
+    code, _, err = run("verify", str(bad))
+    assert code == 1
+    assert "envelope.corrupt" in err and "prefix-digest" in err
+
+
+def test_verify_a_missing_file_exits_3(tmp_path: Path) -> None:
+    """An unreadable file is not 'corrupt': it has its own exit status."""
+    code, _, err = run("verify", str(tmp_path / "nope.flysess"))
+    assert code == 3
+    assert "cannot read" in err
+
+
+def test_verify_an_empty_file_is_corrupt(tmp_path: Path) -> None:
+    """A zero-byte file fails the length check (it cannot even be mapped)."""
+    empty = tmp_path / "empty.flysess"
+    empty.write_bytes(b"")
+    code, _, err = run("verify", str(empty))
+    assert code == 1
+    assert "length" in err
+
+
+def test_inspect_prints_layout_and_manifest() -> None:
+    """inspect shows every payload with offset and digest, and the manifest."""
+    code, out, _ = run("inspect", str(REFERENCE))
+    assert code == 0
+    for text in ("table", "footer", "agent-fly-a", "executor-fly-a", '"checkpointId": "ckpt-41"'):
+        assert text in out
+
+
+def test_inspect_json_is_machine_readable() -> None:
+    """inspect --json prints one JSON object with layout, digest and manifest."""
+    code, out, _ = run("inspect", "--json", str(REFERENCE))
+    assert code == 0
+    document = json.loads(out)
+    assert document["layout"]["payloadCount"] == 5
+    assert document["manifest"]["checkpointId"] == "ckpt-41"
+    assert len(document["prefixDigest"]) == 64
+
+
+def test_bad_command_line_exits_2() -> None:
+    """An unknown subcommand is a usage error."""
+    code, _, _ = run("frobnicate")
+    assert code == 2
+
+
+def test_bench_envelope_json_reports_ours_beside_baseline() -> None:
+    """A small bench run reports every metric with its same-run baseline and verdict."""
+    code, out, _ = run("bench", "envelope", "--size", "8MiB", "--runs", "1", "--json")
+    assert code == 0
+    document = json.loads(out)
+    metrics = {r["metric"]: r for r in document["results"]}
+    assert set(metrics) == {
+        "envelope.verify_1gib",
+        "envelope.encode_1gib",
+        "envelope.decode_rss_mib",
+    }
+    for name in ("envelope.verify_1gib", "envelope.encode_1gib"):
+        result = metrics[name]
+        assert result["baseline"] > 0
+        assert result["ratio"] == pytest.approx(result["ours"] / result["baseline"], rel=1e-3)
+    assert metrics["envelope.decode_rss_mib"]["baseline"] is None
+
+
+def test_console_script_runs_as_a_module() -> None:
+    """`python -m coordinator verify` works as the installed command does."""
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", "verify", str(REFERENCE)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr

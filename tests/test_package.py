@@ -1,0 +1,37 @@
+"""The package's public face."""
+
+from __future__ import annotations
+
+import inspect
+
+import coordinator
+from coordinator import _errors
+
+
+def test_all_matches_the_public_namespace() -> None:
+    """__all__ lists exactly the public, non-module names of the package."""
+    public = {
+        name
+        for name, value in vars(coordinator).items()
+        if not name.startswith("_") and not inspect.ismodule(value)
+    }
+    assert set(coordinator.__all__) == public
+    assert coordinator.__all__ == sorted(coordinator.__all__)
+
+
+def test_every_error_has_a_distinct_stable_code() -> None:
+    """Each class of the error tree carries its own code, rooted at CoordinatorError."""
+    classes = [
+        value
+        for value in vars(_errors).values()
+        if inspect.isclass(value) and issubclass(value, _errors.CoordinatorError)
+    ]
+    codes = [cls.code for cls in classes]
+    assert len(codes) == len(set(codes))
+    assert all(code and code == code.lower() for code in codes)
+
+
+def test_corrupt_input_errors_are_value_errors() -> None:
+    """Callers who already catch ValueError catch corrupt input too."""
+    for cls in (_errors.CorruptEnvelopeError, _errors.JsonError, _errors.ManifestError):
+        assert issubclass(cls, ValueError)
