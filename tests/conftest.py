@@ -15,6 +15,7 @@ VECTORS = Path(__file__).parent / "vectors"
 sys.path.insert(0, str(VECTORS))  # make_vectors is importable by the tests
 
 from make_vectors import VECTORS as VECTOR_MAKERS  # noqa: E402
+from make_vectors import records  # noqa: E402
 
 
 def sha(data: bytes) -> bytes:
@@ -82,27 +83,8 @@ def forge(
 
 def minimal_manifest(payloads: list[tuple[str, bytes]], **extra: Any) -> dict[str, Any]:
     """The smallest manifest the envelope layer accepts for these payloads."""
-    manifest: dict[str, Any] = {
-        "envelopeVersion": 1,
-        "checkpointId": "c-1",
-        "sourceScope": {"sessionId": "s", "epoch": "e", "step": "1"},
-        "episodeId": "ep",
-        "worldTime": {"numerator": "0", "denominator": "1"},
-        "schedulerId": "lockstep-v1",
-        "compositionDigest": "0" * 64,
-        "portMap": [],
-        "compatibility": {},
-        "agents": [],
-        "coordinator": {},
-        "environment": {},
-        "helperState": [],
-        "payloads": [
-            {"name": n, "byteLength": str(len(d)), "digest": hashlib.sha256(d).hexdigest()}
-            for n, d in payloads
-        ],
-    }
-    manifest.update(extra)
-    return manifest
+    manifest, _ = VECTOR_MAKERS["no-payloads"]()
+    return {**manifest, "payloads": records(payloads), **extra}
 
 
 @pytest.fixture(scope="session")

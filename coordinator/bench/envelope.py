@@ -195,4 +195,4 @@ def rss_probe() -> None:
         decoded = envelope.decode(mapped)
         peak = _status_kib("VmHWM")
         decoded.release()
-    print(json.dumps({"added_mib": round((peak - before) / 1024, 2)}))
+    sys.stdout.write(json.dumps({"added_mib": round((peak - before) / 1024, 2)}) + "\n")

@@ -24,7 +24,7 @@ from coordinator.manifest import build_manifest, manifest_to_builtins
 HERE = Path(__file__).parent
 
 
-def _records(payloads: list[tuple[str, bytes]]) -> list[dict[str, str]]:
+def records(payloads: list[tuple[str, bytes]]) -> list[dict[str, str]]:
     return [
         {"name": n, "byteLength": str(len(d)), "digest": hashlib.sha256(d).hexdigest()}
         for n, d in payloads
@@ -75,7 +75,7 @@ def edges() -> tuple[dict[str, Any], list[tuple[str, bytes]]]:
     payloads = [(f"p{length:02d}", bytes([length]) * length) for length in lengths]
     payloads.insert(3, (long_name, b"sixty-four"))
     manifest, _ = no_payloads()
-    manifest = {**manifest, "checkpointId": "edges-0", "payloads": _records(payloads)}
+    manifest = {**manifest, "checkpointId": "edges-0", "payloads": records(payloads)}
     return manifest, payloads
 
 
