@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import mmap
 import re
@@ -20,6 +21,7 @@ import msgspec
 
 from ._errors import CoordinatorError, CorruptEnvelopeError
 from .envelope import Envelope, decode
+from .manifest import manifest_from_builtins
 
 __all__ = ["main"]
 
@@ -39,9 +41,18 @@ def _size(text: str) -> int:
     return int(match[1]) * _UNITS[(match[2] or "b").lower()]
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 @contextlib.contextmanager
 def _open_envelope(path: Path) -> Iterator[Envelope]:
     """Decode ``path`` through a read-only mmap; views are dropped before unmapping."""
+    if not path.is_file():  # a FIFO or device would block or mislead
+        raise FileNotFoundError(errno.ENOENT, "not a regular file", str(path))
     with path.open("rb") as file:
         if path.stat().st_size == 0:
             yield decode(b"")  # refused: too short
@@ -66,7 +77,8 @@ def _describe(envelope: Envelope, path: Path) -> dict[str, Any]:
 def _print_inspect(envelope: Envelope, path: Path, out: TextIO) -> None:
     layout = envelope.layout
     manifest = envelope.manifest
-    scope = manifest.get("sourceScope", {})
+    scope = manifest.get("sourceScope")
+    scope = scope if isinstance(scope, dict) else {}
     print(f"file        {path} ({layout.file_bytes} bytes)", file=out)
     print(
         f"envelope    FLYSESS1 version {layout.envelope_version}, "
@@ -76,12 +88,15 @@ def _print_inspect(envelope: Envelope, path: Path, out: TextIO) -> None:
     print(f"manifest    offset {layout.manifest_offset}, {layout.manifest_bytes} bytes", file=out)
     print(f"table       offset {layout.table_offset}, {layout.payload_count} entries", file=out)
     print(f"footer      offset {layout.footer_offset}, sha256 {envelope.prefix_digest}", file=out)
-    print(
-        f"checkpoint  {manifest.get('checkpointId')}  session {scope.get('sessionId')}  "
-        f"epoch {scope.get('epoch')}  step {scope.get('step')}  "
-        f"episode {manifest.get('episodeId')}",
-        file=out,
-    )
+    shown = {
+        "checkpoint": manifest.get("checkpointId"),
+        "session": scope.get("sessionId"),
+        "epoch": scope.get("epoch"),
+        "step": scope.get("step"),
+        "episode": manifest.get("episodeId"),
+    }
+    # json.dumps escapes control characters: a hostile file cannot drive the terminal.
+    print("  ".join(f"{key} {json.dumps(value)}" for key, value in shown.items()), file=out)
     if layout.entries:
         width = max(len(entry.name) for entry in layout.entries)
         print("payloads", file=out)
@@ -117,10 +132,12 @@ def _inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Every envelope check, then the typed manifest rules: a restorable checkpoint."""
     with _open_envelope(args.file) as envelope:
+        manifest = manifest_from_builtins(envelope.manifest)
         layout = envelope.layout
         print(
-            f"{args.file}: ok, FLYSESS1 checkpoint {envelope.manifest['checkpointId']}, "
+            f"{args.file}: ok, FLYSESS1 checkpoint {manifest.checkpoint_id}, "
             f"{layout.payload_count} payloads, {layout.file_bytes} bytes",
             file=out,
         )
@@ -150,7 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="one JSON object for machines")
     inspect.set_defaults(run=_inspect)
 
-    verify = commands.add_parser("verify", help="check an envelope; exit 0 only if it is valid")
+    verify = commands.add_parser(
+        "verify", help="check an envelope and its manifest; exit 0 only if both are valid"
+    )
     verify.add_argument("file", type=Path)
     verify.set_defaults(run=_verify)
 
@@ -158,7 +177,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("group", choices=[*GROUPS, "all"])
     bench.add_argument("--json", action="store_true", help="one JSON object per group")
     bench.add_argument("--size", type=_size, default=1 << 30, help="bytes to move (default 1GiB)")
-    bench.add_argument("--runs", type=int, default=5, help="repetitions; the median is reported")
+    bench.add_argument(
+        "--runs", type=_positive, default=5, help="repetitions; the median is reported"
+    )
     bench.set_defaults(run=_bench)
     return parser
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import mmap
-import re
 import struct
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -52,6 +52,7 @@ __all__ = [
     "FOOTER_MAGIC",
     "HEADER_BYTES",
     "MAGIC",
+    "MAX_MANIFEST_BYTES",
     "MAX_PAYLOADS",
     "REQUIRED_MANIFEST_FIELDS",
     "TRANSIENT_KEYS",
@@ -73,12 +74,14 @@ ENTRY_BYTES = 112
 FOOTER_BYTES = 48
 NAME_BYTES = 64
 MAX_PAYLOADS = 64
+#: A reader's limit, not the format's (manifestBytes is a u32): a real manifest
+#: is a few KiB, and parsing is the one step whose cost grows with hostile input.
+MAX_MANIFEST_BYTES = 1 << 20
 ALIGNMENT = 8
 
 _HEADER = struct.Struct("<8s6I")
 _ENTRY = struct.Struct("<64sQQ32s")
 _FOOTER = struct.Struct("<Q32s8s")
-_ID_BYTES = re.compile(rb"[a-z0-9][a-z0-9._-]{0,63}")
 _ZERO_PAGE = bytes(4096)
 
 REQUIRED_MANIFEST_FIELDS = frozenset(
@@ -155,7 +158,11 @@ def _align(value: int) -> int:
 
 
 def _byte_view(data: BytesLike) -> memoryview:
+    """A flat byte view of ``data``; TypeError for anything that is not contiguous bytes."""
     view = memoryview(data)
+    if not view.c_contiguous:
+        view.release()
+        raise TypeError("expected a contiguous bytes-like object")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
@@ -234,7 +241,14 @@ def _manifest_problem(manifest: Any, entries: Sequence[PayloadEntry]) -> tuple[s
         wanted = {"name": entry.name, "byteLength": str(entry.byte_length), "digest": entry.digest}
         if record != wanted:
             return "manifest-payloads", f"payloads[{index}] disagrees with table entry {index}"
-    transient = _find_transient_key(manifest)
+    # The coordinator's inline values are the host's own data, not bus identities.
+    scanned = dict(manifest)
+    if isinstance(scanned["coordinator"], dict):
+        inline = ("taskLedger", "priorInspection", "admissionState")
+        scanned["coordinator"] = {
+            k: v for k, v in scanned["coordinator"].items() if k not in inline
+        }
+    transient = _find_transient_key(scanned)
     if transient is not None:
         return "manifest-transient", f"transient bus identity {transient!r} in the manifest"
     return None
@@ -266,12 +280,9 @@ class EnvelopePlan:
     consumes the pieces.
     """
 
-    def __init__(
-        self, prefix: bytes, layout: Layout, payloads: Sequence[memoryview], manifest: Any
-    ) -> None:
+    def __init__(self, prefix: bytes, layout: Layout, payloads: Sequence[memoryview]) -> None:
         self.prefix = prefix
         self.layout = layout
-        self.manifest = manifest
         self._payloads = tuple(payloads)
 
     @property
@@ -358,7 +369,10 @@ def plan(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]])
         if name in names:
             raise EnvelopeInputError(f"payload name {name!r} appears twice")
         names.append(name)
-        views.append(_byte_view(data))
+        try:
+            views.append(_byte_view(data))
+        except TypeError as error:
+            raise EnvelopeInputError(f"payload {name!r}: {error}") from None
     if not isinstance(manifest, Mapping):
         raise EnvelopeInputError("the manifest must be a mapping")
     body = dict(manifest)
@@ -366,8 +380,11 @@ def plan(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]])
         manifest_json = canonical_bytes(body)
     except JsonValueError as error:
         raise EnvelopeInputError(f"the manifest has no canonical JSON form: {error}") from None
-    if len(manifest_json) > 0xFFFFFFFF:
-        raise EnvelopeInputError("the manifest is larger than 4 GiB")
+    if len(manifest_json) > MAX_MANIFEST_BYTES:
+        raise EnvelopeInputError(
+            f"the manifest is {len(manifest_json)} bytes; readers accept at most "
+            f"{MAX_MANIFEST_BYTES} (put large state in a payload)"
+        )
     records = body.get("payloads")
     if not isinstance(records, list) or len(records) != len(views):
         raise EnvelopeInputError(
@@ -416,7 +433,7 @@ def plan(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]])
             entry.byte_length,
             bytes.fromhex(entry.digest),
         )
-    return EnvelopePlan(bytes(prefix), layout, views, body)
+    return EnvelopePlan(bytes(prefix), layout, views)
 
 
 def encode(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]]) -> bytes:
@@ -460,10 +477,6 @@ class Envelope:
         return f"<Envelope {self.layout.file_bytes} bytes, payloads {list(self.names)}>"
 
 
-def _corrupt(step: int, check: str, detail: str, **where: Any) -> CorruptEnvelopeError:
-    return CorruptEnvelopeError(step, check, detail, **where)
-
-
 def _page_dropper(data: BytesLike) -> Callable[[int, int], None] | None:
     """For a read-only mmap: drop hashed pages from this process, so that
     verifying a file larger than memory keeps RSS flat. The page cache keeps
@@ -480,101 +493,122 @@ def _page_dropper(data: BytesLike) -> Callable[[int, int], None] | None:
     return drop
 
 
-class _Structure(msgspec.Struct):
-    """What checks 3-5 found before any hashing: the entries that passed, and
-    the first structural failure, raised only after the digests it follows."""
+@dataclass
+class _Table:
+    """What the structural checks found before any hashing or parsing: the
+    entries that passed, and the first failure, raised only after the checks
+    the spec puts before it (the footer digest, the manifest, earlier digests)."""
 
-    manifest: Any = None
-    entries: list[PayloadEntry] = msgspec.field(default_factory=list)
+    entries: list[PayloadEntry] = field(default_factory=list)
     failure: CorruptEnvelopeError | None = None
 
 
-def _read_structure(
+def _read_table(
     view: memoryview, manifest_bytes: int, count: int, table_offset: int, footer_offset: int
-) -> _Structure:
-    found = _Structure()
-    # 3. the manifest
+) -> _Table:
+    """The structural parts of checks 3-5, which need manifestBytes but not the manifest."""
+    found = _Table()
     manifest_end = HEADER_BYTES + manifest_bytes
-    if manifest_end > footer_offset:
-        found.failure = _corrupt(
-            3, "manifest-bounds", "the manifest runs past the payload area",
-            offset=16, expected=f"<= {footer_offset - HEADER_BYTES}", actual=manifest_bytes,
+    if manifest_end > footer_offset or manifest_bytes > MAX_MANIFEST_BYTES:
+        limit = min(footer_offset - HEADER_BYTES, MAX_MANIFEST_BYTES)
+        found.failure = CorruptEnvelopeError(
+            3, "manifest-bounds", "the manifest runs past the payload area or the reader's limit",
+            offset=16, expected=f"<= {limit}", actual=manifest_bytes,
         )  # fmt: skip
-        return found
-    try:
-        found.manifest = parse_canonical(view[HEADER_BYTES:manifest_end])
-    except JsonError as error:
-        check = "manifest-canonical" if isinstance(error, NotCanonicalError) else "manifest-json"
-        position = HEADER_BYTES + (error.position or 0)
-        found.failure = _corrupt(3, check, error.reason, offset=position)
         return found
     # 4. the table
     expected_table = _align(manifest_end)
+    table_end = table_offset + ENTRY_BYTES * count
     if table_offset != expected_table:
-        found.failure = _corrupt(
+        found.failure = CorruptEnvelopeError(
             4, "table-offset", "tableOffset is not at the aligned end of the manifest",
             offset=24, expected=expected_table, actual=table_offset,
         )  # fmt: skip
-        return found
-    if not _is_zero(view[manifest_end:table_offset]):
-        found.failure = _corrupt(
-            4, "table-padding", "non-zero padding after the manifest", offset=manifest_end
-        )
-        return found
-    if count > MAX_PAYLOADS:
-        found.failure = _corrupt(
+    elif count > MAX_PAYLOADS:
+        found.failure = CorruptEnvelopeError(
             4, "payload-count", "too many payloads", offset=20, expected="<= 64", actual=count
         )
-        return found
-    table_end = table_offset + ENTRY_BYTES * count
-    if table_end > footer_offset:
-        found.failure = _corrupt(
+    elif table_end > footer_offset:
+        found.failure = CorruptEnvelopeError(
             4, "table-bounds", "the payload table runs past the payload area",
             offset=table_offset, expected=f"<= {footer_offset}", actual=table_end,
         )  # fmt: skip
+    elif not _is_zero(view[manifest_end:table_offset]):
+        found.failure = CorruptEnvelopeError(
+            4, "table-padding", "non-zero padding after the manifest", offset=manifest_end
+        )
+    if found.failure is not None:
         return found
-    # 5. the entries, each in full before the next
+    # 5. the entries, each in full before the next (digests are checked later)
     previous_end = table_end
     names: set[str] = set()
     for index in range(count):
         at = table_offset + ENTRY_BYTES * index
         raw_name, offset, length, digest = _ENTRY.unpack_from(view, at)
-        name_bytes, _, tail = raw_name.partition(b"\0")
-        if tail.strip(b"\0") or _ID_BYTES.fullmatch(name_bytes) is None:
-            why = "bytes after the name's terminator" if tail.strip(b"\0") else "not an Id"
-            found.failure = _corrupt(5, "entry-name", f"entry {index}: {why}", offset=at)
-            return found
-        name = name_bytes.decode("ascii")
-        if name in names:
-            found.failure = _corrupt(
-                5, "entry-name-unique", f"entry {index}: name {name!r} repeats", offset=at
+        found.failure = _entry_failure(
+            index, at, raw_name, offset, length,
+            names=names, previous_end=previous_end, footer_offset=footer_offset,
+        )  # fmt: skip
+        if found.failure is None and not _is_zero(view[previous_end:offset]):
+            found.failure = CorruptEnvelopeError(
+                5, "entry-padding", f"non-zero padding before entry {index}", offset=previous_end
             )
+        if found.failure is not None:
             return found
+        name = raw_name.rstrip(b"\0").decode("ascii")
         names.add(name)
-        expected_offset = _align(previous_end)
-        if offset != expected_offset:
-            found.failure = _corrupt(
-                5, "entry-offset", f"entry {index} ({name}) is not at the aligned end of "
-                "the previous payload", offset=at + 64, expected=expected_offset, actual=offset,
-            )  # fmt: skip
-            return found
-        if offset + length > footer_offset:
-            found.failure = _corrupt(
-                5, "entry-bounds", f"entry {index} ({name}) runs past the payload area",
-                offset=at + 72, expected=f"<= {footer_offset - offset}", actual=length,
-            )  # fmt: skip
-            return found
-        if not _is_zero(view[previous_end:offset]):
-            found.failure = _corrupt(
-                5, "entry-padding", f"non-zero padding before entry {index} ({name})",
-                offset=previous_end,
-            )  # fmt: skip
-            return found
         found.entries.append(
             PayloadEntry(name=name, offset=offset, byte_length=length, digest=digest.hex())
         )
         previous_end = offset + length
     return found
+
+
+def _entry_failure(
+    index: int,
+    at: int,
+    raw_name: bytes,
+    offset: int,
+    length: int,
+    *,
+    names: set[str],
+    previous_end: int,
+    footer_offset: int,
+) -> CorruptEnvelopeError | None:
+    name_bytes, _, tail = raw_name.partition(b"\0")
+    if tail.strip(b"\0"):
+        return CorruptEnvelopeError(
+            5, "entry-name", f"entry {index}: bytes after the name's terminator", offset=at
+        )
+    name = name_bytes.decode("ascii") if name_bytes.isascii() else None
+    if not is_id(name):
+        return CorruptEnvelopeError(5, "entry-name", f"entry {index}: not an Id", offset=at)
+    if name in names:
+        return CorruptEnvelopeError(
+            5, "entry-name-unique", f"entry {index}: name {name!r} repeats", offset=at
+        )
+    expected_offset = _align(previous_end)
+    if offset != expected_offset:
+        return CorruptEnvelopeError(
+            5, "entry-offset", f"entry {index} ({name}) is not at the aligned end of the "
+            "previous payload", offset=at + NAME_BYTES, expected=expected_offset, actual=offset,
+        )  # fmt: skip
+    if offset + length > footer_offset:
+        return CorruptEnvelopeError(
+            5, "entry-bounds", f"entry {index} ({name}) runs past the payload area",
+            offset=at + NAME_BYTES + 8, expected=f"<= {footer_offset - offset}", actual=length,
+        )  # fmt: skip
+    return None
+
+
+def _parse_manifest(view: memoryview, manifest_bytes: int) -> Any:
+    """Check 3: strict JSON, already canonical."""
+    try:
+        return parse_canonical(view[HEADER_BYTES : HEADER_BYTES + manifest_bytes])
+    except JsonError as error:
+        check = "manifest-canonical" if isinstance(error, NotCanonicalError) else "manifest-json"
+        position = HEADER_BYTES + (error.position or 0)
+        raise CorruptEnvelopeError(3, check, error.reason, offset=position) from None
 
 
 def decode(data: BytesLike) -> Envelope:
@@ -599,7 +633,7 @@ def _decode(view: memoryview, release: Callable[[int, int], None] | None) -> Env
     size = len(view)
     # 1. the header
     if size < HEADER_BYTES + FOOTER_BYTES:
-        raise _corrupt(
+        raise CorruptEnvelopeError(
             1, "length", "shorter than a header and a footer",
             offset=0, expected=f">= {HEADER_BYTES + FOOTER_BYTES}", actual=size,
         )  # fmt: skip
@@ -607,61 +641,68 @@ def _decode(view: memoryview, release: Callable[[int, int], None] | None) -> Env
         _HEADER.unpack_from(view, 0)
     )
     if magic != MAGIC:
-        raise _corrupt(
+        raise CorruptEnvelopeError(
             1, "magic", "not a FLYSESS1 envelope", offset=0, expected=MAGIC, actual=magic
         )
     if version != VERSION:
-        raise _corrupt(1, "version", "unknown version", offset=8, expected=VERSION, actual=version)
+        raise CorruptEnvelopeError(
+            1, "version", "unknown version", offset=8, expected=VERSION, actual=version
+        )
     if header_bytes != HEADER_BYTES:
-        raise _corrupt(
+        raise CorruptEnvelopeError(
             1, "header-bytes", "wrong header size", offset=12, expected=32, actual=header_bytes
         )
     if reserved != 0:
-        raise _corrupt(1, "reserved", "reserved word is not zero", offset=28, expected=0,
-                       actual=reserved)  # fmt: skip
-    # 2. the footer (its digest is checked with the payload digests, reported first)
+        raise CorruptEnvelopeError(
+            1, "reserved", "reserved word is not zero", offset=28, expected=0, actual=reserved
+        )
+    # 2. the footer; its digest is computed with the payload digests in one pass
     footer_offset = size - FOOTER_BYTES
     file_bytes, prefix_digest, footer_magic = _FOOTER.unpack_from(view, footer_offset)
     if footer_magic != FOOTER_MAGIC:
-        raise _corrupt(
+        raise CorruptEnvelopeError(
             2, "footer-magic", "no footer magic (truncated?)",
             offset=footer_offset + 40, expected=FOOTER_MAGIC, actual=footer_magic,
         )  # fmt: skip
     if file_bytes != size:
-        raise _corrupt(
+        raise CorruptEnvelopeError(
             2, "file-bytes", "recorded length differs from the actual length",
             offset=footer_offset, expected=size, actual=file_bytes,
         )  # fmt: skip
-    found = _read_structure(view, manifest_bytes, count, table_offset, footer_offset)
-
-    spans = [(entry.offset, view[entry.offset : entry.end]) for entry in found.entries]
+    table = _read_table(view, manifest_bytes, count, table_offset, footer_offset)
+    spans = [(entry.offset, view[entry.offset : entry.end]) for entry in table.entries]
     actual_prefix, actual_payloads = _hash_streams(
         [(0, view[:footer_offset])], spans, footer_offset, release
     )
     if actual_prefix != prefix_digest:
-        raise _corrupt(
+        raise CorruptEnvelopeError(
             2, "prefix-digest", "the bytes before the footer do not match the footer digest",
             offset=footer_offset + 8, expected=prefix_digest.hex(), actual=actual_prefix.hex(),
         )  # fmt: skip
-    for index, (entry, digest) in enumerate(zip(found.entries, actual_payloads, strict=True)):
+    # 3. the manifest: parsed only now, from bytes the footer vouches for
+    if table.failure is not None and table.failure.step == 3:
+        raise table.failure
+    manifest = _parse_manifest(view, manifest_bytes)
+    # 4-5. in table order: each entry's digest, then the first structural failure
+    for index, (entry, digest) in enumerate(zip(table.entries, actual_payloads, strict=True)):
         if digest.hex() != entry.digest:
-            raise _corrupt(
+            raise CorruptEnvelopeError(
                 5, "entry-digest", f"entry {index} ({entry.name}): bytes do not match the digest",
                 offset=entry.offset, expected=entry.digest, actual=digest.hex(),
             )  # fmt: skip
-    if found.failure is not None:
-        raise found.failure
+    if table.failure is not None:
+        raise table.failure
     # 6. nothing between the last payload and the footer
-    end = found.entries[-1].end if found.entries else table_offset
+    end = table.entries[-1].end if table.entries else table_offset
     if end != footer_offset:
-        raise _corrupt(
+        raise CorruptEnvelopeError(
             6, "trailing-padding", "bytes between the last payload and the footer",
             offset=end, expected=end, actual=footer_offset,
         )  # fmt: skip
     # 7. the manifest's own rules
-    problem = _manifest_problem(found.manifest, found.entries)
+    problem = _manifest_problem(manifest, table.entries)
     if problem is not None:
-        raise _corrupt(7, problem[0], problem[1], offset=HEADER_BYTES)
+        raise CorruptEnvelopeError(7, problem[0], problem[1], offset=HEADER_BYTES)
     layout = Layout(
         envelope_version=version,
         header_bytes=header_bytes,
@@ -669,8 +710,8 @@ def _decode(view: memoryview, release: Callable[[int, int], None] | None) -> Env
         manifest_bytes=manifest_bytes,
         payload_count=count,
         table_offset=table_offset,
-        entries=tuple(found.entries),
+        entries=tuple(table.entries),
         footer_offset=footer_offset,
         file_bytes=size,
     )
-    return Envelope(found.manifest, layout, prefix_digest.hex(), view)
+    return Envelope(manifest, layout, prefix_digest.hex(), view)

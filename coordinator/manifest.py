@@ -14,13 +14,13 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
 from ._errors import ManifestError
 from ._types import BytesLike
-from .canonical import canonical_bytes
+from .canonical import MAX_SAFE_INTEGER, canonical_bytes
 from .ids import U64, Digest, Id
 
 __all__ = [
@@ -94,7 +94,7 @@ class AgentRecord(_Record, frozen=True, kw_only=True, omit_defaults=True):
     index_digest: Digest | None = None
     model_version: str
     plasticity_version: str
-    seed: int
+    seed: Annotated[int, msgspec.Meta(ge=-MAX_SAFE_INTEGER, le=MAX_SAFE_INTEGER)]
     brain_ticks: U64
     remainder: RationalNs
     payload: Id
@@ -155,11 +155,8 @@ class CheckpointManifest(ManifestBody, frozen=True, kw_only=True):
     payloads: list[PayloadRecord]
 
 
-def _check_rules(manifest: CheckpointManifest) -> None:
-    """Rules a type cannot express: safe seeds, and every named payload present."""
-    for agent in manifest.agents:
-        if isinstance(agent.seed, bool) or abs(agent.seed) > 2**53 - 1:
-            raise ManifestError(f"agent {agent.agent_id}: seed must be an integer within 2**53")
+def _check_payload_names(manifest: CheckpointManifest) -> None:
+    """Rules a type cannot express: every payload the manifest names is present."""
     present = {record.name for record in manifest.payloads}
     if len(present) != len(manifest.payloads):
         raise ManifestError("payload names repeat")
@@ -195,11 +192,14 @@ def build_manifest(
 def manifest_with_records(
     body: ManifestBody, records: Sequence[PayloadRecord]
 ) -> CheckpointManifest:
-    """The complete manifest from records whose digests are already known."""
+    """The complete manifest from records whose digests are already known.
+
+    Struct constructors do not check patterns, so the result is validated as a
+    reader would validate it: a host learns of a bad Id here, not at restore.
+    """
     fields = {name: getattr(body, name) for name in body.__struct_fields__}
     manifest = CheckpointManifest(**fields, payloads=list(records))
-    _check_rules(manifest)
-    return manifest
+    return manifest_from_builtins(msgspec.to_builtins(manifest))
 
 
 def manifest_to_builtins(manifest: CheckpointManifest) -> dict[str, Any]:
@@ -215,5 +215,5 @@ def manifest_from_builtins(value: Any) -> CheckpointManifest:
         manifest = msgspec.convert(value, CheckpointManifest, strict=True)
     except msgspec.ValidationError as error:
         raise ManifestError(f"invalid manifest: {error}") from None
-    _check_rules(manifest)
+    _check_payload_names(manifest)
     return manifest

@@ -107,3 +107,43 @@ def test_console_script_runs_as_a_module() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_verify_refuses_an_envelope_whose_manifest_is_not_a_checkpoint() -> None:
+    """A valid envelope with an incomplete manifest is not a restorable checkpoint."""
+    code, _, err = run("verify", str(VECTORS / "no-payloads.flysess"))
+    assert code == 1
+    assert "manifest.invalid" in err
+
+
+def test_inspect_survives_hostile_manifest_values(tmp_path: Path) -> None:
+    """Odd field types and control characters are shown escaped, never executed."""
+    from conftest import minimal_manifest
+
+    from coordinator import envelope
+
+    payloads = [("p", b"x")]
+    manifest = minimal_manifest(payloads, sourceScope="x", checkpointId="\x1b[31mred")
+    path = tmp_path / "odd.flysess"
+    path.write_bytes(envelope.encode(manifest, payloads))
+    code, out, _ = run("inspect", str(path))
+    assert code == 0
+    assert "\x1b" not in out
+    assert "\\u001b[31mred" in out
+
+
+def test_verify_a_fifo_does_not_block(tmp_path: Path) -> None:
+    """A path that is not a regular file is unreadable (exit 3), not a hang."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    code, _, err = run("verify", str(fifo))
+    assert code == 3
+    assert "not a regular file" in err
+
+
+def test_bench_refuses_zero_runs() -> None:
+    """--runs must be at least 1."""
+    code, _, _ = run("bench", "envelope", "--runs", "0")
+    assert code == 2

@@ -265,3 +265,33 @@ def test_envelope_source_imports_no_io_module() -> None:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             imported.add(node.module.split(".")[0])
     assert imported.isdisjoint({"os", "anyio", "nats", "io", "pathlib", "socket"})
+
+
+def test_non_contiguous_input_is_a_type_error(reference_bytes: bytes) -> None:
+    """A strided view is the caller's mistake, not corrupt input."""
+    with pytest.raises(TypeError, match="contiguous"):
+        envelope.decode(memoryview(reference_bytes)[::2])
+
+
+def test_non_contiguous_payload_is_refused_by_encode() -> None:
+    """encode() reports a strided payload as EnvelopeInputError."""
+    strided = memoryview(b"abcdef")[::2]
+    manifest = minimal_manifest([("p", b"ace")])
+    with pytest.raises(EnvelopeInputError, match="contiguous"):
+        envelope.encode(manifest, [("p", strided)])
+
+
+def test_transient_words_inside_inline_host_values_are_allowed() -> None:
+    """The coordinator's inline values are host data: a 'bucket' key there is fine."""
+    payloads = [("p", b"x")]
+    manifest = minimal_manifest(payloads, coordinator={"taskLedger": {"bucket": [1, 2]}})
+    decoded = envelope.decode(envelope.encode(manifest, payloads))
+    assert decoded.manifest["coordinator"]["taskLedger"] == {"bucket": [1, 2]}
+
+
+def test_manifest_over_the_reader_limit_is_refused_by_encode() -> None:
+    """The writer never makes a manifest readers would refuse as too large."""
+    payloads = [("p", b"x")]
+    manifest = minimal_manifest(payloads, episodeId="e" * envelope.MAX_MANIFEST_BYTES)
+    with pytest.raises(EnvelopeInputError, match="at most"):
+        envelope.encode(manifest, payloads)

@@ -196,3 +196,19 @@ def test_every_truncation_is_refused(path: Any) -> None:
             continue
         accepted.append(length)
     assert accepted == []
+
+
+def test_manifest_over_the_reader_limit_is_refused_unparsed() -> None:
+    """A sealed file with a manifest over MAX_MANIFEST_BYTES fails manifest-bounds."""
+    huge = canonical_bytes({"x": "a" * envelope.MAX_MANIFEST_BYTES})
+    error = refusal(forge(huge, RAW))
+    assert (error.step, error.check) == (3, "manifest-bounds")
+
+
+def test_table_past_the_footer_is_bounds_not_padding() -> None:
+    """A table that would start inside the footer fails table-bounds, not a padding
+    check reading footer bytes."""
+    body = struct.pack("<8s6I", b"FLYSESS1", 1, 32, 5, 0, 40, 0) + b'"abc"'
+    data = reseal(body + bytes(48))
+    error = refusal(data)
+    assert error.check == "table-bounds"

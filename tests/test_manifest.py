@@ -111,3 +111,19 @@ def test_manifest_struct_is_frozen() -> None:
     assert isinstance(manifest, CheckpointManifest)
     with pytest.raises(AttributeError):
         manifest.checkpoint_id = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param({"checkpoint_id": "NOT AN ID"}, id="bad-id"),
+        pytest.param({"episode_id": ""}, id="empty-id"),
+        pytest.param({"composition_digest": "xyz"}, id="bad-digest"),
+    ],
+)
+def test_builder_validates_like_a_reader(change: dict[str, Any]) -> None:
+    """Struct constructors skip patterns; the builder does not, so bad values fail early."""
+    body = msgspec.structs.replace(sample_body("ckpt-1"), **change)
+    payloads = [(n, b"") for n in sample_payload_names(["fly-a"])]
+    with pytest.raises(ManifestError):
+        build_manifest(body, payloads)
