@@ -61,6 +61,7 @@ __all__ = [
     "EnvelopePlan",
     "Layout",
     "PayloadEntry",
+    "Seal",
     "decode",
     "encode",
     "plan",
@@ -191,8 +192,11 @@ def _hash_streams(
     payloads: _Pieces,
     end: int,
     release: Callable[[int, int], None] | None = None,
-) -> tuple[bytes, list[bytes]]:
+) -> tuple[Any, list[bytes]]:
     """SHA-256 of ``body`` (all bytes before ``end``) and of each payload.
+
+    The body's hasher is returned unfinished: fed the footer too, it gives the
+    whole file's digest without another pass.
 
     ``body`` and ``payloads`` are ``(file offset, view)`` pieces. The body
     stream runs on a worker thread while this thread hashes the payloads,
@@ -217,7 +221,7 @@ def _hash_streams(
                 body_job.result()
                 if release is not None:
                     release(low, high)
-    return body_hash.digest(), [hasher.digest() for hasher in payload_hashes]
+    return body_hash, [hasher.digest() for hasher in payload_hashes]
 
 
 # --- the manifest rules shared by the writer and the reader ----------------------------
@@ -271,18 +275,25 @@ def _find_transient_key(value: Any) -> str | None:
 # --- writing ---------------------------------------------------------------------------
 
 
+class Seal(msgspec.Struct, frozen=True, kw_only=True):
+    """What sealing an envelope produced: its footer and the whole file's SHA-256."""
+
+    footer: bytes
+    envelope_digest: str
+
+
 class EnvelopePlan:
     """An envelope laid out but not yet sealed: everything but the footer.
 
     ``pieces()`` are every byte before the footer, in file order, and never
-    copy a payload; ``seal()`` hashes them; ``footer()`` closes the file.
-    ``stream()`` does all three, hashing on worker threads while the caller
-    consumes the pieces.
+    copy a payload; ``seal()`` hashes them and makes the footer. ``stream()``
+    does both, hashing on worker threads while the caller consumes the pieces.
     """
 
     def __init__(self, prefix: bytes, layout: Layout, payloads: Sequence[memoryview]) -> None:
         self.prefix = prefix
         self.layout = layout
+        self.sealed: Seal | None = None
         self._payloads = tuple(payloads)
 
     @property
@@ -300,39 +311,40 @@ class EnvelopePlan:
                 if gap:
                     yield memoryview(bytes(gap))
 
-    def seal(self) -> bytes:
-        """The footer digest; raises ``EnvelopeInputError`` if a payload disagrees
-        with the digest its manifest record claims (it changed after it was described)."""
+    def seal(self) -> Seal:
+        """Hash every piece and produce the footer; raises ``EnvelopeInputError`` if a
+        payload disagrees with the digest its manifest record claims (it changed after
+        it was described)."""
         body: list[tuple[int, memoryview]] = []
         offset = 0
         for piece in self.pieces():
             body.append((offset, piece))
             offset += len(piece)
         spans = [(e.offset, v) for e, v in zip(self.layout.entries, self._payloads, strict=True)]
-        body_digest, actual = _hash_streams(body, spans, self.layout.footer_offset)
+        body_hash, actual = _hash_streams(body, spans, self.layout.footer_offset)
         for entry, digest in zip(self.layout.entries, actual, strict=True):
             if digest.hex() != entry.digest:
                 raise EnvelopeInputError(
                     f"payload {entry.name!r} does not match its manifest digest "
                     f"{entry.digest}: its bytes hash to {digest.hex()}"
                 )
-        return body_digest
-
-    def footer(self, body_digest: bytes) -> bytes:
-        return _FOOTER.pack(self.layout.file_bytes, body_digest, FOOTER_MAGIC)
+        footer = _FOOTER.pack(self.layout.file_bytes, body_hash.copy().digest(), FOOTER_MAGIC)
+        body_hash.update(footer)
+        return Seal(footer=footer, envelope_digest=body_hash.hexdigest())
 
     def stream(self) -> Iterator[memoryview]:
         """Every byte of the envelope, piece by piece, the footer last.
 
         Hashing runs on worker threads while the caller handles the pieces; a
-        payload that disagrees with its digest raises before the footer.
+        payload that disagrees with its digest raises before the footer. Once
+        the footer is out, ``self.sealed`` holds the seal (whole-file digest).
         """
         if self.layout.footer_offset < _PARALLEL_MIN:
-            digest = self.seal()
+            self.sealed = self.seal()
             yield from self.pieces()
-            yield memoryview(self.footer(digest))
+            yield memoryview(self.sealed.footer)
             return
-        outcome: list[bytes | BaseException] = []
+        outcome: list[Seal | BaseException] = []
 
         def run() -> None:
             try:
@@ -349,7 +361,8 @@ class EnvelopePlan:
         result = outcome[0]
         if isinstance(result, BaseException):
             raise result
-        yield memoryview(self.footer(result))
+        self.sealed = result
+        yield memoryview(result.footer)
 
 
 def plan(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]]) -> EnvelopePlan:
@@ -439,8 +452,8 @@ def plan(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]])
 def encode(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]]) -> bytes:
     """The complete envelope as one ``bytes`` (deterministic for the same input)."""
     envelope_plan = plan(manifest, payloads)
-    digest = envelope_plan.seal()
-    return b"".join([*envelope_plan.pieces(), envelope_plan.footer(digest)])
+    footer = envelope_plan.seal().footer
+    return b"".join([*envelope_plan.pieces(), footer])
 
 
 # --- reading ---------------------------------------------------------------------------
@@ -449,14 +462,22 @@ def encode(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]
 class Envelope:
     """A decoded, fully verified envelope. Payloads are zero-copy views of the input."""
 
-    __slots__ = ("_views", "layout", "manifest", "prefix_digest")
+    __slots__ = ("_views", "envelope_digest", "layout", "manifest", "prefix_digest")
 
     def __init__(
-        self, manifest: dict[str, Any], layout: Layout, prefix_digest: str, view: memoryview
+        self,
+        manifest: dict[str, Any],
+        layout: Layout,
+        prefix_digest: str,
+        envelope_digest: str,
+        view: memoryview,
     ) -> None:
         self.manifest = manifest
         self.layout = layout
+        #: SHA-256 of every byte before the footer (what the footer records).
         self.prefix_digest = prefix_digest
+        #: SHA-256 of the whole file, footer included (what a store records).
+        self.envelope_digest = envelope_digest
         self._views = {e.name: view[e.offset : e.end] for e in layout.entries}
 
     @property
@@ -671,9 +692,11 @@ def _decode(view: memoryview, release: Callable[[int, int], None] | None) -> Env
         )  # fmt: skip
     table = _read_table(view, manifest_bytes, count, table_offset, footer_offset)
     spans = [(entry.offset, view[entry.offset : entry.end]) for entry in table.entries]
-    actual_prefix, actual_payloads = _hash_streams(
+    body_hash, actual_payloads = _hash_streams(
         [(0, view[:footer_offset])], spans, footer_offset, release
     )
+    actual_prefix = body_hash.copy().digest()
+    body_hash.update(view[footer_offset:])
     if actual_prefix != prefix_digest:
         raise CorruptEnvelopeError(
             2, "prefix-digest", "the bytes before the footer do not match the footer digest",
@@ -714,4 +737,4 @@ def _decode(view: memoryview, release: Callable[[int, int], None] | None) -> Env
         footer_offset=footer_offset,
         file_bytes=size,
     )
-    return Envelope(manifest, layout, prefix_digest.hex(), view)
+    return Envelope(manifest, layout, prefix_digest.hex(), body_hash.hexdigest(), view)

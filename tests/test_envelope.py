@@ -295,3 +295,13 @@ def test_manifest_over_the_reader_limit_is_refused_by_encode() -> None:
     manifest = minimal_manifest(payloads, episodeId="e" * envelope.MAX_MANIFEST_BYTES)
     with pytest.raises(EnvelopeInputError, match="at most"):
         envelope.encode(manifest, payloads)
+
+
+def test_whole_file_digest_comes_without_another_pass(reference: Any) -> None:
+    """decode() and stream() both report the SHA-256 of the whole file, footer included."""
+    manifest, payloads = reference
+    envelope_plan = envelope.plan(manifest, payloads)
+    data = b"".join(envelope_plan.stream())
+    assert envelope_plan.sealed is not None
+    assert envelope_plan.sealed.envelope_digest == hashlib.sha256(data).hexdigest()
+    assert envelope.decode(data).envelope_digest == hashlib.sha256(data).hexdigest()
