@@ -13,7 +13,19 @@ into typed attributes; the message is built once, here.
     │   └── NotCanonicalError             json.not_canonical
     ├── EnvelopeError                     envelope
     │   └── CorruptEnvelopeError (ValueError)  envelope.corrupt   corrupt or foreign bytes
-    └── ManifestError (ValueError)        manifest.invalid a manifest that breaks its rules
+    ├── ManifestError (ValueError)        manifest.invalid a manifest that breaks its rules
+    └── StoreError                        store
+        ├── StoreLockedError              store.locked     another writer holds the store
+        ├── StoreReadOnlyError            store.read_only  commit on a read-only store
+        ├── StoreClosedError              store.closed     the store was closed
+        ├── StoreManifestError            store.manifest   manifest.json unreadable or invalid
+        ├── GenerationNotFoundError (LookupError)  store.not_found
+        ├── GenerationCorruptError (ValueError)    store.corrupt    a listed file fails its checks
+        └── CommitError                   store.commit     nothing became durable
+            ├── NoSpaceError              store.no_space   ENOSPC / EDQUOT
+            ├── SyncError                 store.fsync      a file or directory fsync failed
+            ├── RenameError               store.rename
+            └── StorePoisonedError        store.poisoned   durability unknown until reopened
 
 The split between ``UsageError`` (we were called wrongly) and the corrupt-input
 errors (the bytes we were handed are bad) follows h11's Local/RemoteProtocolError.
@@ -24,15 +36,27 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 __all__ = [
+    "CommitError",
     "CoordinatorError",
     "CorruptEnvelopeError",
     "EnvelopeError",
     "EnvelopeInputError",
+    "GenerationCorruptError",
+    "GenerationNotFoundError",
     "InvalidScalarError",
     "JsonError",
     "JsonValueError",
     "ManifestError",
+    "NoSpaceError",
     "NotCanonicalError",
+    "RenameError",
+    "StoreClosedError",
+    "StoreError",
+    "StoreLockedError",
+    "StoreManifestError",
+    "StorePoisonedError",
+    "StoreReadOnlyError",
+    "SyncError",
     "UsageError",
 ]
 
@@ -133,6 +157,95 @@ class ManifestError(CoordinatorError, ValueError):
     """A checkpoint manifest that does not follow its rules."""
 
     code: ClassVar[str] = "manifest.invalid"
+
+
+class StoreError(CoordinatorError):
+    """Anything the generation store refuses or fails to do."""
+
+    code: ClassVar[str] = "store"
+
+
+class StoreLockedError(StoreError):
+    """Another writer, in this process or another, holds ``<store>/LOCK``."""
+
+    code: ClassVar[str] = "store.locked"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(f"store {path} is locked by another writer (flock on LOCK)")
+
+
+class StoreReadOnlyError(StoreError):
+    code: ClassVar[str] = "store.read_only"
+
+
+class StoreClosedError(StoreError):
+    code: ClassVar[str] = "store.closed"
+
+
+class StoreManifestError(StoreError):
+    """``manifest.json`` exists but cannot be read or is invalid: never an empty store."""
+
+    code: ClassVar[str] = "store.manifest"
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"store manifest {path} is unusable: {reason}")
+
+
+class GenerationNotFoundError(StoreError, LookupError):
+    code: ClassVar[str] = "store.not_found"
+
+
+class GenerationCorruptError(StoreError, ValueError):
+    """A generation the manifest lists fails a check; ``check`` names which."""
+
+    code: ClassVar[str] = "store.corrupt"
+
+    def __init__(self, checkpoint_id: str, path: str, check: str, detail: str) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.path = path
+        self.check = check
+        self.detail = detail
+        super().__init__(f"generation {checkpoint_id} ({path}) failed {check}: {detail}")
+
+
+class CommitError(StoreError):
+    """A commit failed before its commit point: nothing new is durable, the store
+    manifest is unchanged and the temporary files are gone."""
+
+    code: ClassVar[str] = "store.commit"
+
+    def __init__(
+        self, checkpoint_id: str, operation: str, path: str, error: OSError | None = None
+    ) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.operation = operation
+        self.path = path
+        self.errno = None if error is None else error.errno
+        reason = "" if error is None else f": {error.strerror or error}"
+        super().__init__(f"commit of {checkpoint_id} failed at {operation} {path}{reason}")
+
+
+class NoSpaceError(CommitError):
+    code: ClassVar[str] = "store.no_space"
+
+
+class SyncError(CommitError):
+    code: ClassVar[str] = "store.fsync"
+
+
+class RenameError(CommitError):
+    code: ClassVar[str] = "store.rename"
+
+
+class StorePoisonedError(CommitError):
+    """The commit point's directory fsync failed and so did putting the old
+    manifest back: which manifest is durable is unknown until the store is
+    reopened, so this store refuses further commits."""
+
+    code: ClassVar[str] = "store.poisoned"
 
 
 def _clip(value: object, limit: int = 80) -> str:

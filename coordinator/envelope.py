@@ -213,9 +213,12 @@ def _hash_streams(
         _feed(body_hash, body, 0, end)
         payload_window(0, end)
     else:
+        # Windows only matter when pages are dropped after each; otherwise the
+        # two streams run to the end without waiting for each other.
+        window = _WINDOW if release is not None else end
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flysess-hash") as pool:
-            for low in range(0, end, _WINDOW):
-                high = min(low + _WINDOW, end)
+            for low in range(0, end, window):
+                high = min(low + window, end)
                 body_job = pool.submit(_feed, body_hash, body, low, high)
                 payload_window(low, high)
                 body_job.result()

@@ -112,3 +112,33 @@ def test_floats_written_as_unsafe_integers_are_refused(value: Any) -> None:
     """A float that JCS would spell as an integer beyond 2**53 has no strict reading."""
     with pytest.raises(JsonValueError, match="beyond 2"):
         canonical_bytes(value)
+
+
+plain_trees = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53) + 1, 2**53 - 1) | st.text(),
+    lambda children: st.lists(children) | st.dictionaries(st.text(), children),
+    max_leaves=30,
+)
+
+
+@given(plain_trees)
+def test_fast_path_writes_exactly_what_rfc8785_writes(value: Any) -> None:
+    """canonical_bytes (msgspec fast path where it applies) equals rfc8785.dumps, byte for byte."""
+    import rfc8785
+
+    assert canonical_bytes(value) == rfc8785.dumps(value)
+
+
+def test_keys_beyond_the_bmp_take_the_reference_path() -> None:
+    """UTF-16 order puts U+10000 before U+FF00; code-point order would not."""
+    import rfc8785
+
+    value = {"\uff00": [1, {"\U0001f600": None, "\ue000": True}]}
+    assert canonical_bytes(value) == rfc8785.dumps(value)
+
+
+@pytest.mark.parametrize("value", [{1: "x"}, [2**60], b"bytes", {"a": {1, 2}}])
+def test_fast_path_never_accepts_what_rfc8785_refuses(value: Any) -> None:
+    """Non-str keys, unsafe ints and foreign types are refused, not coerced."""
+    with pytest.raises(JsonValueError):
+        canonical_bytes(value)

@@ -104,4 +104,10 @@ def _envelope(size: int, runs: int) -> list[Result]:
     return run(size=size, runs=runs)
 
 
-GROUPS: dict[str, Callable[[int, int], list[Result]]] = {"envelope": _envelope}
+def _store(size: int, runs: int) -> list[Result]:
+    from .store import run
+
+    return run(size=size, runs=runs)
+
+
+GROUPS: dict[str, Callable[[int, int], list[Result]]] = {"envelope": _envelope, "store": _store}

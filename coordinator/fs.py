@@ -1,0 +1,86 @@
+"""The store's one seam to the operating system.
+
+Every file-system call the store makes goes through a ``FileSystem``: create,
+open, write, fsync, close, rename, fsync_dir, unlink, list, plus the lock and
+the read-only map. Tests wrap it to record the operation trace (for the crash
+model) and to inject faults; production code has no other test hook.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+
+__all__ = ["FileSystem"]
+
+
+class FileSystem:
+    """Plain POSIX calls. Methods raise ``OSError`` as the OS does."""
+
+    def mkdir(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def create(self, path: str) -> int:
+        """A new file for writing; fails if ``path`` exists (never reuse an inode)."""
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+
+    def open(self, path: str) -> int:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def write(self, fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+    def start_writeback(self, fd: int, offset: int, length: int) -> None:
+        """Ask the kernel to start writing these bytes out now (not a durability
+        promise: only fsync is). The final fsync then has less left to wait for."""
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def rename(self, source: str, target: str) -> None:
+        os.rename(source, target)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def list(self, path: str) -> list[str]:
+        return sorted(os.listdir(path))
+
+    def size(self, fd: int) -> int:
+        return os.fstat(fd).st_size
+
+    def read(self, fd: int, size: int) -> bytes:
+        chunks = []
+        while size > 0:
+            chunk = os.read(fd, size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size -= len(chunk)
+        return b"".join(chunks)
+
+    def map(self, fd: int) -> mmap.mmap:
+        """A read-only map of the whole file (``decode`` drops its pages as it hashes)."""
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+
+    def lock(self, path: str) -> int | None:
+        """An exclusive, non-blocking flock on ``path``; ``None`` if someone holds it."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
