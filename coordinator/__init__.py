@@ -1,14 +1,28 @@
 """checkpoint-coordinator: coherent, durable checkpoints for async simulation hosts."""
 
+from typing import TYPE_CHECKING, Any
+
+from ._errors import CommitError as CommitError
 from ._errors import CoordinatorError as CoordinatorError
 from ._errors import CorruptEnvelopeError as CorruptEnvelopeError
 from ._errors import EnvelopeError as EnvelopeError
 from ._errors import EnvelopeInputError as EnvelopeInputError
+from ._errors import GenerationCorruptError as GenerationCorruptError
+from ._errors import GenerationNotFoundError as GenerationNotFoundError
 from ._errors import InvalidScalarError as InvalidScalarError
 from ._errors import JsonError as JsonError
 from ._errors import JsonValueError as JsonValueError
 from ._errors import ManifestError as ManifestError
+from ._errors import NoSpaceError as NoSpaceError
 from ._errors import NotCanonicalError as NotCanonicalError
+from ._errors import RenameError as RenameError
+from ._errors import StoreClosedError as StoreClosedError
+from ._errors import StoreError as StoreError
+from ._errors import StoreLockedError as StoreLockedError
+from ._errors import StoreManifestError as StoreManifestError
+from ._errors import StorePoisonedError as StorePoisonedError
+from ._errors import StoreReadOnlyError as StoreReadOnlyError
+from ._errors import SyncError as SyncError
 from ._errors import UsageError as UsageError
 from .envelope import Envelope as Envelope
 from .envelope import EnvelopePlan as EnvelopePlan
@@ -16,21 +30,54 @@ from .envelope import Layout as Layout
 from .envelope import decode as decode
 from .envelope import encode as encode
 
+if TYPE_CHECKING:
+    from .store import FileStore as FileStore
+    from .store import SyncStore as SyncStore
+
 __version__ = "0.1.0"
 
+# Modules that need anyio load on first use, so that importing the sans-IO
+# parts (``coordinator.envelope``) never pulls in anyio or nats.
+_LAZY = {"FileStore": ".store", "SyncStore": ".store"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "CommitError",
     "CoordinatorError",
     "CorruptEnvelopeError",
     "Envelope",
     "EnvelopeError",
     "EnvelopeInputError",
     "EnvelopePlan",
+    "FileStore",
+    "GenerationCorruptError",
+    "GenerationNotFoundError",
     "InvalidScalarError",
     "JsonError",
     "JsonValueError",
     "Layout",
     "ManifestError",
+    "NoSpaceError",
     "NotCanonicalError",
+    "RenameError",
+    "StoreClosedError",
+    "StoreError",
+    "StoreLockedError",
+    "StoreManifestError",
+    "StorePoisonedError",
+    "StoreReadOnlyError",
+    "SyncError",
+    "SyncStore",
     "UsageError",
     "decode",
     "encode",

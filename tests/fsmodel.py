@@ -1,0 +1,203 @@
+"""A recording, fault-injecting file system for the store's seam, and the crash
+model that turns a recorded trace into the directories a crash could leave.
+
+The crash model (also stated in docs/store.md):
+
+- File data that was not fsynced may be lost or torn. A file's content after a
+  crash is its content at its last fsync, or, if it changed since, any of: that
+  durable content, the full current content, the durable content plus the first
+  half of what was written since, or the current length with the unsynced part
+  read back as zeros (size updated, data not).
+- A directory operation (create, rename, unlink) is durable once the directory
+  is fsynced. Those since the last directory fsync may not have happened: a
+  crash keeps any prefix of them, in order (the journal commits them in order).
+- Renames are atomic: a name points at the old inode or the new one.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.fs import FileSystem
+
+Rule = Callable[[str, str], int | None]
+
+
+class RecordingFS(FileSystem):
+    """Records every mutating call as (op, name, ...) and raises the errno a
+    ``rule(op, name)`` returns, before the call happens."""
+
+    def __init__(self, rule: Rule | None = None, *, keep_data: bool = True) -> None:
+        self.ops: list[tuple[Any, ...]] = []
+        self.rule = rule
+        self.keep_data = keep_data
+        self.paths: dict[int, str] = {}
+        self.positions: dict[int, int] = {}
+        self.fsync_failed: set[int] = set()
+        self.fsync_after_failure = 0
+
+    def _check(self, op: str, path: str) -> None:
+        code = self.rule(op, os.path.basename(path)) if self.rule else None
+        if code is not None:
+            raise OSError(code, os.strerror(code), path)
+
+    def create(self, path: str) -> int:
+        self._check("create", path)
+        fd = super().create(path)
+        self.paths[fd] = path
+        self.positions[fd] = 0
+        self.ops.append(("create", os.path.basename(path), fd))
+        return fd
+
+    def write(self, fd: int, data: memoryview) -> int:
+        self._check("write", self.paths[fd])
+        count = super().write(fd, data)
+        offset = self.positions[fd]
+        self.positions[fd] = offset + count
+        payload = bytes(data[:count]) if self.keep_data else b""
+        self.ops.append(("write", fd, offset, payload))
+        return count
+
+    def fsync(self, fd: int) -> None:
+        if fd in self.fsync_failed:
+            self.fsync_after_failure += 1
+        try:
+            self._check("fsync", self.paths[fd])
+        except OSError:
+            self.fsync_failed.add(fd)
+            raise
+        super().fsync(fd)
+        self.ops.append(("fsync", fd))
+
+    def close(self, fd: int) -> None:
+        super().close(fd)
+        if fd in self.paths:
+            self.ops.append(("close", fd))
+            del self.paths[fd]
+            self.fsync_failed.discard(fd)
+
+    def rename(self, source: str, target: str) -> None:
+        self._check("rename", source)
+        super().rename(source, target)
+        self.ops.append(("rename", os.path.basename(source), os.path.basename(target)))
+
+    def fsync_dir(self, path: str) -> None:
+        self._check("fsync_dir", path)
+        super().fsync_dir(path)
+        self.ops.append(("fsync_dir",))
+
+    def unlink(self, path: str) -> None:
+        self._check("unlink", path)
+        super().unlink(path)
+        self.ops.append(("unlink", os.path.basename(path)))
+
+    def kinds(self) -> list[str]:
+        return [op[0] for op in self.ops if op[0] != "write"]
+
+
+def fail_nth(op: str, nth: int = 1, code: int = errno.EIO, name: str = "") -> Rule:
+    """A rule failing the ``nth`` call of ``op`` on a name containing ``name``."""
+    seen = itertools.count(1)
+
+    def rule(call: str, path: str) -> int | None:
+        if call == op and name in path and next(seen) == nth:
+            return code
+        return None
+
+    return rule
+
+
+@dataclass
+class _Inode:
+    durable: bytes = b""
+    current: bytearray = field(default_factory=bytearray)
+
+
+def crash_states(ops: list[tuple[Any, ...]]) -> Iterator[tuple[int, dict[str, bytes]]]:
+    """For every prefix of ``ops``: each directory a crash right then could leave.
+
+    Yields ``(ops done, {name: content})``; identical directories are yielded once
+    per crash point. Ops marked ``("returned", ...)`` are markers, not I/O.
+    """
+    inodes: list[_Inode] = []
+    current: dict[str, int] = {}
+    durable: dict[str, int] = {}
+    pending: list[tuple[Any, ...]] = []
+    fds: dict[int, int] = {}
+    for index in range(len(ops) + 1):
+        seen: set[str] = set()
+        for state in _variants(inodes, durable, pending):
+            key = hashlib.sha256(repr(sorted(state.items())).encode()).hexdigest()
+            if key not in seen:
+                seen.add(key)
+                yield index, state
+        if index == len(ops):
+            return
+        op = ops[index]
+        kind = op[0]
+        if kind == "create":
+            inodes.append(_Inode())
+            fds[op[2]] = len(inodes) - 1
+            current[op[1]] = len(inodes) - 1
+            pending.append(("link", op[1], len(inodes) - 1))
+        elif kind == "write":
+            node = inodes[fds[op[1]]]
+            end = op[2] + len(op[3])
+            if len(node.current) < end:
+                node.current.extend(bytes(end - len(node.current)))
+            node.current[op[2] : end] = op[3]
+        elif kind == "fsync":
+            node = inodes[fds[op[1]]]
+            node.durable = bytes(node.current)
+        elif kind == "rename":
+            current[op[2]] = current.pop(op[1])
+            pending.append(("rename", op[1], op[2]))
+        elif kind == "unlink":
+            current.pop(op[1])
+            pending.append(("unlink", op[1]))
+        elif kind == "fsync_dir":
+            durable = _apply(durable, pending)
+            pending = []
+
+
+def _apply(names: dict[str, int], pending: list[tuple[Any, ...]]) -> dict[str, int]:
+    names = dict(names)
+    for op in pending:
+        if op[0] == "link":
+            names[op[1]] = op[2]
+        elif op[0] == "rename":
+            if op[1] in names:
+                names[op[2]] = names.pop(op[1])
+        else:
+            names.pop(op[1], None)
+    return names
+
+
+def _contents(node: _Inode) -> list[bytes]:
+    now = bytes(node.current)
+    if now == node.durable:
+        return [now]
+    base = node.durable
+    options = [base, now]
+    if len(now) > len(base) and now.startswith(base):
+        half = len(base) + (len(now) - len(base)) // 2
+        options.append(now[:half])
+        options.append(base + bytes(len(now) - len(base)))
+    return list(dict.fromkeys(options))
+
+
+def _variants(
+    inodes: list[_Inode], durable: dict[str, int], pending: list[tuple[Any, ...]]
+) -> Iterator[dict[str, bytes]]:
+    for keep in range(len(pending) + 1):
+        names = _apply(durable, pending[:keep])
+        listed = sorted(names.items())
+        choices = [_contents(inodes[ino]) for _, ino in listed]
+        for combination in itertools.product(*choices):
+            yield {name: data for (name, _), data in zip(listed, combination, strict=True)}

@@ -1,0 +1,445 @@
+"""The generation store: commit sequence, rotation, lock, open, read, faults."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import anyio
+import pytest
+from fsmodel import RecordingFS, fail_nth
+from storekit import checkpoint, listed
+
+from coordinator import (
+    CommitError,
+    GenerationCorruptError,
+    GenerationNotFoundError,
+    NoSpaceError,
+    RenameError,
+    StoreLockedError,
+    StoreManifestError,
+    StorePoisonedError,
+    StoreReadOnlyError,
+    SyncError,
+)
+from coordinator.canonical import is_canonical
+from coordinator.store import FileStore, SyncStore
+
+
+def test_commit_follows_the_exact_sequence(tmp_path: Path) -> None:
+    """tmp gen: create, write, fsync, close, rename, fsync dir; then the same for the
+    manifest, whose rename is the commit point; nothing after but unlinks."""
+    fs = RecordingFS()
+    with SyncStore(tmp_path, fs=fs) as store:
+        store.commit(*checkpoint(1))
+    ops = [op[:3] if op[0] in ("rename",) else op[:2] for op in fs.ops if op[0] != "write"]
+    names = [(op[0], op[1]) if op[0] in ("create", "unlink") else op for op in ops]
+    kinds = [op[0] for op in names]
+    assert kinds == [
+        "create", "fsync", "close", "rename", "fsync_dir",
+        "create", "fsync", "close", "rename", "fsync_dir",
+    ]  # fmt: skip
+    assert names[0] == ("create", "tmp-ckpt-1.flysess")
+    assert names[3] == ("rename", "tmp-ckpt-1.flysess", "ckpt-1.flysess")
+    assert names[5] == ("create", "tmp-manifest.json")
+    assert names[8] == ("rename", "tmp-manifest.json", "manifest.json")
+    assert sorted(os.listdir(tmp_path)) == ["LOCK", "ckpt-1.flysess", "manifest.json"]
+
+
+def test_payload_views_are_written_without_concatenation(tmp_path: Path) -> None:
+    """Each payload reaches write() as its own piece, never joined into one buffer."""
+    fs = RecordingFS()
+    manifest, payloads = checkpoint(1, size=5000)
+    with SyncStore(tmp_path, fs=fs) as store:
+        store.commit(manifest, payloads)
+    written = [op[3] for op in fs.ops if op[0] == "write"]
+    for _, data in payloads:
+        assert data in written
+
+
+def test_store_manifest_is_canonical_with_every_field(tmp_path: Path) -> None:
+    """manifest.json is canonical JSON with the ARCHITECTURE.md fields, U64s as strings."""
+    with SyncStore(tmp_path) as store:
+        receipt = store.commit(*checkpoint(7))
+    raw = (tmp_path / "manifest.json").read_bytes()
+    assert is_canonical(raw)
+    document = json.loads(raw)
+    assert document["storeManifestVersion"] == 1
+    assert document["stateFormatId"] == "flysess-1"
+    assert document["highWater"] == "ckpt-7"
+    (record,) = document["generations"]
+    assert set(record) == {
+        "checkpointId", "file", "sessionId", "epoch", "episodeId", "boundary",
+        "compatibilityDigest", "envelopeDigest", "byteLength",
+    }  # fmt: skip
+    assert record["boundary"] == "7"
+    assert record["byteLength"] == str((tmp_path / "ckpt-7.flysess").stat().st_size)
+    assert record["envelopeDigest"] == receipt.record.envelope_digest
+
+
+def test_rotation_keeps_n_and_unlinks_after_the_commit_point(tmp_path: Path) -> None:
+    """With keep=3 the oldest go, and their files are unlinked only after the final
+    directory fsync of the commit that dropped them."""
+    fs = RecordingFS()
+    with SyncStore(tmp_path, fs=fs) as store:
+        for index in range(5):
+            store.commit(*checkpoint(index))
+        assert listed(store) == ["ckpt-2", "ckpt-3", "ckpt-4"]
+        assert store.high_water == "ckpt-4"
+    kinds = fs.kinds()
+    for dropped in ("ckpt-0.flysess", "ckpt-1.flysess"):
+        at = fs.ops.index(("unlink", dropped))
+        before = [op[0] for op in fs.ops[:at] if op[0] != "write"]
+        assert before[-2:] == ["rename", "fsync_dir"]
+    assert kinds.count("unlink") == 2
+    assert sorted(p.name for p in tmp_path.glob("*.flysess")) == [
+        "ckpt-2.flysess", "ckpt-3.flysess", "ckpt-4.flysess",
+    ]  # fmt: skip
+
+
+def test_recommit_replaces_the_record_without_touching_the_old_file_first(
+    tmp_path: Path,
+) -> None:
+    """A re-commit of a listed id is written beside it and replaces its record."""
+    fs = RecordingFS()
+    with SyncStore(tmp_path, fs=fs) as store:
+        store.commit(*checkpoint(1))
+        store.commit(*checkpoint(2))
+        receipt = store.commit(*checkpoint(3, checkpoint_id="ckpt-1"))
+        assert listed(store) == ["ckpt-2", "ckpt-1"]
+        assert receipt.record.file == "ckpt-1+1.flysess"
+        assert store.verify().ok
+    renames = [op for op in fs.ops if op[0] == "rename"]
+    assert ("rename", "tmp-ckpt-1+1.flysess", "ckpt-1+1.flysess") in renames
+    assert fs.ops[-1] == ("unlink", "ckpt-1.flysess")
+
+
+def test_failed_unlink_is_recorded_not_ignored(tmp_path: Path) -> None:
+    """A dropped generation that cannot be unlinked shows up in statistics()."""
+    fs = RecordingFS(
+        lambda op, name: errno.EACCES if (op, name) == ("unlink", "ckpt-0.flysess") else None
+    )
+    with SyncStore(tmp_path, keep=1, fs=fs) as store:
+        store.commit(*checkpoint(0))
+        store.commit(*checkpoint(1))
+        failures = store.statistics().unlink_failures
+    assert [Path(f.path).name for f in failures] == ["ckpt-0.flysess"]
+    assert failures[0].errno == errno.EACCES
+    with SyncStore(tmp_path) as reopened:
+        assert reopened.statistics().unreferenced == ("ckpt-0.flysess",)
+        assert listed(reopened) == ["ckpt-1"]
+
+
+def test_second_writer_in_this_process_is_refused(tmp_path: Path) -> None:
+    """Two writers on one store in one process: the second gets StoreLockedError."""
+    with SyncStore(tmp_path), pytest.raises(StoreLockedError) as caught:
+        SyncStore(tmp_path)
+    assert caught.value.code == "store.locked"
+
+
+def test_second_writer_in_another_process_is_refused(tmp_path: Path) -> None:
+    """A writer in another process gets StoreLockedError too; readers need no lock."""
+    code = (
+        "import sys\nfrom coordinator.store import SyncStore\n"
+        "from coordinator import StoreLockedError\n"
+        "try:\n    SyncStore(sys.argv[1])\nexcept StoreLockedError:\n    sys.exit(7)\n"
+        "with SyncStore(sys.argv[1], read_only=True) as r:\n    pass\n"
+    )
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+        result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False)
+        assert result.returncode == 7
+        with SyncStore(tmp_path, read_only=True) as reader:
+            assert listed(reader) == ["ckpt-1"]
+            with pytest.raises(StoreReadOnlyError):
+                reader.commit(*checkpoint(2))
+
+
+def test_lock_is_released_on_close(tmp_path: Path) -> None:
+    """Closing a writer lets the next one in."""
+    SyncStore(tmp_path).close()
+    SyncStore(tmp_path).close()
+
+
+def test_missing_manifest_is_an_empty_store(tmp_path: Path) -> None:
+    """A store with no manifest.json opens empty; select says so."""
+    with SyncStore(tmp_path / "new") as store:
+        assert store.generations == ()
+        with pytest.raises(GenerationNotFoundError, match="empty"):
+            store.select()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(b"", id="empty"),
+        pytest.param(b"{not json", id="garbage"),
+        pytest.param(b'{"generations": []}', id="not-canonical"),
+        pytest.param(b'{"generations":[],"highWater":"x","stateFormatId":"flysess-1",'
+                     b'"storeManifestVersion":1}', id="high-water-not-listed"),
+        pytest.param(b'{"generations":[],"highWater":null,"stateFormatId":"flysess-1",'
+                     b'"storeManifestVersion":2}', id="version-2"),
+    ],
+)  # fmt: skip
+def test_invalid_manifest_is_an_error_not_an_empty_store(tmp_path: Path, content: bytes) -> None:
+    """An unreadable or invalid manifest.json refuses to open."""
+    (tmp_path / "manifest.json").write_bytes(content)
+    with pytest.raises(StoreManifestError) as caught:
+        SyncStore(tmp_path)
+    assert caught.value.code == "store.manifest"
+    with pytest.raises(StoreManifestError):  # not StoreLockedError: the failed open let go
+        SyncStore(tmp_path)
+    with pytest.raises(StoreManifestError):
+        SyncStore(tmp_path, read_only=True)
+
+
+def test_manifest_naming_a_path_outside_the_store_is_refused(tmp_path: Path) -> None:
+    """A record whose file is not <id>.flysess (e.g. ../x) is refused at open."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+    document = json.loads((tmp_path / "manifest.json").read_bytes())
+    document["generations"][0]["file"] = "../escape.flysess"
+    from coordinator.canonical import canonical_bytes
+
+    (tmp_path / "manifest.json").write_bytes(canonical_bytes(document))
+    with pytest.raises(StoreManifestError, match="bad file"):
+        SyncStore(tmp_path)
+
+
+def test_unreadable_manifest_is_an_error(tmp_path: Path) -> None:
+    """A manifest.json that cannot be read (here: a directory) is an error."""
+    (tmp_path / "manifest.json").mkdir()
+    with pytest.raises(StoreManifestError):
+        SyncStore(tmp_path)
+
+
+def test_open_removes_temporaries_and_reports_unreferenced(tmp_path: Path) -> None:
+    """A writer's open removes tmp-* under the lock and reports stray generations;
+    a reader's open removes nothing."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+    (tmp_path / "tmp-ckpt-2.flysess").write_bytes(b"half")
+    (tmp_path / "tmp-manifest.json").write_bytes(b"{")
+    (tmp_path / "ckpt-9.flysess").write_bytes(b"stray")
+    with SyncStore(tmp_path, read_only=True) as reader:
+        report = reader.verify()
+        assert report.temporaries == ("tmp-ckpt-2.flysess", "tmp-manifest.json")
+        assert report.unreferenced == ("ckpt-9.flysess",)
+    assert (tmp_path / "tmp-manifest.json").exists()
+    with SyncStore(tmp_path) as store:
+        stats = store.statistics()
+        assert stats.removed_temporaries == ("tmp-ckpt-2.flysess", "tmp-manifest.json")
+        assert stats.unreferenced == ("ckpt-9.flysess",)
+        assert listed(store) == ["ckpt-1"]
+        with pytest.raises(GenerationNotFoundError):
+            store.select("ckpt-9")
+
+
+def test_lookup_and_select(tmp_path: Path) -> None:
+    """lookup gives the record or None; select gives the named or high-water one."""
+    with SyncStore(tmp_path) as store:
+        first = store.commit(*checkpoint(1)).record
+        second = store.commit(*checkpoint(2)).record
+        assert store.lookup("ckpt-1") == first
+        assert store.lookup("nope") is None
+        assert store.select() == second
+        assert store.select("ckpt-1") == first
+        with pytest.raises(GenerationNotFoundError):
+            store.select("nope")
+
+
+def test_read_returns_zero_copy_views_of_a_map(tmp_path: Path) -> None:
+    """read() verifies and hands out payload views of a read-only map."""
+    manifest, payloads = checkpoint(1, size=3000)
+    with SyncStore(tmp_path) as store:
+        store.commit(manifest, payloads)
+        with store.read(store.select()) as stored:
+            view = stored.payload("world")
+            assert bytes(view) == dict(payloads)["world"]
+            assert view.readonly
+            assert stored.manifest == manifest
+
+
+def corrupt_high_water(path: Path, how: str) -> None:
+    target = path / "ckpt-2.flysess"
+    data = bytearray(target.read_bytes())
+    if how == "truncate":
+        data = data[:-1]
+    elif how == "flip":
+        data[len(data) // 2] ^= 1
+    target.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("how", "check"), [("truncate", "length"), ("flip", "envelope-digest")])
+def test_read_checks_length_then_digest(tmp_path: Path, how: str, check: str) -> None:
+    """A damaged high-water generation is refused, never silently replaced."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+        store.commit(*checkpoint(2))
+    corrupt_high_water(tmp_path, how)
+    with SyncStore(tmp_path) as store:
+        with pytest.raises(GenerationCorruptError) as caught:
+            store.read(store.select())
+        assert caught.value.check == check
+        assert caught.value.code == "store.corrupt"
+        report = store.verify()
+        assert report.verified == ("ckpt-1",)
+        assert not report.ok
+        with store.read_newest_valid() as fallback:  # the explicit fallback
+            assert fallback.record.checkpoint_id == "ckpt-1"
+
+
+def test_read_refuses_a_generation_holding_another_checkpoint(tmp_path: Path) -> None:
+    """A file whose envelope names another checkpoint fails the identity check."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+        store.commit(*checkpoint(2))
+    from coordinator.canonical import canonical_bytes
+
+    document = json.loads((tmp_path / "manifest.json").read_bytes())
+    one, two = document["generations"]
+    two.update(envelopeDigest=one["envelopeDigest"], byteLength=one["byteLength"])
+    (tmp_path / "ckpt-2.flysess").write_bytes((tmp_path / "ckpt-1.flysess").read_bytes())
+    (tmp_path / "manifest.json").write_bytes(canonical_bytes(document))
+    with SyncStore(tmp_path) as store:
+        with pytest.raises(GenerationCorruptError) as caught:
+            store.read(store.select("ckpt-2"))
+        assert caught.value.check == "identity"
+
+
+# --- faults ----------------------------------------------------------------------------
+
+
+def fault(*args: object) -> object:
+    """A fresh rule per test (rules count calls)."""
+    return partial(fail_nth, *args)
+
+
+FAULTS = [
+    pytest.param(fault("write", 1, errno.ENOSPC, "tmp-ckpt"), NoSpaceError, "store.no_space",
+                 id="enospc-writing-generation"),
+    pytest.param(fault("write", 1, errno.ENOSPC, "tmp-manifest"), NoSpaceError,
+                 "store.no_space", id="enospc-writing-manifest"),
+    pytest.param(fault("write", 1, errno.EIO, "tmp-ckpt"), CommitError, "store.commit",
+                 id="eio-writing"),
+    pytest.param(fault("fsync", 1, errno.EIO, "tmp-ckpt"), SyncError, "store.fsync",
+                 id="eio-fsync-generation"),
+    pytest.param(fault("fsync", 1, errno.EIO, "tmp-manifest"), SyncError, "store.fsync",
+                 id="eio-fsync-manifest"),
+    pytest.param(fault("rename", 1, errno.EIO, "tmp-ckpt"), RenameError, "store.rename",
+                 id="rename-generation"),
+    pytest.param(fault("rename", 1, errno.EIO, "tmp-manifest"), RenameError, "store.rename",
+                 id="rename-manifest"),
+    pytest.param(fault("fsync_dir", 1), SyncError, "store.fsync", id="fsync-dir-generation"),
+    pytest.param(fault("fsync_dir", 2), SyncError, "store.fsync",
+                 id="fsync-dir-at-commit-point"),
+    pytest.param(fault("create", 1, errno.ENOSPC, "tmp-ckpt"), NoSpaceError,
+                 "store.no_space", id="enospc-creating"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("rule", "error_type", "code"), FAULTS)
+def test_fault_leaves_the_store_as_it_was(
+    tmp_path: Path, rule: object, error_type: type[Exception], code: str
+) -> None:
+    """A fault gives a typed error with its code, leaves manifest.json unchanged and
+    no temporary behind, and the store still opens, verifies and commits."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+        store.commit(*checkpoint(2))
+    before = (tmp_path / "manifest.json").read_bytes()
+    fs = RecordingFS()
+    with SyncStore(tmp_path, fs=fs) as store:
+        fs.rule = rule()  # type: ignore[operator]
+        with pytest.raises(error_type) as caught:
+            store.commit(*checkpoint(3))
+        assert caught.value.code == code
+        assert listed(store) == ["ckpt-1", "ckpt-2"]
+        assert store.statistics().failed_commits == 1
+        assert fs.fsync_after_failure == 0  # a failed fd is never fsynced again
+        fs.rule = None
+        store.commit(*checkpoint(4))  # a retry writes a new temporary file
+        assert listed(store) == ["ckpt-1", "ckpt-2", "ckpt-4"]
+        creates = [op[1] for op in fs.ops if op[0] == "create"]
+        assert len(creates) == len(set(zip(creates, range(len(creates)), strict=True)))
+    with SyncStore(tmp_path) as reopened:
+        assert reopened.verify().ok
+        assert listed(reopened) == ["ckpt-1", "ckpt-2", "ckpt-4"]
+    assert before != (tmp_path / "manifest.json").read_bytes()
+
+
+@pytest.mark.parametrize(("rule", "error_type", "code"), FAULTS)
+def test_fault_changes_nothing_on_disk(
+    tmp_path: Path, rule: object, error_type: type[Exception], code: str
+) -> None:
+    """Right after the fault: the same manifest bytes and the same files as before."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != "LOCK"}
+    fs = RecordingFS(rule())  # type: ignore[operator]
+    with SyncStore(tmp_path, fs=fs) as store, pytest.raises(error_type):
+        store.commit(*checkpoint(2))
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != "LOCK"}
+    assert after == before
+
+
+def test_commit_point_fault_with_failed_rollback_poisons_the_store(tmp_path: Path) -> None:
+    """If the commit point cannot be made durable nor undone, commits are refused
+    until the store is reopened, and the reopened store is valid."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+    fs = RecordingFS(lambda op, name: errno.EIO if op == "fsync_dir" else None)
+    calls = {"n": 0}
+
+    def rule(op: str, name: str) -> int | None:
+        if op == "fsync_dir":
+            calls["n"] += 1
+            return errno.EIO if calls["n"] >= 2 else None
+        return None
+
+    fs.rule = rule
+    with SyncStore(tmp_path, fs=fs) as store:
+        with pytest.raises(StorePoisonedError) as caught:
+            store.commit(*checkpoint(2))
+        assert caught.value.code == "store.poisoned"
+        with pytest.raises(StorePoisonedError):
+            store.commit(*checkpoint(3))
+    with SyncStore(tmp_path) as reopened:
+        assert reopened.verify().ok
+        assert listed(reopened) in (["ckpt-1"], ["ckpt-1", "ckpt-2"])
+
+
+# --- the async facade ------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_async_facade_commits_and_reads(tmp_path: Path) -> None:
+    """FileStore runs the core in worker threads and hands back the same results."""
+    manifest, payloads = checkpoint(1)
+    async with FileStore(tmp_path) as store:
+        receipt = await store.commit(manifest, payloads)
+        assert store.lookup("ckpt-1") == receipt.record
+        with await store.read() as stored:
+            assert bytes(stored.payload("world")) == dict(payloads)["world"]
+        assert (await store.verify()).ok
+        assert store.statistics().commits == 1
+
+
+@pytest.mark.asyncio
+async def test_cancelled_commit_still_completes_whole(tmp_path: Path) -> None:
+    """Cancelling the caller never leaves half a commit: the thread finishes it."""
+    manifest, payloads = checkpoint(1, size=4 << 20)
+    async with FileStore(tmp_path) as store:
+        with anyio.move_on_after(0.001) as scope:
+            await store.commit(manifest, payloads)
+        assert scope.cancelled_caught or store.lookup("ckpt-1") is not None
+        assert store.lookup("ckpt-1") is not None
+    with SyncStore(tmp_path) as reopened:
+        assert listed(reopened) == ["ckpt-1"]
+        assert reopened.verify().ok
+        assert reopened.statistics().removed_temporaries == ()
