@@ -9,8 +9,10 @@ The crash model (also stated in docs/store.md):
   half of what was written since, or the current length with the unsynced part
   read back as zeros (size updated, data not).
 - A directory operation (create, rename, unlink) is durable once the directory
-  is fsynced. Those since the last directory fsync may not have happened: a
-  crash keeps any prefix of them, in order (the journal commits them in order).
+  is fsynced. Each one since the last directory fsync may or may not have
+  happened, independently of the others (POSIX promises no order; a journal
+  that keeps order is one of the cases). A rename whose source never came to
+  exist does nothing.
 - Renames are atomic: a name points at the old inode or the new one.
 """
 
@@ -195,8 +197,8 @@ def _contents(node: _Inode) -> list[bytes]:
 def _variants(
     inodes: list[_Inode], durable: dict[str, int], pending: list[tuple[Any, ...]]
 ) -> Iterator[dict[str, bytes]]:
-    for keep in range(len(pending) + 1):
-        names = _apply(durable, pending[:keep])
+    for mask in itertools.product((False, True), repeat=len(pending)):
+        names = _apply(durable, [op for op, kept in zip(pending, mask, strict=True) if kept])
         listed = sorted(names.items())
         choices = [_contents(inodes[ino]) for _, ino in listed]
         for combination in itertools.product(*choices):
