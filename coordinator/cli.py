@@ -132,7 +132,10 @@ def _inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """Every envelope check, then the typed manifest rules: a restorable checkpoint."""
+    """A file: every envelope check, then the typed manifest rules. A store
+    directory: every listed generation, plus stray and temporary files."""
+    if args.file.is_dir():
+        return _verify_store(args.file, out, err)
     with _open_envelope(args.file) as envelope:
         manifest = manifest_from_builtins(envelope.manifest)
         layout = envelope.layout
@@ -141,6 +144,68 @@ def _verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             f"{layout.payload_count} payloads, {layout.file_bytes} bytes",
             file=out,
         )
+    return EXIT_OK
+
+
+def _verify_store(path: Path, out: TextIO, err: TextIO) -> int:
+    from .store import SyncStore
+
+    with SyncStore(path, read_only=True, create=False) as store:
+        report = store.verify()
+    for checkpoint_id in report.verified:
+        print(f"ok       {checkpoint_id}", file=out)
+    for failure in report.failures:
+        print(f"CORRUPT  {failure.checkpoint_id} [{failure.code}] {failure.check}", file=err)
+        print(f"  {failure}", file=err)
+    for name in report.temporaries:
+        print(f"temporary (not a checkpoint): {name}", file=out)
+    for name in report.unreferenced:
+        print(f"unreferenced (not listed, never restored): {name}", file=out)
+    verdict = "ok" if report.ok else "FAILED"
+    print(
+        f"{path}: {verdict}, {len(report.verified)} of "
+        f"{len(report.verified) + len(report.failures)} generations verify",
+        file=out if report.ok else err,
+    )
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .store import SyncStore
+
+    if not args.store.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "not a store directory", str(args.store))
+    with SyncStore(args.store, read_only=True, create=False) as store:
+        records = store.generations
+        high = store.high_water
+    if args.json:
+        document = {
+            "store": str(args.store),
+            "highWater": high,
+            "generations": msgspec.to_builtins(list(records)),
+        }
+        print(json.dumps(document, indent=2), file=out)
+        return EXIT_OK
+    if not records:
+        print(f"{args.store}: no generations", file=out)
+        return EXIT_OK
+    rows = [("", "checkpoint", "session", "epoch", "boundary", "bytes", "sha256")]
+    for record in reversed(records):  # newest first
+        rows.append(
+            (
+                "*" if record.checkpoint_id == high else "",
+                record.checkpoint_id,
+                record.session_id,
+                record.epoch,
+                record.boundary,
+                record.byte_length,
+                record.envelope_digest[:12],
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip(), file=out)
+    print("(* high water)", file=out)
     return EXIT_OK
 
 
@@ -168,10 +233,15 @@ def _parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_inspect)
 
     verify = commands.add_parser(
-        "verify", help="check an envelope and its manifest; exit 0 only if both are valid"
+        "verify", help="check an envelope file or every generation of a store; exit 0 if valid"
     )
-    verify.add_argument("file", type=Path)
+    verify.add_argument("file", type=Path, metavar="FILE|STORE")
     verify.set_defaults(run=_verify)
+
+    ls = commands.add_parser("ls", help="list a store's generations, newest first")
+    ls.add_argument("store", type=Path)
+    ls.add_argument("--json", action="store_true", help="one JSON object for machines")
+    ls.set_defaults(run=_ls)
 
     bench = commands.add_parser("bench", help="measure against same-run baselines")
     bench.add_argument("group", choices=[*GROUPS, "all"])
@@ -196,7 +266,12 @@ def main(
     try:
         return int(args.run(args, out, err))
     except CoordinatorError as error:
-        return _report_failure(error, getattr(args, "file", f"coordinator {args.command}"), err)
+        where: Path | str = (
+            getattr(args, "file", None)
+            or getattr(args, "store", None)
+            or f"coordinator {args.command}"
+        )
+        return _report_failure(error, where, err)
     except OSError as error:
         print(
             f"coordinator: cannot read {error.filename or ''}: {error.strerror or error}", file=err

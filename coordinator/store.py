@@ -109,10 +109,20 @@ class StoreManifest(
 ):
     """``manifest.json``: generations oldest first; ``highWater`` is the newest."""
 
-    store_manifest_version: Literal[1] = 1
-    state_format_id: Literal["flysess-1"] = "flysess-1"
-    high_water: Id | None = None
-    generations: tuple[GenerationRecord, ...] = ()
+    store_manifest_version: Literal[1]
+    state_format_id: Literal["flysess-1"]
+    high_water: Id | None
+    generations: tuple[GenerationRecord, ...]
+
+    @classmethod
+    def of(cls, generations: Sequence[GenerationRecord]) -> StoreManifest:
+        """The manifest listing ``generations`` (oldest first; the last is high water)."""
+        return cls(
+            store_manifest_version=1,
+            state_format_id="flysess-1",
+            high_water=generations[-1].checkpoint_id if generations else None,
+            generations=tuple(generations),
+        )
 
 
 class UnlinkFailure(msgspec.Struct, frozen=True, kw_only=True):
@@ -276,7 +286,7 @@ class SyncStore:
         try:
             fd = self._fs.open(path)
         except FileNotFoundError:
-            return StoreManifest()  # a new store; anything else is an error
+            return StoreManifest.of(())  # a new store; anything else is an error
         except OSError as error:
             raise StoreManifestError(path, error.strerror or str(error)) from None
         try:
@@ -518,7 +528,7 @@ class SyncStore:
         kept.append(record)
         dropped = kept[: -self.keep]
         kept = kept[-self.keep :]
-        updated = StoreManifest(high_water=checkpoint_id, generations=tuple(kept))
+        updated = StoreManifest.of(kept)
         self._publish_manifest(checkpoint_id, updated, cleanup=[final])
         lap("manifest")
 

@@ -147,3 +147,58 @@ def test_bench_refuses_zero_runs() -> None:
     """--runs must be at least 1."""
     code, _, _ = run("bench", "envelope", "--runs", "0")
     assert code == 2
+
+
+def make_store(path: Path, commits: int) -> None:
+    from storekit import checkpoint
+
+    from coordinator.store import SyncStore
+
+    with SyncStore(path) as store:
+        for index in range(commits):
+            store.commit(*checkpoint(index))
+
+
+def test_ls_marks_the_high_water(tmp_path: Path) -> None:
+    """ls lists generations newest first, the high water marked with *."""
+    make_store(tmp_path, 4)
+    code, out, _ = run("ls", str(tmp_path))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[1].startswith("*") and "ckpt-3" in lines[1]
+    assert "ckpt-1" in out and "ckpt-0" not in out
+
+
+def test_ls_json(tmp_path: Path) -> None:
+    """ls --json gives the records and the high water."""
+    make_store(tmp_path, 2)
+    code, out, _ = run("ls", "--json", str(tmp_path))
+    document = json.loads(out)
+    assert code == 0
+    assert document["highWater"] == "ckpt-1"
+    assert [g["checkpointId"] for g in document["generations"]] == ["ckpt-0", "ckpt-1"]
+
+
+def test_verify_store_checks_every_generation(tmp_path: Path) -> None:
+    """verify STORE exits 0 only when every listed generation verifies, and reports
+    temporary and unreferenced files."""
+    make_store(tmp_path, 3)
+    assert run("verify", str(tmp_path))[0] == 0
+    (tmp_path / "tmp-ckpt-9.flysess").write_bytes(b"half")
+    (tmp_path / "ckpt-9.flysess").write_bytes(b"stray")
+    target = tmp_path / "ckpt-1.flysess"
+    data = bytearray(target.read_bytes())
+    data[200] ^= 1
+    target.write_bytes(bytes(data))
+    code, out, err = run("verify", str(tmp_path))
+    assert code == 1
+    assert "ckpt-1 [store.corrupt] envelope-digest" in err
+    assert "tmp-ckpt-9.flysess" in out and "ckpt-9.flysess" in out
+
+
+def test_verify_store_with_invalid_manifest(tmp_path: Path) -> None:
+    """A store whose manifest.json is invalid fails with its code."""
+    (tmp_path / "manifest.json").write_bytes(b"{}")
+    code, _, err = run("verify", str(tmp_path))
+    assert code == 1
+    assert "store.manifest" in err
