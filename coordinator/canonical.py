@@ -13,6 +13,7 @@ parsing uses the stdlib decoder with hooks on every object and number.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterator
@@ -128,34 +129,47 @@ def _plain_tree(value: Any) -> bool:
     """Whether ``value`` holds only dicts with str keys below U+D800, lists,
     strings, safe ints, bools and None: the domain in which msgspec's sorted
     encoder writes exactly RFC 8785's bytes. Raises for what has no canonical
-    form at all (unsafe ints, a float that would be written as one, deep nesting)."""
+    form at all (unsafe ints, a float that would be written as one, deep nesting).
+
+    Walks level by level, leaves inline: this runs on every commit."""
     plain = True
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        kind = type(item)
-        if kind is str or kind is bool or item is None:
-            continue
-        if kind is int:
-            if not -MAX_SAFE_INTEGER <= item <= MAX_SAFE_INTEGER:
-                raise JsonValueError(f"integer beyond +/-(2**53 - 1): {item}")
-        elif kind is float:
-            plain = False
-            if item.is_integer() and 2**53 <= abs(item) < 1e21:
-                raise JsonValueError(f"{item!r} would be written as an integer beyond 2**53")
-        elif kind is dict or kind is list or kind is tuple:
-            if depth >= MAX_DEPTH:
-                raise JsonValueError(f"nesting deeper than {MAX_DEPTH}")
+    level = [value]
+    for depth in itertools.count():
+        containers = []
+        for item in level:
+            kind = type(item)
             if kind is dict:
-                for key, child in item.items():
+                for key in item:
                     if type(key) is not str or (not key.isascii() and max(key) >= "\ud800"):
                         plain = False
-                    stack.append((child, depth + 1))
+                children = item.values()
+            elif kind is list or kind is tuple:
+                children = item
             else:
-                stack.extend((child, depth + 1) for child in item)
-        else:
-            plain = False  # a subclass or another type: let rfc8785 judge it
-    return plain
+                children = (item,)
+            for child in children:
+                kind = type(child)
+                if kind is str or kind is bool or child is None:
+                    continue
+                if kind is int:
+                    if not -MAX_SAFE_INTEGER <= child <= MAX_SAFE_INTEGER:
+                        raise JsonValueError(f"integer beyond +/-(2**53 - 1): {child}")
+                elif kind is float:
+                    plain = False
+                    if child.is_integer() and 2**53 <= abs(child) < 1e21:
+                        raise JsonValueError(
+                            f"{child!r} would be written as an integer beyond 2**53"
+                        )
+                elif kind is dict or kind is list or kind is tuple:
+                    containers.append(child)
+                else:
+                    plain = False  # a subclass or another type: let rfc8785 judge it
+        if not containers:
+            return plain
+        if depth >= MAX_DEPTH:
+            raise JsonValueError(f"nesting deeper than {MAX_DEPTH}")
+        level = containers
+    raise AssertionError("unreachable")
 
 
 def canonical_bytes(value: Any) -> bytes:

@@ -121,6 +121,8 @@ TRANSIENT_KEYS = frozenset(
     }
 )
 
+_TRANSIENT_PATTERNS = tuple(f'"{key}":'.encode() for key in sorted(TRANSIENT_KEYS))
+
 # Below this many bytes a second thread costs more than it saves.
 _PARALLEL_MIN = 1 << 20
 # Hash windows: both streams meet at each boundary, where mapped pages may be dropped.
@@ -230,8 +232,15 @@ def _hash_streams(
 # --- the manifest rules shared by the writer and the reader ----------------------------
 
 
-def _manifest_problem(manifest: Any, entries: Sequence[PayloadEntry]) -> tuple[str, str] | None:
-    """The first rule of check 7 that ``manifest`` breaks, as (check, detail)."""
+def _manifest_problem(
+    manifest: Any, entries: Sequence[PayloadEntry], manifest_json: bytes
+) -> tuple[str, str] | None:
+    """The first rule of check 7 that ``manifest`` breaks, as (check, detail).
+
+    ``manifest_json`` is the manifest's canonical encoding: a key ``k`` always
+    appears in it as the bytes ``"k":``, and a string holding that text is
+    escaped, so a transient key that is not in the bytes is nowhere.
+    """
     if not isinstance(manifest, dict):
         return "manifest-fields", "the manifest is not a JSON object"
     missing = sorted(REQUIRED_MANIFEST_FIELDS - manifest.keys())
@@ -248,6 +257,8 @@ def _manifest_problem(manifest: Any, entries: Sequence[PayloadEntry]) -> tuple[s
         wanted = {"name": entry.name, "byteLength": str(entry.byte_length), "digest": entry.digest}
         if record != wanted:
             return "manifest-payloads", f"payloads[{index}] disagrees with table entry {index}"
+    if not any(pattern in manifest_json for pattern in _TRANSIENT_PATTERNS):
+        return None
     # The coordinator's inline values are the host's own data, not bus identities.
     scanned = dict(manifest)
     if isinstance(scanned["coordinator"], dict):
@@ -262,16 +273,18 @@ def _manifest_problem(manifest: Any, entries: Sequence[PayloadEntry]) -> tuple[s
 
 
 def _find_transient_key(value: Any) -> str | None:
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            for key, child in item.items():
-                if key in TRANSIENT_KEYS:
-                    return str(key)
-                stack.append(child)
-        elif isinstance(item, list):
-            stack.extend(item)
+    level = [value]
+    while level:
+        containers: list[Any] = []
+        for item in level:
+            if isinstance(item, dict):
+                if not TRANSIENT_KEYS.isdisjoint(item):
+                    return str(min(TRANSIENT_KEYS.intersection(item)))
+                children: Any = item.values()
+            else:
+                children = item
+            containers.extend(c for c in children if isinstance(c, (dict, list)))
+        level = containers
     return None
 
 
@@ -318,13 +331,21 @@ class EnvelopePlan:
         """Hash every piece and produce the footer; raises ``EnvelopeInputError`` if a
         payload disagrees with the digest its manifest record claims (it changed after
         it was described)."""
-        body: list[tuple[int, memoryview]] = []
-        offset = 0
-        for piece in self.pieces():
-            body.append((offset, piece))
-            offset += len(piece)
-        spans = [(e.offset, v) for e, v in zip(self.layout.entries, self._payloads, strict=True)]
-        body_hash, actual = _hash_streams(body, spans, self.layout.footer_offset)
+        if self.layout.footer_offset < _PARALLEL_MIN:  # one thread, one walk
+            body_hash = hashlib.sha256()
+            for piece in self.pieces():
+                body_hash.update(piece)
+            actual = [hashlib.sha256(view).digest() for view in self._payloads]
+        else:
+            body: list[tuple[int, memoryview]] = []
+            offset = 0
+            for piece in self.pieces():
+                body.append((offset, piece))
+                offset += len(piece)
+            spans = [
+                (e.offset, v) for e, v in zip(self.layout.entries, self._payloads, strict=True)
+            ]
+            body_hash, actual = _hash_streams(body, spans, self.layout.footer_offset)
         for entry, digest in zip(self.layout.entries, actual, strict=True):
             if digest.hex() != entry.digest:
                 raise EnvelopeInputError(
@@ -420,7 +441,7 @@ def plan(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]])
         )
         offset = _align(offset + len(view))
     footer_offset = entries[-1].end if entries else table_offset
-    problem = _manifest_problem(body, entries)
+    problem = _manifest_problem(body, entries, manifest_json)
     if problem is not None:
         raise EnvelopeInputError(f"the manifest breaks rule {problem[0]}: {problem[1]}")
 
@@ -726,7 +747,9 @@ def _decode(view: memoryview, release: Callable[[int, int], None] | None) -> Env
             offset=end, expected=end, actual=footer_offset,
         )  # fmt: skip
     # 7. the manifest's own rules
-    problem = _manifest_problem(manifest, table.entries)
+    problem = _manifest_problem(
+        manifest, table.entries, bytes(view[HEADER_BYTES : HEADER_BYTES + manifest_bytes])
+    )
     if problem is not None:
         raise CorruptEnvelopeError(7, problem[0], problem[1], offset=HEADER_BYTES)
     layout = Layout(
