@@ -17,6 +17,7 @@ from ._errors import NoSpaceError as NoSpaceError
 from ._errors import NotCanonicalError as NotCanonicalError
 from ._errors import RenameError as RenameError
 from ._errors import StoreClosedError as StoreClosedError
+from ._errors import StoreDirectoryError as StoreDirectoryError
 from ._errors import StoreError as StoreError
 from ._errors import StoreLockedError as StoreLockedError
 from ._errors import StoreManifestError as StoreManifestError
@@ -71,6 +72,7 @@ __all__ = [
     "NotCanonicalError",
     "RenameError",
     "StoreClosedError",
+    "StoreDirectoryError",
     "StoreError",
     "StoreLockedError",
     "StoreManifestError",

@@ -19,6 +19,7 @@ into typed attributes; the message is built once, here.
         ├── StoreReadOnlyError            store.read_only  commit on a read-only store
         ├── StoreClosedError              store.closed     the store was closed
         ├── StoreManifestError            store.manifest   manifest.json unreadable or invalid
+        ├── StoreDirectoryError           store.directory  the store directory is unusable
         ├── GenerationNotFoundError (LookupError)  store.not_found
         ├── GenerationCorruptError (ValueError)    store.corrupt    a listed file fails its checks
         └── CommitError                   store.commit     nothing became durable
@@ -51,6 +52,7 @@ __all__ = [
     "NotCanonicalError",
     "RenameError",
     "StoreClosedError",
+    "StoreDirectoryError",
     "StoreError",
     "StoreLockedError",
     "StoreManifestError",
@@ -192,6 +194,12 @@ class StoreManifestError(StoreError):
         self.path = path
         self.reason = reason
         super().__init__(f"store manifest {path} is unusable: {reason}")
+
+
+class StoreDirectoryError(StoreError):
+    """The store directory cannot be used (say, ``LOCK`` is a symlink or a directory)."""
+
+    code: ClassVar[str] = "store.directory"
 
 
 class GenerationNotFoundError(StoreError, LookupError):

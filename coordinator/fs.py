@@ -8,9 +8,11 @@ model) and to inject faults; production code has no other test hook.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
+import stat
 
 __all__ = ["FileSystem"]
 
@@ -19,14 +21,30 @@ class FileSystem:
     """Plain POSIX calls. Methods raise ``OSError`` as the OS does."""
 
     def mkdir(self, path: str) -> None:
+        """Create ``path`` (and missing parents) durably: each new directory's
+        entry is fsynced in its parent, or a power cut could lose the store."""
+        created = []
+        probe = os.path.abspath(path)
+        while not os.path.isdir(probe):
+            created.append(probe)
+            probe = os.path.dirname(probe)
         os.makedirs(path, exist_ok=True)
+        for directory in reversed(created):
+            self.fsync_dir(os.path.dirname(directory))
 
     def create(self, path: str) -> int:
         """A new file for writing; fails if ``path`` exists (never reuse an inode)."""
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
 
     def open(self, path: str) -> int:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        """A regular file for reading. Symlinks, FIFOs, devices and directories are
+        refused (ELOOP / EINVAL) without blocking: a store holds only regular files."""
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        fd = os.open(path, flags)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return fd
 
     def write(self, fd: int, data: memoryview) -> int:
         return os.write(fd, data)
@@ -77,7 +95,11 @@ class FileSystem:
 
     def lock(self, path: str) -> int | None:
         """An exclusive, non-blocking flock on ``path``; ``None`` if someone holds it."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        fd = os.open(path, flags, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file", path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -21,6 +21,7 @@ A generation the manifest does not list is never read as a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -40,20 +41,23 @@ from ._errors import (
     CorruptEnvelopeError,
     GenerationCorruptError,
     GenerationNotFoundError,
+    InvalidScalarError,
     JsonError,
     ManifestError,
     NoSpaceError,
     RenameError,
     StoreClosedError,
+    StoreDirectoryError,
     StoreLockedError,
     StoreManifestError,
     StorePoisonedError,
     StoreReadOnlyError,
     SyncError,
+    UsageError,
 )
 from ._types import BytesLike
 from .canonical import canonical_bytes, parse_canonical
-from .envelope import Envelope, decode, plan
+from .envelope import FOOTER_BYTES, HEADER_BYTES, Envelope, decode, plan
 from .fs import FileSystem
 from .ids import U64, Digest, Id
 from .manifest import (
@@ -86,6 +90,8 @@ TMP_PREFIX = "tmp-"
 # until the commit point the old generation must stay intact. "+" is not an Id
 # character, so the alternate name cannot collide with another checkpoint's.
 _ALTERNATE = "+1"
+# A manifest of thousands of generations is well under this; a bigger file is hostile.
+MAX_STORE_MANIFEST_BYTES = 16 << 20
 # Start writeback every this many bytes, so the final fsync has little left.
 _WRITEBACK_EVERY = 64 << 20
 
@@ -220,6 +226,8 @@ def parse_store_manifest(data: bytes, path: str) -> StoreManifest:
             path, f"highWater {manifest.high_water!r} is not the newest generation"
         )
     for record in manifest.generations:
+        if record.checkpoint_id.startswith(TMP_PREFIX):
+            raise StoreManifestError(path, f"{record.checkpoint_id}: tmp- names are temporaries")
         if not _record_file_ok(record):  # never a path that leaves the store
             raise StoreManifestError(path, f"{record.checkpoint_id}: bad file {record.file!r}")
     return manifest
@@ -265,7 +273,12 @@ class SyncStore:
         if not read_only:
             if create:
                 self._fs.mkdir(self.path)
-            fd = self._fs.lock(self._join(LOCK))
+            try:
+                fd = self._fs.lock(self._join(LOCK))
+            except OSError as error:
+                raise StoreDirectoryError(
+                    f"{self.path}: cannot lock {LOCK}: {error.strerror or error}"
+                ) from None
             if fd is None:
                 raise StoreLockedError(self.path)
             self._lock_fd = fd
@@ -290,7 +303,10 @@ class SyncStore:
         except OSError as error:
             raise StoreManifestError(path, error.strerror or str(error)) from None
         try:
-            data = self._fs.read(fd, self._fs.size(fd))
+            size = self._fs.size(fd)
+            if size > MAX_STORE_MANIFEST_BYTES:
+                raise StoreManifestError(path, f"{size} bytes, more than any store writes")
+            data = self._fs.read(fd, size)
         except OSError as error:
             raise StoreManifestError(path, error.strerror or str(error)) from None
         finally:
@@ -332,8 +348,11 @@ class SyncStore:
         return self._manifest.high_water
 
     def refresh(self) -> None:
-        """Read ``manifest.json`` again (for read-only opens beside a live writer)."""
+        """Read ``manifest.json`` again: for read-only opens beside a live writer.
+        A writer's own manifest is the truth, so a writer refuses."""
         self._check_open()
+        if not self.read_only:
+            raise UsageError("refresh() is for read-only stores; a writer's manifest is current")
         self._manifest = self._load_manifest()
 
     def lookup(self, checkpoint_id: str) -> GenerationRecord | None:
@@ -368,15 +387,17 @@ class SyncStore:
             raise GenerationCorruptError(
                 record.checkpoint_id, path, "missing", error.strerror or str(error)
             ) from None
-        mapped: mmap.mmap | None = None
         try:
             size = self._fs.size(fd)
-            if size != int(record.byte_length):
+            if size != int(record.byte_length) or size < HEADER_BYTES + FOOTER_BYTES:
                 raise GenerationCorruptError(
                     record.checkpoint_id, path, "length",
                     f"{size} bytes, the manifest records {record.byte_length}",
                 )  # fmt: skip
             mapped = self._fs.map(fd)
+        finally:
+            self._fs.close(fd)  # the map keeps the file; no descriptor outlives read()
+        try:
             envelope = self._decode(record, path, mapped)
             try:
                 manifest = manifest_from_builtins(envelope.manifest)
@@ -392,17 +413,9 @@ class SyncStore:
                     f"the envelope holds checkpoint {manifest.checkpoint_id!r}",
                 )  # fmt: skip
         except BaseException:
-            if mapped is not None:
-                mapped.close()
-            self._fs.close(fd)
+            mapped.close()
             raise
-        fs, held = self._fs, mapped
-
-        def closer() -> None:
-            held.close()
-            fs.close(fd)
-
-        return StoredCheckpoint(record, manifest, envelope, closer)
+        return StoredCheckpoint(record, manifest, envelope, mapped.close)
 
     def _decode(self, record: GenerationRecord, path: str, mapped: mmap.mmap) -> Envelope:
         try:
@@ -471,6 +484,17 @@ class SyncStore:
             raise StoreReadOnlyError(f"{self.path} was opened read-only")
         if self._poisoned:
             raise StorePoisonedError(manifest.checkpoint_id, "commit", self.path)
+        if manifest.checkpoint_id.startswith(TMP_PREFIX):
+            raise InvalidScalarError(
+                "checkpoint Id (tmp- names are temporaries)", manifest.checkpoint_id
+            )
+        for name, data in payloads:
+            if not _immutable(data):
+                raise UsageError(
+                    f"payload {name!r} is a mutable buffer: pass bytes (or a read-only map). "
+                    "Bytes that change while they are written and hashed would be committed "
+                    "as a generation that fails its own digest."
+                )
         try:
             receipt = self._commit(manifest, payloads)
         except BaseException:
@@ -582,12 +606,17 @@ class SyncStore:
         except BaseException as error:
             if isinstance(pieces, Generator):
                 pieces.close()  # stop the encoder (and join its hashing threads)
-            self._fs.close(fd)
+            with contextlib.suppress(OSError):  # the first error is the one to report
+                self._fs.close(fd)
             self._unlink(path)
             if isinstance(error, OSError):
                 raise _commit_error(checkpoint_id, "write", path, error) from None
             raise
-        self._fs.close(fd)
+        try:
+            self._fs.close(fd)
+        except OSError as error:  # NFS and friends report write-back errors here
+            self._unlink(path)
+            raise _commit_error(checkpoint_id, "close", path, error) from None
         if timings is not None:
             timings["write"] = round((wrote - started) * 1000, 3)
             timings["fsync"] = round((time.perf_counter() - wrote) * 1000, 3)
@@ -673,6 +702,17 @@ class SyncStore:
         self.close()
 
 
+def _immutable(data: BytesLike) -> bool:
+    """bytes, or a view of bytes, or a read-only map: memory nobody can change."""
+    owner: object = data
+    while isinstance(owner, memoryview):
+        owner = owner.obj
+    if isinstance(owner, mmap.mmap):
+        with memoryview(owner) as probe:
+            return probe.readonly
+    return isinstance(owner, bytes)
+
+
 def _commit_error(checkpoint_id: str, operation: str, path: str, error: OSError) -> CommitError:
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         return NoSpaceError(checkpoint_id, operation, path, error)
@@ -683,7 +723,8 @@ class FileStore:
     """The async face of a store: every blocking call runs in a worker thread.
 
     ``abandon_on_cancel=False`` everywhere: a cancelled caller waits for the
-    thread, so a commit is never left half done. Commits are serialized.
+    thread, so a commit is never left half done. Commits and reads are
+    serialized (the core is not thread-safe); ``lookup``/``select`` are instant.
 
         async with FileStore(path) as store:
             receipt = await store.commit(manifest, payloads)
@@ -749,22 +790,29 @@ class FileStore:
     def generations(self) -> tuple[GenerationRecord, ...]:
         return self.core.generations
 
+    # Reads hold the same lock as commits: a rotation must not unlink a file
+    # between selecting it and mapping it (that would look like corruption).
+
     async def read(self, checkpoint_id: str | None = None) -> StoredCheckpoint:
         """Read and verify the named generation, or the high-water one."""
-        record = self.core.select(checkpoint_id)
-        stored: StoredCheckpoint = await self._run(self.core.read, record)
-        return stored
+        async with self._commit_lock:
+            record = self.core.select(checkpoint_id)
+            stored: StoredCheckpoint = await self._run(self.core.read, record)
+            return stored
 
     async def read_newest_valid(self) -> StoredCheckpoint:
-        stored: StoredCheckpoint = await self._run(self.core.read_newest_valid)
-        return stored
+        async with self._commit_lock:
+            stored: StoredCheckpoint = await self._run(self.core.read_newest_valid)
+            return stored
 
     async def verify(self) -> VerifyReport:
-        report: VerifyReport = await self._run(self.core.verify)
-        return report
+        async with self._commit_lock:
+            report: VerifyReport = await self._run(self.core.verify)
+            return report
 
     async def refresh(self) -> None:
-        await self._run(self.core.refresh)
+        async with self._commit_lock:
+            await self._run(self.core.refresh)
 
     def statistics(self) -> StoreStatistics:
         return self.core.statistics()

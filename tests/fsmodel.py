@@ -92,7 +92,7 @@ class RecordingFS(FileSystem):
     def fsync_dir(self, path: str) -> None:
         self._check("fsync_dir", path)
         super().fsync_dir(path)
-        self.ops.append(("fsync_dir",))
+        self.ops.append(("fsync_dir", os.path.abspath(path)))
 
     def unlink(self, path: str) -> None:
         self._check("unlink", path)
@@ -121,7 +121,9 @@ class _Inode:
     current: bytearray = field(default_factory=bytearray)
 
 
-def crash_states(ops: list[tuple[Any, ...]]) -> Iterator[tuple[int, dict[str, bytes]]]:
+def crash_states(
+    ops: list[tuple[Any, ...]], directory: str
+) -> Iterator[tuple[int, dict[str, bytes]]]:
     """For every prefix of ``ops``: each directory a crash right then could leave.
 
     Yields ``(ops done, {name: content})``; identical directories are yielded once
@@ -163,7 +165,7 @@ def crash_states(ops: list[tuple[Any, ...]]) -> Iterator[tuple[int, dict[str, by
         elif kind == "unlink":
             current.pop(op[1])
             pending.append(("unlink", op[1]))
-        elif kind == "fsync_dir":
+        elif kind == "fsync_dir" and op[1] == os.path.abspath(directory):
             durable = _apply(durable, pending)
             pending = []
 

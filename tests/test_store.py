@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -19,15 +20,18 @@ from coordinator import (
     CommitError,
     GenerationCorruptError,
     GenerationNotFoundError,
+    InvalidScalarError,
     NoSpaceError,
     RenameError,
+    StoreDirectoryError,
     StoreLockedError,
     StoreManifestError,
     StorePoisonedError,
     StoreReadOnlyError,
     SyncError,
+    UsageError,
 )
-from coordinator.canonical import is_canonical
+from coordinator.canonical import canonical_bytes, is_canonical
 from coordinator.store import FileStore, SyncStore
 
 
@@ -443,3 +447,175 @@ async def test_cancelled_commit_still_completes_whole(tmp_path: Path) -> None:
         assert listed(reopened) == ["ckpt-1"]
         assert reopened.verify().ok
         assert reopened.statistics().removed_temporaries == ()
+
+
+# --- review findings: each a test ------------------------------------------------------
+
+
+def test_checkpoint_ids_that_look_like_temporaries_are_refused(tmp_path: Path) -> None:
+    """tmp-a.flysess would be removed as a leftover temporary: such ids are refused."""
+    with SyncStore(tmp_path) as store, pytest.raises(InvalidScalarError):
+        store.commit(*checkpoint(1, checkpoint_id="tmp-a"))
+
+
+def test_manifest_listing_a_temporary_name_is_refused(tmp_path: Path) -> None:
+    """A hostile manifest cannot make open() delete a listed generation."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1, checkpoint_id="a"))
+    document = json.loads((tmp_path / "manifest.json").read_bytes())
+    document["generations"][0].update(checkpointId="tmp-a", file="tmp-a.flysess")
+    document["highWater"] = "tmp-a"
+    (tmp_path / "manifest.json").write_bytes(canonical_bytes(document))
+    with pytest.raises(StoreManifestError, match="temporaries"):
+        SyncStore(tmp_path)
+
+
+def test_refresh_is_for_readers_only(tmp_path: Path) -> None:
+    """A writer's manifest is current; re-reading it could undo a commit."""
+    with SyncStore(tmp_path) as writer:
+        writer.commit(*checkpoint(1))
+        with pytest.raises(UsageError):
+            writer.refresh()
+        with SyncStore(tmp_path, read_only=True) as reader:
+            writer.commit(*checkpoint(2))
+            reader.refresh()
+            assert listed(reader) == ["ckpt-1", "ckpt-2"]
+
+
+def test_new_store_directory_is_made_durable(tmp_path: Path) -> None:
+    """Creating a store fsyncs the parent of each new directory."""
+    fs = RecordingFS()
+    SyncStore(tmp_path / "a" / "b", fs=fs).close()
+    assert fs.ops == [("fsync_dir", str(tmp_path)), ("fsync_dir", str(tmp_path / "a"))]
+
+
+def test_mutable_payloads_are_refused(tmp_path: Path) -> None:
+    """A bytearray could change between hashing and writing: refused, not copied."""
+    manifest, payloads = checkpoint(1)
+    mutable = [(name, bytearray(data)) for name, data in payloads]
+    read_only_view = [(name, memoryview(data)) for name, data in payloads]
+    with SyncStore(tmp_path) as store:
+        with pytest.raises(UsageError, match="mutable"):
+            store.commit(manifest, mutable)
+        with pytest.raises(UsageError, match="mutable"):
+            store.commit(manifest, [(n, memoryview(d).toreadonly()) for n, d in mutable])
+        store.commit(manifest, read_only_view)
+        assert store.verify().ok
+
+
+def rewrite_record(path: Path, **changes: str) -> None:
+    document = json.loads((path / "manifest.json").read_bytes())
+    document["generations"][-1].update(changes)
+    (path / "manifest.json").write_bytes(canonical_bytes(document))
+
+
+@pytest.mark.parametrize("kind", ["empty", "directory", "fifo", "symlink"])
+def test_hostile_generation_files_are_typed_errors(tmp_path: Path, kind: str) -> None:
+    """An empty file, a directory, a FIFO or a symlink where a generation should be
+    gives GenerationCorruptError: no crash, no hang, nothing read outside the store."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+    target = tmp_path / "ckpt-1.flysess"
+    target.unlink()
+    if kind == "empty":
+        target.write_bytes(b"")
+        rewrite_record(tmp_path, byteLength="0")
+    elif kind == "directory":
+        target.mkdir()
+        rewrite_record(tmp_path, byteLength=str(target.stat().st_size))
+    elif kind == "fifo":
+        os.mkfifo(target)
+    else:
+        (tmp_path / "elsewhere").write_bytes(b"x")
+        target.symlink_to(tmp_path / "elsewhere")
+    with SyncStore(tmp_path, read_only=True) as store:
+        report = store.verify()
+        assert [f.checkpoint_id for f in report.failures] == ["ckpt-1"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "huge", "symlink"])
+def test_hostile_manifest_files_are_typed_errors(tmp_path: Path, kind: str) -> None:
+    """A FIFO, a huge sparse file or a symlink as manifest.json is StoreManifestError."""
+    target = tmp_path / "manifest.json"
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "huge":
+        with target.open("wb") as file:
+            file.truncate(1 << 40)
+    else:
+        (tmp_path / "real.json").write_bytes(b"{}")
+        target.symlink_to(tmp_path / "real.json")
+    with pytest.raises(StoreManifestError):
+        SyncStore(tmp_path, read_only=True)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory"])
+def test_hostile_lock_is_a_typed_error(tmp_path: Path, kind: str) -> None:
+    """LOCK as a symlink (never followed, its target never created) or a directory."""
+    outside = tmp_path / "outside"
+    store = tmp_path / "store"
+    store.mkdir()
+    if kind == "symlink":
+        (store / "LOCK").symlink_to(outside)
+    else:
+        (store / "LOCK").mkdir()
+    with pytest.raises(StoreDirectoryError) as caught:
+        SyncStore(store)
+    assert caught.value.code == "store.directory"
+    assert not outside.exists()
+
+
+def test_closing_a_read_never_leaks_a_descriptor(tmp_path: Path) -> None:
+    """Our descriptor is closed once mapped; a close refused because the caller still
+    holds a slice leaves only the map, which a later close releases."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+        before = len(os.listdir("/proc/self/fd"))
+        stored = store.read(store.select())
+        assert len(os.listdir("/proc/self/fd")) == before + 1  # the map's own
+        kept = stored.payload("world")[:4]
+        with pytest.raises(BufferError):
+            stored.close()
+        kept.release()
+        stored.close()
+        assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_close_failure_is_a_typed_commit_error(tmp_path: Path) -> None:
+    """A write-back error reported by close() fails the commit, typed, temporary gone."""
+
+    class FailingClose(RecordingFS):
+        def close(self, fd: int) -> None:
+            failing = self.paths.get(fd, "").endswith("tmp-ckpt-2.flysess")
+            super().close(fd)
+            if failing:
+                raise OSError(errno.EIO, "write-back failed")
+
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+    with SyncStore(tmp_path, fs=FailingClose()) as store:
+        with pytest.raises(CommitError) as caught:
+            store.commit(*checkpoint(2))
+        assert caught.value.operation == "close"
+        assert listed(store) == ["ckpt-1"]
+    assert not list(tmp_path.glob("tmp-*"))
+
+
+@pytest.mark.asyncio
+async def test_reads_do_not_race_rotation(tmp_path: Path) -> None:
+    """Reads of the oldest generation interleaved with commits that rotate it out
+    either succeed or say it is gone; they never report it corrupt."""
+    async with FileStore(tmp_path, keep=2) as store:
+        await store.commit(*checkpoint(0))
+        await store.commit(*checkpoint(1))
+
+        async def reader() -> None:
+            for _ in range(20):
+                oldest = store.generations[0].checkpoint_id
+                with contextlib.suppress(GenerationNotFoundError):
+                    (await store.read(oldest)).close()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(reader)
+            for index in range(2, 12):
+                await store.commit(*checkpoint(index))

@@ -9,6 +9,7 @@ of the one in flight, and keep no temporary file.
 
 from __future__ import annotations
 
+import errno
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,38 +18,68 @@ import pytest
 from fsmodel import RecordingFS, crash_states
 from storekit import checkpoint, listed
 
+from coordinator import SyncError
 from coordinator.store import SyncStore
 
 DEFAULT_COMMITS = 30
 SOAK_COMMITS = 260
 
 
+def _fails_at_commit_point(fs: RecordingFS) -> Any:
+    """A rule failing, once, the directory fsync right after the manifest rename
+    (the rollback that follows then succeeds)."""
+    fired = []
+
+    def rule(op: str, name: str) -> int | None:
+        recent = [o for o in fs.ops if o[0] not in ("write", "returned")][-1:]
+        at_commit_point = recent and recent[0][0] == "rename" and recent[0][2] == "manifest.json"
+        if op == "fsync_dir" and at_commit_point and not fired:
+            fired.append(True)
+            return errno.EIO
+        return None
+
+    return rule
+
+
 def record(folder: Path, commits: int) -> list[tuple[Any, ...]]:
-    """Commit ``commits`` checkpoints (keep=3, one re-commit of a listed id) and
-    return the trace with a ("returned", ids) marker after each commit."""
+    """Commit ``commits`` checkpoints (keep=3) and return the trace, with a
+    ("returned", ids) marker after each commit and an ("attempted", ids) marker
+    before it. Every tenth re-commits a listed id; every tenth, offset by five,
+    fails at the commit point, so the rollback path is enumerated too."""
     fs = RecordingFS()
+    ids: list[str] = []
     with SyncStore(folder, keep=3, fs=fs) as store:
         for index in range(commits):
-            again = index % 10 == 9  # re-commit the previous checkpoint's id
-            manifest, payloads = checkpoint(
-                index, size=40 + index % 9, checkpoint_id=f"ckpt-{index - 1}" if again else None
-            )
-            store.commit(manifest, payloads)
-            fs.ops.append(("returned", tuple(listed(store))))
+            again = index % 10 == 9
+            checkpoint_id = f"ckpt-{index - 1}" if again else f"ckpt-{index}"
+            manifest, payloads = checkpoint(index, size=40 + index % 9, checkpoint_id=checkpoint_id)
+            attempted = [*(i for i in ids if i != checkpoint_id), checkpoint_id][-3:]
+            fs.ops.append(("attempted", tuple(attempted)))
+            if index % 10 == 5:
+                fs.rule = _fails_at_commit_point(fs)
+                with pytest.raises(SyncError):
+                    store.commit(manifest, payloads)
+                fs.rule = None
+            else:
+                store.commit(manifest, payloads)
+                ids = attempted
+            assert listed(store) == ids
+            fs.ops.append(("returned", tuple(ids)))
     return fs.ops
 
 
 def allowed(ops: list[tuple[Any, ...]]) -> list[set[tuple[str, ...]]]:
-    """For each crash point: the listings of the last returned and the in-flight commit."""
-    markers = [(i, op[1]) for i, op in enumerate(ops) if op[0] == "returned"]
+    """For each crash point: the listing of the last commit that returned, or the
+    one the commit in flight was writing."""
     result = []
-    for point in range(len(ops) + 1):
-        before = [ids for i, ids in markers if i < point]
-        after = [ids for i, ids in markers if i >= point]
-        options = {before[-1] if before else ()}
-        if after:
-            options.add(after[0])
-        result.append(options)
+    returned: tuple[str, ...] = ()
+    attempted: tuple[str, ...] | None = None
+    for op in [*ops, ("end",)]:
+        result.append({returned} if attempted is None else {returned, attempted})
+        if op[0] == "attempted":
+            attempted = op[1]
+        elif op[0] == "returned":
+            returned, attempted = op[1], None
     return result
 
 
@@ -57,18 +88,22 @@ def check_all_states(tmp_path: Path, commits: int) -> int:
     expected = allowed(ops)
     target = tmp_path / "state"
     count = 0
-    for point, state in crash_states(ops):
+    for point, state in crash_states(ops, str(tmp_path / "recorded")):
         if target.exists():
             shutil.rmtree(target)
         target.mkdir()
         for name, data in state.items():
             (target / name).write_bytes(data)
-        with SyncStore(target) as store:
-            ids = tuple(listed(store))
+        with SyncStore(target, read_only=True) as reader:  # removes nothing
+            ids = tuple(listed(reader))
             assert ids in expected[point], (point, sorted(state), ids)
-            report = store.verify()
+            report = reader.verify()
             assert report.ok, (point, sorted(state), report.failures)
-            assert report.temporaries == ()
+            assert not set(report.temporaries) & {r.file for r in reader.generations}
+        with SyncStore(target) as writer:  # recovery: temporaries go, listing stays
+            assert tuple(listed(writer)) == ids
+            assert set(writer.statistics().removed_temporaries) == set(report.temporaries)
+        assert not [p for p in target.iterdir() if p.name.startswith("tmp-")]
         count += 1
     return count
 
@@ -95,11 +130,9 @@ class _SkipsGenerationFsync(RecordingFS):
 
 
 class _SkipsDirectoryFsyncAfterGenerationRename(RecordingFS):
-    calls = 0
-
     def fsync_dir(self, path: str) -> None:
-        type(self).calls += 1
-        if type(self).calls % 2 == 0:
+        last = [op for op in self.ops if op[0] != "write"][-1:]
+        if not (last and last[0][0] == "rename" and last[0][1].startswith("tmp-ckpt")):
             super().fsync_dir(path)
 
 
