@@ -209,6 +209,13 @@ def _ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
+def _schema(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .events import events_schema
+
+    print(json.dumps(events_schema(), indent=2, sort_keys=True), file=out)
+    return EXIT_OK
+
+
 def _bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .bench import GROUPS, render, report
 
@@ -242,6 +249,10 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("store", type=Path)
     ls.add_argument("--json", action="store_true", help="one JSON object for machines")
     ls.set_defaults(run=_ls)
+
+    schema = commands.add_parser("schema", help="print a JSON Schema (events)")
+    schema.add_argument("what", choices=["events"])
+    schema.set_defaults(run=_schema)
 
     bench = commands.add_parser("bench", help="measure against same-run baselines")
     bench.add_argument("group", choices=[*GROUPS, "all"])

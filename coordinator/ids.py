@@ -4,8 +4,8 @@
 - **U64**: a decimal *string*, ``"0"`` or no leading zero, at most 2**64 - 1.
 - **Digest**: 64 lowercase hex digits, a SHA-256.
 
-The patterns are anchored with ``\\A``/``\\Z`` (``$`` would admit a trailing
-newline) and are also used as msgspec ``Meta(pattern=...)`` constraints.
+The patterns are also msgspec ``Meta(pattern=...)`` constraints and appear in
+JSON Schemas, so they are written to mean the same in Python and ECMAScript.
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ def _at_most(limit: int) -> str:
     return "|".join([shorter, *same_length])
 
 
-ID_PATTERN = r"\A[a-z0-9][a-z0-9._-]{0,63}\Z"
-U64_PATTERN = rf"\A(?:{_at_most(U64_MAX)})\Z"
-DIGEST_PATTERN = r"\A[0-9a-f]{64}\Z"
+# "$(?!\n)": in Python "$" also matches before a final newline; the lookahead
+# refuses that. In ECMAScript (JSON Schema readers) it is trivially true at the end.
+ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$(?!\n)"
+U64_PATTERN = rf"^(?:{_at_most(U64_MAX)})$(?!\n)"
+DIGEST_PATTERN = r"^[0-9a-f]{64}$(?!\n)"
 
 _ID = re.compile(ID_PATTERN)
 _U64 = re.compile(U64_PATTERN)

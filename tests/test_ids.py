@@ -95,3 +95,15 @@ def test_digest_rule() -> None:
         assert not is_digest(bad)
         with pytest.raises(InvalidScalarError):
             check_digest(bad)
+
+
+def test_typed_validation_refuses_a_trailing_newline() -> None:
+    """msgspec applies the patterns with re.search, where "$" alone would admit "x\\n"."""
+    import msgspec
+
+    from coordinator.ids import U64, Digest, Id
+
+    for kind, value in ((Id, "abc\n"), (U64, "12\n"), (Digest, "0" * 64 + "\n")):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(value, kind)
+        msgspec.convert(value[:-1], kind)

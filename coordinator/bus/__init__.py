@@ -1,0 +1,38 @@
+"""Where save-state events go: the ``Bus`` protocol and its implementations.
+
+``MemoryBus`` lives in this process (tests, examples, a host without NATS);
+the NATS bus implements the same protocol. The bus is never the source of
+truth for durability: the store manifest is.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from ..events import Event
+from .memory import MemoryBus, Subscription
+
+__all__ = ["Bus", "BusStatistics", "MemoryBus", "Subscription"]
+
+
+class BusStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    published: int
+    delivered: int
+    dropped: int  # a subscriber's buffer was full: counted, never silent
+    subscribers: int
+
+
+class Bus(Protocol):
+    async def publish(self, event: Event) -> None:
+        """Publish one event; never waits on a slow subscriber."""
+        ...
+
+    def subscribe(self, session_id: str | None = None, *, buffer: int = 1024) -> Subscription:
+        """Events of one session (or all), in publication order."""
+        ...
+
+    def statistics(self) -> BusStatistics: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,128 @@
+"""An in-process bus: each subscriber gets a bounded buffer of its own.
+
+Publishing never blocks: a subscriber whose buffer is full loses that event,
+and the loss is counted (in the bus's statistics and on the subscription), the
+way a NATS slow consumer is. A subscriber sees events in publication order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Self
+
+import anyio
+import anyio.lowlevel
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ..events import Event
+
+if TYPE_CHECKING:
+    from . import BusStatistics
+
+__all__ = ["MemoryBus", "Subscription"]
+
+
+class Subscription:
+    """An async iterator of events; ``dropped`` counts what a full buffer lost."""
+
+    def __init__(
+        self,
+        bus: MemoryBus,
+        session_id: str | None,
+        send: MemoryObjectSendStream[Event],
+        receive: MemoryObjectReceiveStream[Event],
+    ) -> None:
+        self.session_id = session_id
+        self.dropped = 0
+        self._bus = bus
+        self._send = send
+        self._receive = receive
+
+    def _offer(self, event: Event) -> bool:
+        if self.session_id is not None and event.session_id != self.session_id:
+            return False
+        try:
+            self._send.send_nowait(event)
+        except anyio.WouldBlock:
+            self.dropped += 1
+            raise
+        return True
+
+    async def receive(self) -> Event:
+        """The next event; ``anyio.EndOfStream`` once the bus or this is closed."""
+        return await self._receive.receive()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._receive.__aiter__()
+
+    async def aclose(self) -> None:
+        self._bus._forget(self)
+        await self._send.aclose()
+        await self._receive.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class MemoryBus:
+    def __init__(self) -> None:
+        self._subscriptions: list[Subscription] = []
+        self._published = 0
+        self._delivered = 0
+        self._dropped = 0
+        self._closed = False
+
+    async def publish(self, event: Event) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.publish_nowait(event)
+
+    def publish_nowait(self, event: Event) -> None:
+        if self._closed:
+            raise anyio.ClosedResourceError("the bus is closed")
+        self._published += 1
+        for subscription in list(self._subscriptions):
+            try:
+                if subscription._offer(event):
+                    self._delivered += 1
+            except anyio.WouldBlock:
+                self._dropped += 1
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                self._forget(subscription)
+
+    def subscribe(self, session_id: str | None = None, *, buffer: int = 1024) -> Subscription:
+        if buffer < 1:
+            raise ValueError("a subscription needs a buffer of at least 1")
+        send, receive = anyio.create_memory_object_stream[Event](buffer)
+        subscription = Subscription(self, session_id, send, receive)
+        self._subscriptions.append(subscription)
+        return subscription
+
+    def _forget(self, subscription: Subscription) -> None:
+        if subscription in self._subscriptions:
+            self._subscriptions.remove(subscription)
+
+    def statistics(self) -> BusStatistics:
+        from . import BusStatistics
+
+        return BusStatistics(
+            published=self._published,
+            delivered=self._delivered,
+            dropped=self._dropped,
+            subscribers=len(self._subscriptions),
+        )
+
+    async def aclose(self) -> None:
+        """Close the bus; subscribers drain what they hold, then see the end."""
+        self._closed = True
+        for subscription in list(self._subscriptions):
+            await subscription._send.aclose()
+        self._subscriptions.clear()

@@ -1,0 +1,150 @@
+"""The five save-state events, as frozen tagged msgspec Structs.
+
+Per checkpoint the order is always ``captured`` < ``queued`` < one terminal
+event (``superseded`` | ``committed`` | ``failed``). Every event of a session
+carries a strictly increasing ``seq``, so a subscriber can detect gaps, and an
+``eventId`` derived from (session, epoch, checkpoint, event): publishing the
+same event again (say after a lost ack) carries the same id, which a bus uses
+to drop the duplicate (NATS: the ``Nats-Msg-Id`` header).
+
+Unknown fields are ignored when decoding, so old readers can read new events.
+Only ``durable: true`` on ``committed`` means saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+import msgspec
+
+from .ids import U64, Digest, Id
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "EVENT_NAMES",
+    "Captured",
+    "Committed",
+    "Event",
+    "Failed",
+    "PayloadSummary",
+    "Queued",
+    "Superseded",
+    "Timings",
+    "decode_event",
+    "encode_event",
+    "event_id",
+    "events_schema",
+    "subject",
+    "subject_token",
+]
+
+DEFAULT_PREFIX: Final = "ckpt"
+EVENT_NAMES: Final = ("captured", "queued", "superseded", "committed", "failed")
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    """Milliseconds spent in each phase so far (absent: not reached)."""
+
+    capture_ms: float | None = None
+    queue_wait_ms: float | None = None
+    write_ms: float | None = None
+    fsync_ms: float | None = None
+    total_ms: float | None = None
+
+
+class PayloadSummary(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """One captured payload: what a subscriber needs, not the bytes."""
+
+    name: Id
+    byte_length: U64
+    digest: Digest
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True, rename="camel", tag_field="event"):
+    seq: int
+    event_id: str
+    time: str  # RFC 3339, UTC
+    checkpoint_id: Id
+    session_id: Id
+    epoch: Id
+    episode_id: Id
+    boundary: U64
+    byte_length: U64  # sum of payload bytes
+    timings: Timings = Timings()
+
+
+class Captured(_Event, frozen=True, kw_only=True, tag="captured"):
+    """Every participant captured; the payloads are immutable and digested."""
+
+    payloads: tuple[PayloadSummary, ...]
+
+
+class Queued(_Event, frozen=True, kw_only=True, tag="queued"):
+    """The capture is in the writer's queue."""
+
+    queue_depth: int
+    queued_bytes: U64
+
+
+class Superseded(_Event, frozen=True, kw_only=True, tag="superseded"):
+    """A newer capture replaced this one before the writer took it; never saved."""
+
+    superseded_by: Id
+    durable: Literal[False] = False
+
+
+class Committed(_Event, frozen=True, kw_only=True, tag="committed"):
+    """The store manifest lists this checkpoint: the only saved acknowledgement."""
+
+    generation: str
+    envelope_digest: Digest
+    envelope_bytes: U64
+    high_water: Id
+    durable: Literal[True] = True
+
+
+class Failed(_Event, frozen=True, kw_only=True, tag="failed"):
+    """Nothing was made durable; ``code`` is the stable error code."""
+
+    code: str
+    reason: str
+    attempt: int
+    durable: Literal[False] = False
+
+
+Event = Captured | Queued | Superseded | Committed | Failed
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(Event)
+
+
+def encode_event(event: Event) -> bytes:
+    return _ENCODER.encode(event)
+
+
+def decode_event(data: bytes | memoryview) -> Event:
+    """Decode and validate one event (``msgspec.ValidationError`` if it is not one)."""
+    return _DECODER.decode(data)
+
+
+def event_id(session_id: str, epoch: str, checkpoint_id: str, event: str) -> str:
+    """The event's identity: the same for a re-publication of the same event."""
+    return f"{session_id}:{epoch}:{checkpoint_id}:{event}"
+
+
+def subject_token(session_id: str) -> str:
+    """A session id as one subject token: Ids may hold '.', which NATS reads as a
+    separator, so it is written %2E (Ids hold no '%', so this is reversible)."""
+    return session_id.replace(".", "%2E")
+
+
+def subject(session_id: str, event: str, *, prefix: str = DEFAULT_PREFIX) -> str:
+    """``<prefix>.<session>.<event>``, the subject an event is published on."""
+    if event not in EVENT_NAMES and event != "restored":
+        raise ValueError(f"unknown event {event!r}")
+    return f"{prefix}.{subject_token(session_id)}.{event}"
+
+
+def events_schema() -> dict[str, Any]:
+    """The JSON Schema of the event union (``docs/events.schema.json``)."""
+    return msgspec.json.schema(Event)

@@ -1,0 +1,71 @@
+"""The in-memory bus: order, per-session filtering, bounded buffers, counted drops."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from test_events import make
+
+from coordinator.bus import Bus, MemoryBus
+
+
+def test_memory_bus_is_a_bus() -> None:
+    """MemoryBus implements the protocol the NATS bus implements."""
+    bus: Bus = MemoryBus()
+    assert bus.statistics().published == 0
+
+
+@pytest.mark.asyncio
+async def test_subscribers_see_events_in_order() -> None:
+    """Every subscriber gets every event of its session, in publication order."""
+    bus = MemoryBus()
+    everything = bus.subscribe()
+    one = bus.subscribe("session-1")
+    other = bus.subscribe("session-2")
+    for seq in range(1, 6):
+        await bus.publish(make("queued", seq))
+    got = [(await everything.receive()).seq for _ in range(5)]
+    assert got == [1, 2, 3, 4, 5]
+    assert [(await one.receive()).seq for _ in range(5)] == [1, 2, 3, 4, 5]
+    with pytest.raises(anyio.WouldBlock):
+        other._receive.receive_nowait()
+    assert bus.statistics().delivered == 10
+
+
+@pytest.mark.asyncio
+async def test_a_slow_subscriber_never_blocks_publishing_and_drops_are_counted() -> None:
+    """A full buffer loses events for that subscriber only, and says how many."""
+    bus = MemoryBus()
+    slow = bus.subscribe(buffer=2)
+    fast = bus.subscribe(buffer=100)
+    with anyio.fail_after(1):
+        for seq in range(1, 11):
+            await bus.publish(make("queued", seq))
+    assert slow.dropped == 8
+    assert bus.statistics().dropped == 8
+    assert [(await slow.receive()).seq for _ in range(2)] == [1, 2]
+    assert [(await fast.receive()).seq for _ in range(10)] == list(range(1, 11))
+
+
+@pytest.mark.asyncio
+async def test_closing_the_bus_ends_every_subscription() -> None:
+    """After aclose, subscribers drain what they hold and then see the end."""
+    bus = MemoryBus()
+    subscription = bus.subscribe()
+    await bus.publish(make("committed"))
+    await bus.aclose()
+    assert [event.seq async for event in subscription] == [1]
+    with pytest.raises(anyio.ClosedResourceError):
+        await bus.publish(make("committed"))
+
+
+@pytest.mark.asyncio
+async def test_a_closed_subscription_is_forgotten() -> None:
+    """Closing a subscription removes it; publishing goes on for the others."""
+    bus = MemoryBus()
+    async with bus.subscribe() as gone:
+        assert bus.statistics().subscribers == 1
+    assert gone.dropped == 0
+    assert bus.statistics().subscribers == 0
+    await bus.publish(make("queued"))
+    assert bus.statistics().published == 1
