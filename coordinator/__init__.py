@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
+from ._errors import ArtifactReleasedError as ArtifactReleasedError
 from ._errors import CommitError as CommitError
 from ._errors import CoordinatorError as CoordinatorError
 from ._errors import CorruptEnvelopeError as CorruptEnvelopeError
@@ -13,6 +14,7 @@ from ._errors import InvalidScalarError as InvalidScalarError
 from ._errors import JsonError as JsonError
 from ._errors import JsonValueError as JsonValueError
 from ._errors import ManifestError as ManifestError
+from ._errors import MutableCaptureError as MutableCaptureError
 from ._errors import NoSpaceError as NoSpaceError
 from ._errors import NotCanonicalError as NotCanonicalError
 from ._errors import RenameError as RenameError
@@ -53,6 +55,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ArtifactReleasedError",
     "CommitError",
     "CoordinatorError",
     "CorruptEnvelopeError",
@@ -68,6 +71,7 @@ __all__ = [
     "JsonValueError",
     "Layout",
     "ManifestError",
+    "MutableCaptureError",
     "NoSpaceError",
     "NotCanonicalError",
     "RenameError",

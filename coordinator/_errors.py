@@ -8,7 +8,9 @@ into typed attributes; the message is built once, here.
     ├── UsageError (ValueError)           usage            the caller's mistake
     │   ├── InvalidScalarError            scalar.invalid   not an Id / U64 / Digest
     │   ├── JsonValueError                json.value       no canonical JSON for this value
-    │   └── EnvelopeInputError            envelope.input   encode() was handed bad values
+    │   ├── EnvelopeInputError            envelope.input   encode() was handed bad values
+    │   ├── MutableCaptureError           artifact.mutable a capture must be immutable bytes
+    │   └── ArtifactReleasedError         artifact.released  used or released twice
     ├── JsonError (ValueError)            json.invalid     not strict JSON
     │   └── NotCanonicalError             json.not_canonical
     ├── EnvelopeError                     envelope
@@ -37,6 +39,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 __all__ = [
+    "ArtifactReleasedError",
     "CommitError",
     "CoordinatorError",
     "CorruptEnvelopeError",
@@ -48,6 +51,7 @@ __all__ = [
     "JsonError",
     "JsonValueError",
     "ManifestError",
+    "MutableCaptureError",
     "NoSpaceError",
     "NotCanonicalError",
     "RenameError",
@@ -96,6 +100,18 @@ class EnvelopeInputError(UsageError):
     """encode() was given names, payloads or a manifest it cannot write."""
 
     code: ClassVar[str] = "envelope.input"
+
+
+class MutableCaptureError(UsageError):
+    """A capture was handed a buffer that can change (bytearray, writable map...)."""
+
+    code: ClassVar[str] = "artifact.mutable"
+
+
+class ArtifactReleasedError(UsageError):
+    """An artifact handle was released twice, or used after its release."""
+
+    code: ClassVar[str] = "artifact.released"
 
 
 class JsonError(CoordinatorError, ValueError):

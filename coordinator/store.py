@@ -55,7 +55,7 @@ from ._errors import (
     SyncError,
     UsageError,
 )
-from ._types import BytesLike
+from ._types import BytesLike, is_immutable
 from .canonical import canonical_bytes, parse_canonical
 from .envelope import FOOTER_BYTES, HEADER_BYTES, Envelope, decode, plan
 from .fs import FileSystem
@@ -489,7 +489,7 @@ class SyncStore:
                 "checkpoint Id (tmp- names are temporaries)", manifest.checkpoint_id
             )
         for name, data in payloads:
-            if not _immutable(data):
+            if not is_immutable(data):
                 raise UsageError(
                     f"payload {name!r} is a mutable buffer: pass bytes (or a read-only map). "
                     "Bytes that change while they are written and hashed would be committed "
@@ -700,17 +700,6 @@ class SyncStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _immutable(data: BytesLike) -> bool:
-    """bytes, or a view of bytes, or a read-only map: memory nobody can change."""
-    owner: object = data
-    while isinstance(owner, memoryview):
-        owner = owner.obj
-    if isinstance(owner, mmap.mmap):
-        with memoryview(owner) as probe:
-            return probe.readonly
-    return isinstance(owner, bytes)
 
 
 def _commit_error(checkpoint_id: str, operation: str, path: str, error: OSError) -> CommitError:
