@@ -18,6 +18,7 @@ from ._errors import MutableCaptureError as MutableCaptureError
 from ._errors import NoSpaceError as NoSpaceError
 from ._errors import NotCanonicalError as NotCanonicalError
 from ._errors import RenameError as RenameError
+from ._errors import SaveFailedError as SaveFailedError
 from ._errors import StoreClosedError as StoreClosedError
 from ._errors import StoreDirectoryError as StoreDirectoryError
 from ._errors import StoreError as StoreError
@@ -27,6 +28,8 @@ from ._errors import StorePoisonedError as StorePoisonedError
 from ._errors import StoreReadOnlyError as StoreReadOnlyError
 from ._errors import SyncError as SyncError
 from ._errors import UsageError as UsageError
+from ._errors import WriterBusyError as WriterBusyError
+from ._errors import WriterClosedError as WriterClosedError
 from .envelope import Envelope as Envelope
 from .envelope import EnvelopePlan as EnvelopePlan
 from .envelope import Layout as Layout
@@ -75,6 +78,7 @@ __all__ = [
     "NoSpaceError",
     "NotCanonicalError",
     "RenameError",
+    "SaveFailedError",
     "StoreClosedError",
     "StoreDirectoryError",
     "StoreError",

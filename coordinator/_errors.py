@@ -16,6 +16,9 @@ into typed attributes; the message is built once, here.
     ├── EnvelopeError                     envelope
     │   └── CorruptEnvelopeError (ValueError)  envelope.corrupt   corrupt or foreign bytes
     ├── ManifestError (ValueError)        manifest.invalid a manifest that breaks its rules
+    ├── WriterBusyError                   writer.busy      no slot or byte budget: try later
+    ├── WriterClosedError                 writer.closed
+    ├── SaveFailedError                   save.failed      an earlier save failed (raised once)
     └── StoreError                        store
         ├── StoreLockedError              store.locked     another writer holds the store
         ├── StoreReadOnlyError            store.read_only  commit on a read-only store
@@ -55,6 +58,7 @@ __all__ = [
     "NoSpaceError",
     "NotCanonicalError",
     "RenameError",
+    "SaveFailedError",
     "StoreClosedError",
     "StoreDirectoryError",
     "StoreError",
@@ -64,6 +68,8 @@ __all__ = [
     "StoreReadOnlyError",
     "SyncError",
     "UsageError",
+    "WriterBusyError",
+    "WriterClosedError",
 ]
 
 
@@ -175,6 +181,29 @@ class ManifestError(CoordinatorError, ValueError):
     """A checkpoint manifest that does not follow its rules."""
 
     code: ClassVar[str] = "manifest.invalid"
+
+
+class WriterBusyError(CoordinatorError):
+    """No capture slot is free, or the queued bytes would exceed the budget. Not a
+    failure of the session: the host keeps stepping and tries at a later boundary."""
+
+    code: ClassVar[str] = "writer.busy"
+
+
+class WriterClosedError(CoordinatorError):
+    code: ClassVar[str] = "writer.closed"
+
+
+class SaveFailedError(CoordinatorError):
+    """A save failed after it was accepted; raised once, by the next capture or on close."""
+
+    code: ClassVar[str] = "save.failed"
+
+    def __init__(self, checkpoint_id: str, error_code: str, reason: str) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.error_code = error_code
+        self.reason = reason
+        super().__init__(f"save of {checkpoint_id} failed [{error_code}]: {reason}")
 
 
 class StoreError(CoordinatorError):

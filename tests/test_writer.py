@@ -1,0 +1,310 @@
+"""The writer: bounds, supersede, ownership of handles, failures, event order."""
+
+from __future__ import annotations
+
+import errno
+import random
+import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from fsmodel import RecordingFS, fail_nth
+
+from coordinator import SaveFailedError, WriterBusyError
+from coordinator._sample import sample_body, sample_payload_names
+from coordinator.artifacts import ArtifactLedger, capture
+from coordinator.bus import MemoryBus
+from coordinator.events import Committed, Failed, Superseded
+from coordinator.manifest import PayloadRecord, manifest_with_records
+from coordinator.store import FileStore
+from coordinator.writer import RetryPolicy, Writer, WriterLimits
+
+NAMES = sample_payload_names(["fly-a"])
+
+
+class GateFS(RecordingFS):
+    """Each generation write waits until the test lets one through."""
+
+    def __init__(self) -> None:
+        super().__init__(keep_data=False)
+        self.gate = threading.Semaphore(0)
+        self.waiting = threading.Event()
+
+    def create(self, path: str) -> int:
+        if Path(path).name.startswith("tmp-ckpt"):
+            self.waiting.set()
+            self.gate.acquire()
+        return super().create(path)
+
+    def open_all(self) -> None:
+        for _ in range(100_000):
+            self.gate.release()
+
+
+async def make_job(index: int, ledger: ArtifactLedger, size: int = 100) -> tuple[Any, list[Any]]:
+    handles = [await capture(name, bytes([index % 256]) * size, ledger=ledger) for name in NAMES]
+    records = [
+        PayloadRecord(name=h.name, byte_length=str(h.byte_length), digest=h.digest) for h in handles
+    ]
+    manifest = manifest_with_records(sample_body(f"ckpt-{index}", step=index), records)
+    return manifest, handles
+
+
+async def submit(writer: Writer, index: int, *, replaceable: bool = True) -> Any:
+    reservation = writer.reserve()
+    manifest, handles = await make_job(index, writer.ledger)
+    return writer.submit(reservation, manifest, handles, replaceable=replaceable)
+
+
+async def wait_until(condition: Any) -> None:
+    with anyio.fail_after(10):
+        while not condition():
+            await anyio.sleep(0.001)
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_is_captured_queued_and_committed(tmp_path: Path) -> None:
+    """One checkpoint: its ticket says committed, its events come in order, handles go."""
+    bus = MemoryBus()
+    events = bus.subscribe()
+    async with FileStore(tmp_path) as store, Writer(store, bus) as writer:
+        ticket = await submit(writer, 1)
+        outcome = await ticket.wait()
+        assert isinstance(outcome, Committed) and outcome.durable
+        assert store.lookup("ckpt-1") is not None
+        assert writer.ledger.statistics().live == 0
+    kinds = [(await events.receive()) for _ in range(3)]
+    assert [type(e).__name__ for e in kinds] == ["Captured", "Queued", "Committed"]
+    assert [e.seq for e in kinds] == [1, 2, 3]
+    assert kinds[2].high_water == "ckpt-1"
+
+
+@pytest.mark.asyncio
+async def test_reserve_refuses_when_every_slot_is_taken(tmp_path: Path) -> None:
+    """The outstanding bound is reserved before capture; busy is a refusal, not a failure."""
+    fs = GateFS()
+    async with FileStore(tmp_path, fs=fs) as store, Writer(store, MemoryBus()) as writer:
+        first = writer.reserve()
+        second = writer.reserve()
+        with pytest.raises(WriterBusyError) as caught:
+            writer.reserve()
+        assert caught.value.code == "writer.busy"
+        first.cancel()
+        writer.reserve().cancel()  # a cancelled reservation frees its slot
+        second.cancel()
+        assert writer.statistics().rejected == 1
+        fs.open_all()
+
+
+@pytest.mark.asyncio
+async def test_newer_hot_capture_supersedes_the_queued_one(tmp_path: Path) -> None:
+    """A durable capture is taken and stalls; a hot one queued behind it is replaced
+    by a newer hot one. Exact counts."""
+    fs = GateFS()
+    bus = MemoryBus()
+    async with FileStore(tmp_path, fs=fs) as store, Writer(store, bus) as writer:
+        durable = await submit(writer, 1, replaceable=False)
+        await anyio.to_thread.run_sync(fs.waiting.wait)  # taken, stalled in the store
+        hot1 = await submit(writer, 2)
+        hot2 = await submit(writer, 3)
+        superseded = await hot1.wait()
+        assert isinstance(superseded, Superseded) and superseded.superseded_by == "ckpt-3"
+        fs.open_all()
+        assert isinstance(await durable.wait(), Committed)
+        assert isinstance(await hot2.wait(), Committed)
+        stats = writer.statistics()
+        assert (stats.committed, stats.superseded, stats.failed) == (2, 1, 0)
+        assert writer.ledger.statistics().live == 0
+        assert [r.checkpoint_id for r in store.generations] == ["ckpt-1", "ckpt-3"]
+
+
+@pytest.mark.asyncio
+async def test_durable_captures_are_never_superseded(tmp_path: Path) -> None:
+    """A queued non-replaceable capture stays; the newer one queues behind it."""
+    fs = GateFS()
+    async with FileStore(tmp_path, fs=fs) as store:
+        async with Writer(store, MemoryBus(), limits=WriterLimits(max_outstanding=3)) as writer:
+            first = await submit(writer, 1)
+            await anyio.to_thread.run_sync(fs.waiting.wait)
+            durable = await submit(writer, 2, replaceable=False)
+            hot = await submit(writer, 3)
+            fs.open_all()
+            outcomes = [await t.wait() for t in (first, durable, hot)]
+        assert all(isinstance(o, Committed) for o in outcomes)
+        assert writer.statistics().superseded == 0
+
+
+@pytest.mark.asyncio
+async def test_byte_budget_counts_what_a_supersede_frees(tmp_path: Path) -> None:
+    """The queue's byte budget is checked at submit, net of the supersede."""
+    fs = GateFS()
+    limits = WriterLimits(max_outstanding=3, max_queued_bytes=1200)
+    async with FileStore(tmp_path, fs=fs) as store:
+        async with Writer(store, MemoryBus(), limits=limits) as writer:
+            await submit(writer, 1)  # 500 bytes, taken
+            await anyio.to_thread.run_sync(fs.waiting.wait)
+            await submit(writer, 2, replaceable=False)  # 500 queued
+            hot = await submit(writer, 3)  # 1000 queued
+            await submit(writer, 4)  # fits only because it replaces ckpt-3
+            assert isinstance(await hot.wait(), Superseded)
+            reservation = writer.reserve()
+            manifest, handles = await make_job(5, writer.ledger, size=200)  # 1000 more
+            with pytest.raises(WriterBusyError, match="budget"):
+                writer.submit(reservation, manifest, handles, replaceable=False)
+            assert all(h.released for h in handles)  # a refused capture gives its bytes up
+            assert writer.statistics().peak_queued_bytes <= 1200
+            fs.open_all()
+        assert writer.ledger.statistics().live == 0
+
+
+@pytest.mark.asyncio
+async def test_failed_commit_releases_publishes_and_raises_next_time(tmp_path: Path) -> None:
+    """A store fault: handles released, failed published with its code, no false
+    durability, and the next reserve() raises the failure once."""
+    fs = RecordingFS(fail_nth("fsync", 1, errno.EIO, "tmp-ckpt"), keep_data=False)
+    bus = MemoryBus()
+    events = bus.subscribe()
+    async with FileStore(tmp_path, fs=fs) as store, Writer(store, bus) as writer:
+        ticket = await submit(writer, 1)
+        outcome = await ticket.wait()
+        assert isinstance(outcome, Failed) and outcome.code == "store.fsync"
+        assert outcome.durable is False
+        assert writer.ledger.statistics().live == 0
+        assert store.lookup("ckpt-1") is None
+        with pytest.raises(SaveFailedError) as caught:
+            writer.reserve()
+        assert caught.value.error_code == "store.fsync"
+        await (await submit(writer, 2)).wait()  # raised once; the session goes on
+    kinds = [type(await events.receive()).__name__ for _ in range(6)]
+    assert kinds == ["Captured", "Queued", "Failed", "Captured", "Queued", "Committed"]
+
+
+@pytest.mark.asyncio
+async def test_unseen_failure_is_raised_by_aclose(tmp_path: Path) -> None:
+    """A failure nobody has seen is raised when the writer closes: never swallowed."""
+    fs = RecordingFS(fail_nth("rename", 1, errno.EIO, "tmp-ckpt"), keep_data=False)
+    async with FileStore(tmp_path, fs=fs) as store:
+        with pytest.raises(SaveFailedError):
+            async with Writer(store, MemoryBus()) as writer:
+                await (await submit(writer, 1)).wait()
+
+
+@pytest.mark.asyncio
+async def test_retry_then_release(tmp_path: Path) -> None:
+    """With two attempts, a fault on the first is retried with a new temporary."""
+    fs = RecordingFS(fail_nth("fsync", 1, errno.EIO, "tmp-ckpt"), keep_data=False)
+    retry = RetryPolicy(attempts=2)
+    async with FileStore(tmp_path, fs=fs) as store, Writer(store, MemoryBus(), retry=retry) as w:
+        outcome = await (await submit(w, 1)).wait()
+    assert isinstance(outcome, Committed)
+    assert [op[1] for op in fs.ops if op[0] == "create"].count("tmp-ckpt-1.flysess") == 2
+
+
+@pytest.mark.asyncio
+async def test_stress_stays_within_both_bounds(tmp_path: Path) -> None:
+    """1,000 capture attempts against a gated slow writer: never more than the bounds,
+    refusals counted, every handle released."""
+    fs = GateFS()
+    limits = WriterLimits(max_outstanding=2, max_queued_bytes=1500)
+    chooser = random.Random(7)
+    async with FileStore(tmp_path, fs=fs) as store:
+        async with Writer(store, MemoryBus(), limits=limits) as writer:
+            busy = accepted = 0
+            for index in range(1000):
+                try:
+                    reservation = writer.reserve()
+                except WriterBusyError:
+                    busy += 1
+                else:
+                    manifest, handles = await make_job(index, writer.ledger)
+                    try:
+                        writer.submit(reservation, manifest, handles, replaceable=index % 7 != 0)
+                        accepted += 1
+                    except WriterBusyError:
+                        busy += 1
+                stats = writer.statistics()
+                assert stats.outstanding <= 2
+                assert stats.queued_bytes <= 1500
+                if chooser.random() < 0.2:
+                    fs.gate.release()
+                await anyio.lowlevel.checkpoint()
+            fs.open_all()
+        stats = writer.statistics()
+    assert busy > 0 and accepted > 0
+    assert stats.rejected == busy
+    assert stats.committed + stats.superseded + stats.failed == accepted
+    assert stats.peak_queued_bytes <= 1500
+    assert writer.ledger.statistics().live == 0
+
+
+@pytest.mark.asyncio
+async def test_event_order_and_seq_over_1000_checkpoints(tmp_path: Path) -> None:
+    """Across 1,000 checkpoints with random supersedes: seq is 1, 2, 3... with no gap,
+    and each checkpoint's events are captured < queued < exactly one terminal."""
+    fs = GateFS()
+    bus = MemoryBus()
+    events = bus.subscribe(buffer=10_000)
+    chooser = random.Random(11)
+    async with FileStore(tmp_path, fs=fs) as store:
+        limits = WriterLimits(max_outstanding=3)
+        async with Writer(store, bus, limits=limits) as writer:
+            submitted = 0
+            while submitted < 1000:
+                try:
+                    await submit(writer, submitted)
+                    submitted += 1
+                except WriterBusyError:
+                    fs.gate.release()
+                    await anyio.sleep(0)
+                if chooser.random() < 0.3:
+                    fs.gate.release()
+            fs.open_all()
+    received = []
+    while True:
+        try:
+            received.append(events._receive.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            break
+    assert [e.seq for e in received] == list(range(1, len(received) + 1))
+    per_checkpoint: dict[str, list[str]] = defaultdict(list)
+    for event in received:
+        per_checkpoint[event.checkpoint_id].append(type(event).__name__)
+    assert len(per_checkpoint) == 1000
+    for kinds in per_checkpoint.values():
+        assert kinds[:2] == ["Captured", "Queued"]
+        assert len(kinds) == 3 and kinds[2] in ("Committed", "Superseded", "Failed")
+    assert any(k[2] == "Superseded" for k in per_checkpoint.values())
+    assert bus.statistics().dropped == 0
+
+
+@pytest.mark.asyncio
+async def test_closing_drains_every_accepted_job(tmp_path: Path) -> None:
+    """Leaving the block writes what was accepted (accepted is not dropped)."""
+    async with FileStore(tmp_path, keep=10) as store:
+        async with Writer(store, MemoryBus(), limits=WriterLimits(max_outstanding=5)) as writer:
+            tickets = [await submit(writer, i, replaceable=False) for i in range(4)]
+        assert all(isinstance(t.outcome, Committed) for t in tickets)
+        assert len(store.generations) == 4
+
+
+@pytest.mark.asyncio
+async def test_cancelled_writer_releases_and_answers_every_ticket(tmp_path: Path) -> None:
+    """If the writer is torn down by cancellation, queued jobs fail loudly: handles
+    released, tickets answered."""
+    fs = GateFS()
+    async with FileStore(tmp_path, fs=fs) as store:
+        tickets = []
+        ledger = ArtifactLedger()
+        with anyio.CancelScope() as scope:
+            async with Writer(store, MemoryBus(), ledger=ledger,
+                              limits=WriterLimits(max_outstanding=3)) as writer:  # fmt: skip
+                tickets.append(await submit(writer, 1, replaceable=False))
+                await anyio.to_thread.run_sync(fs.waiting.wait)
+                tickets.append(await submit(writer, 2, replaceable=False))
+                fs.open_all()
+                scope.cancel()
+        assert all(t.done() for t in tickets)
+        assert ledger.statistics().live == 0
