@@ -89,6 +89,8 @@ __all__ = [
     "SyncError",
     "SyncStore",
     "UsageError",
+    "WriterBusyError",
+    "WriterClosedError",
     "decode",
     "encode",
 ]
