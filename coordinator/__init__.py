@@ -3,11 +3,14 @@
 from typing import TYPE_CHECKING, Any
 
 from ._errors import ArtifactReleasedError as ArtifactReleasedError
+from ._errors import CaptureFailedError as CaptureFailedError
 from ._errors import CommitError as CommitError
 from ._errors import CoordinatorError as CoordinatorError
 from ._errors import CorruptEnvelopeError as CorruptEnvelopeError
+from ._errors import DeadlineExpiredError as DeadlineExpiredError
 from ._errors import EnvelopeError as EnvelopeError
 from ._errors import EnvelopeInputError as EnvelopeInputError
+from ._errors import EpochFencedError as EpochFencedError
 from ._errors import GenerationCorruptError as GenerationCorruptError
 from ._errors import GenerationNotFoundError as GenerationNotFoundError
 from ._errors import InvalidScalarError as InvalidScalarError
@@ -18,7 +21,9 @@ from ._errors import MutableCaptureError as MutableCaptureError
 from ._errors import NoSpaceError as NoSpaceError
 from ._errors import NotCanonicalError as NotCanonicalError
 from ._errors import RenameError as RenameError
+from ._errors import RestoreFailedError as RestoreFailedError
 from ._errors import SaveFailedError as SaveFailedError
+from ._errors import StaleEpochError as StaleEpochError
 from ._errors import StoreClosedError as StoreClosedError
 from ._errors import StoreDirectoryError as StoreDirectoryError
 from ._errors import StoreError as StoreError
@@ -37,6 +42,7 @@ from .envelope import decode as decode
 from .envelope import encode as encode
 
 if TYPE_CHECKING:
+    from .session import Coordinator as Coordinator
     from .store import FileStore as FileStore
     from .store import SyncStore as SyncStore
 
@@ -44,7 +50,7 @@ __version__ = "0.1.0"
 
 # Modules that need anyio load on first use, so that importing the sans-IO
 # parts (``coordinator.envelope``) never pulls in anyio or nats.
-_LAZY = {"FileStore": ".store", "SyncStore": ".store"}
+_LAZY = {"Coordinator": ".session", "FileStore": ".store", "SyncStore": ".store"}
 
 
 def __getattr__(name: str) -> Any:
@@ -59,13 +65,17 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ArtifactReleasedError",
+    "CaptureFailedError",
     "CommitError",
+    "Coordinator",
     "CoordinatorError",
     "CorruptEnvelopeError",
+    "DeadlineExpiredError",
     "Envelope",
     "EnvelopeError",
     "EnvelopeInputError",
     "EnvelopePlan",
+    "EpochFencedError",
     "FileStore",
     "GenerationCorruptError",
     "GenerationNotFoundError",
@@ -78,7 +88,9 @@ __all__ = [
     "NoSpaceError",
     "NotCanonicalError",
     "RenameError",
+    "RestoreFailedError",
     "SaveFailedError",
+    "StaleEpochError",
     "StoreClosedError",
     "StoreDirectoryError",
     "StoreError",

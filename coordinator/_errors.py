@@ -19,6 +19,11 @@ into typed attributes; the message is built once, here.
     ├── WriterBusyError                   writer.busy      no slot or byte budget: try later
     ├── WriterClosedError                 writer.closed
     ├── SaveFailedError                   save.failed      an earlier save failed (raised once)
+    ├── CaptureFailedError                capture.failed   a participant failed: epoch fenced
+    ├── EpochFencedError                  epoch.fenced     capture refused until a restore
+    ├── DeadlineExpiredError              deadline.expired no outcome in time (may still commit)
+    ├── StaleEpochError                   restore.stale_epoch  restore into the current epoch
+    ├── RestoreFailedError                restore.failed   the group did not install; see tainted
     └── StoreError                        store
         ├── StoreLockedError              store.locked     another writer holds the store
         ├── StoreReadOnlyError            store.read_only  commit on a read-only store
@@ -43,11 +48,14 @@ from typing import Any, ClassVar
 
 __all__ = [
     "ArtifactReleasedError",
+    "CaptureFailedError",
     "CommitError",
     "CoordinatorError",
     "CorruptEnvelopeError",
+    "DeadlineExpiredError",
     "EnvelopeError",
     "EnvelopeInputError",
+    "EpochFencedError",
     "GenerationCorruptError",
     "GenerationNotFoundError",
     "InvalidScalarError",
@@ -58,7 +66,9 @@ __all__ = [
     "NoSpaceError",
     "NotCanonicalError",
     "RenameError",
+    "RestoreFailedError",
     "SaveFailedError",
+    "StaleEpochError",
     "StoreClosedError",
     "StoreDirectoryError",
     "StoreError",
@@ -204,6 +214,54 @@ class SaveFailedError(CoordinatorError):
         self.error_code = error_code
         self.reason = reason
         super().__init__(f"save of {checkpoint_id} failed [{error_code}]: {reason}")
+
+
+class CaptureFailedError(CoordinatorError):
+    """A participant failed to capture; the epoch is fenced until a restore."""
+
+    code: ClassVar[str] = "capture.failed"
+
+    def __init__(self, participant: str, reason: str) -> None:
+        self.participant = participant
+        self.reason = reason
+        super().__init__(f"participant {participant!r} failed to capture: {reason}")
+
+
+class EpochFencedError(CoordinatorError):
+    """Capture is refused: a participant failed in this epoch. Restore into a new one."""
+
+    code: ClassVar[str] = "epoch.fenced"
+
+
+class DeadlineExpiredError(CoordinatorError, TimeoutError):
+    """The deadline passed with no outcome. Not a failure: the save may still commit;
+    ``resolve(checkpoint_id)`` tells, from the store manifest."""
+
+    code: ClassVar[str] = "deadline.expired"
+
+    def __init__(self, checkpoint_id: str, phase: str) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.phase = phase
+        super().__init__(f"{phase} deadline of {checkpoint_id} expired; resolve() it by id")
+
+
+class StaleEpochError(CoordinatorError):
+    code: ClassVar[str] = "restore.stale_epoch"
+
+
+class RestoreFailedError(CoordinatorError):
+    """The group did not install: nothing was activated. ``tainted`` names the
+    participants that had staged (and were then aborted)."""
+
+    code: ClassVar[str] = "restore.failed"
+
+    def __init__(self, participant: str, reason: str, tainted: tuple[str, ...]) -> None:
+        self.participant = participant
+        self.reason = reason
+        self.tainted = tainted
+        super().__init__(
+            f"restore failed at {participant!r}: {reason}; tainted: {list(tainted) or 'none'}"
+        )
 
 
 class StoreError(CoordinatorError):

@@ -34,7 +34,8 @@ class GateFS(RecordingFS):
         self.waiting = threading.Event()
 
     def create(self, path: str) -> int:
-        if Path(path).name.startswith("tmp-ckpt"):
+        name = Path(path).name
+        if name.startswith("tmp-") and name.endswith(".flysess"):
             self.waiting.set()
             self.gate.acquire()
         return super().create(path)

@@ -1,0 +1,271 @@
+"""The coordinator: coherent all-participant checkpoints, and group restore.
+
+A simulation host embeds one ``Coordinator`` per session::
+
+    async with Coordinator(store, bus, participants, session_id="s1", epoch="e1",
+                           describe=describe) as coordinator:
+        ticket = await coordinator.capture(step)   # returns once captured and queued
+        ...                                         # the host keeps stepping
+        outcome = await ticket.wait()               # Committed | Failed | Superseded
+
+``capture`` reserves a writer slot first (``WriterBusyError`` if none: not a
+failure, try at a later boundary), asks every participant concurrently, turns
+each result into an immutable digested artifact, builds the manifest from those
+digests (no second hash) and hands the job to the writer. A participant that
+fails fences the epoch: capture is refused until a restore into a new epoch.
+
+Two deadlines, kept apart: ``capture_timeout`` bounds the participants (a dead
+participant), ``checkpoint(durability_timeout=...)`` bounds the wait for the
+disk (a slow disk is not a dead participant). An expired durability deadline
+is ``DeadlineExpiredError``, not a failure: ``resolve(checkpoint_id)`` answers
+it, and a lost reply, from the store manifest, and never saves again.
+
+``restore`` verifies the generation, stages every participant, and activates
+them only when all have staged: all or none.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, Protocol, Self
+
+import anyio
+import msgspec
+
+from ._errors import (
+    CaptureFailedError,
+    DeadlineExpiredError,
+    EpochFencedError,
+    RestoreFailedError,
+    StaleEpochError,
+    UsageError,
+)
+from ._types import BytesLike
+from .artifacts import ArtifactHandle, ArtifactLedger, capture
+from .bus import Bus
+from .ids import check_id
+from .manifest import ManifestBody, PayloadRecord, manifest_with_records
+from .store import FileStore, GenerationRecord
+from .writer import Outcome, RetryPolicy, Ticket, Writer, WriterLimits
+
+__all__ = [
+    "CaptureScope",
+    "Coordinator",
+    "Participant",
+    "RestoreReport",
+    "RestoreScope",
+]
+
+
+class CaptureScope(msgspec.Struct, frozen=True, kw_only=True):
+    session_id: str
+    epoch: str
+    step: int
+    checkpoint_id: str
+
+
+class RestoreScope(msgspec.Struct, frozen=True, kw_only=True):
+    session_id: str
+    epoch: str  # the new epoch the restored state will live in
+    checkpoint_id: str
+    step: int
+
+
+class RestoreReport(msgspec.Struct, frozen=True, kw_only=True):
+    record: GenerationRecord
+    epoch: str
+    participants: tuple[str, ...]
+
+
+class Participant(Protocol):
+    """One part of the simulation whose state goes into a checkpoint.
+
+    ``name`` is its payload name (an Id). ``stage_restore`` must copy what it
+    needs from ``payload``: the view is released once the restore ends.
+    """
+
+    name: str
+
+    async def capture(self, scope: CaptureScope) -> BytesLike: ...
+
+    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Any: ...
+
+    async def activate_restore(self, token: Any) -> None: ...
+
+    async def abort_restore(self, token: Any) -> None: ...
+
+
+class Coordinator:
+    def __init__(
+        self,
+        store: FileStore,
+        bus: Bus,
+        participants: Sequence[Participant],
+        *,
+        session_id: str,
+        epoch: str,
+        describe: Callable[[CaptureScope], ManifestBody],
+        limits: WriterLimits | None = None,
+        retry: RetryPolicy | None = None,
+        capture_timeout: float = 30.0,
+        spool_dir: str | None = None,
+    ) -> None:
+        names = [check_id(p.name) for p in participants]
+        if len(set(names)) != len(names):
+            raise UsageError(f"participant names repeat: {names}")
+        self.store = store
+        self.bus = bus
+        self.participants = tuple(participants)
+        self.session_id = check_id(session_id)
+        self.epoch = check_id(epoch)
+        self.describe = describe
+        self.capture_timeout = capture_timeout
+        self.spool_dir = spool_dir
+        self.ledger = ArtifactLedger()
+        self.writer = Writer(store, bus, limits=limits, retry=retry, ledger=self.ledger)
+        self._fenced: CaptureFailedError | None = None
+
+    async def __aenter__(self) -> Self:
+        await self.writer.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool | None:
+        return await self.writer.__aexit__(exc_type, exc, traceback)
+
+    async def aclose(self) -> None:
+        await self.__aexit__(None, None, None)
+
+    # --- capture -------------------------------------------------------------------
+
+    async def capture(
+        self, step: int, *, replaceable: bool = True, checkpoint_id: str | None = None
+    ) -> Ticket:
+        """Capture every participant at this committed step boundary and queue it.
+
+        Returns once captured and queued; ``ticket.wait()`` gives the outcome.
+        Raises ``EpochFencedError`` after a participant failure, a previous save's
+        ``SaveFailedError`` once, ``WriterBusyError`` when no slot is free,
+        ``CaptureFailedError`` (fencing the epoch), or ``DeadlineExpiredError``.
+        """
+        if self._fenced is not None:
+            raise EpochFencedError(
+                f"epoch {self.epoch} is fenced ({self._fenced}); restore into a new epoch"
+            )
+        checkpoint_id = check_id(checkpoint_id or f"{self.epoch}-{step}")
+        scope = CaptureScope(
+            session_id=self.session_id, epoch=self.epoch, step=step, checkpoint_id=checkpoint_id
+        )
+        with self.writer.reserve() as reservation:  # before any participant is asked
+            started = time.perf_counter()
+            handles = await self._capture_all(scope)
+            try:
+                records = [
+                    PayloadRecord(name=h.name, byte_length=str(h.byte_length), digest=h.digest)
+                    for h in handles
+                ]
+                manifest = manifest_with_records(self.describe(scope), records)
+            except BaseException:
+                for handle in handles:
+                    handle.release()
+                raise
+            ticket = self.writer.submit(
+                reservation,
+                manifest,
+                handles,
+                replaceable=replaceable,
+                capture_ms=(time.perf_counter() - started) * 1000,
+            )
+        return ticket
+
+    async def _capture_all(self, scope: CaptureScope) -> list[ArtifactHandle]:
+        """Every participant at once; on any failure, what was captured is released."""
+        captured: dict[str, ArtifactHandle] = {}
+        failure: list[CaptureFailedError] = []
+
+        async def one(participant: Participant) -> None:
+            try:
+                data = await participant.capture(scope)
+            except Exception as error:
+                failure.append(CaptureFailedError(participant.name, repr(error)))
+                raise
+            captured[participant.name] = await capture(
+                participant.name, data, ledger=self.ledger, spool_dir=self.spool_dir
+            )
+
+        try:
+            with anyio.fail_after(self.capture_timeout):
+                async with anyio.create_task_group() as group:
+                    for participant in self.participants:
+                        group.start_soon(one, participant)
+        except BaseException as error:
+            for handle in captured.values():
+                handle.release()
+            if isinstance(error, TimeoutError):
+                self._fenced = CaptureFailedError("(all)", "capture deadline expired")
+                raise DeadlineExpiredError(scope.checkpoint_id, "capture") from None
+            if failure:
+                self._fenced = failure[0]
+                raise failure[0] from error
+            raise
+        return [captured[p.name] for p in self.participants]
+
+    async def checkpoint(
+        self, step: int, *, durability_timeout: float = 60.0, replaceable: bool = False
+    ) -> Outcome:
+        """A capture that waits for its outcome (durable by default: not replaceable)."""
+        ticket = await self.capture(step, replaceable=replaceable)
+        try:
+            with anyio.fail_after(durability_timeout):
+                return await ticket.wait()
+        except TimeoutError:
+            raise DeadlineExpiredError(ticket.checkpoint_id, "durability") from None
+
+    def resolve(self, checkpoint_id: str) -> GenerationRecord | None:
+        """Whether ``checkpoint_id`` is durable, from the store manifest alone: how a
+        lost reply or an expired deadline is answered. Never saves again."""
+        return self.store.lookup(checkpoint_id)
+
+    # --- restore -------------------------------------------------------------------
+
+    async def restore(self, checkpoint_id: str | None = None, *, new_epoch: str) -> RestoreReport:
+        """Verify a generation (named, or the high water) and install it into
+        ``new_epoch``: every participant stages, then all activate, or none does."""
+        check_id(new_epoch)
+        if new_epoch == self.epoch:
+            raise StaleEpochError(f"{new_epoch} is the current epoch; restore into a new one")
+        stored = await self.store.read(checkpoint_id)
+        record = stored.record
+        scope = RestoreScope(
+            session_id=self.session_id,
+            epoch=new_epoch,
+            checkpoint_id=record.checkpoint_id,
+            step=int(record.boundary),
+        )
+        staged: list[tuple[Participant, Any]] = []
+        try:
+            for participant in self.participants:
+                try:
+                    payload = stored.payload(participant.name)
+                    token = await participant.stage_restore(payload, scope)
+                except Exception as error:
+                    tainted = tuple(p.name for p, _ in staged)
+                    for staged_participant, staged_token in staged:
+                        await staged_participant.abort_restore(staged_token)
+                    raise RestoreFailedError(participant.name, repr(error), tainted) from error
+                staged.append((participant, token))
+            for participant, token in staged:
+                await participant.activate_restore(token)
+        finally:
+            stored.close()
+        self.epoch = new_epoch
+        self._fenced = None
+        return RestoreReport(
+            record=record, epoch=new_epoch, participants=tuple(p.name for p, _ in staged)
+        )

@@ -1,0 +1,210 @@
+"""The coordinator: coherent capture, fencing, deadlines, lost replies, group restore."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from test_writer import GateFS
+
+from coordinator import (
+    CaptureFailedError,
+    DeadlineExpiredError,
+    EpochFencedError,
+    RestoreFailedError,
+    StaleEpochError,
+)
+from coordinator._sample import sample_body
+from coordinator.bus import MemoryBus
+from coordinator.events import Committed
+from coordinator.manifest import ManifestBody
+from coordinator.session import CaptureScope, Coordinator, RestoreScope
+from coordinator.store import FileStore
+
+
+class Part:
+    """A participant with plain state; it can be told to fail, stall or refuse."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.state = f"{name}@0".encode()
+        self.fail_capture = False
+        self.refuse_restore = False
+        self.gate: anyio.Event | None = None
+        self.started = anyio.Event()
+        self.staged: list[bytes] = []
+        self.aborted = 0
+
+    async def capture(self, scope: CaptureScope) -> bytes:
+        self.started.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail_capture:
+            raise RuntimeError("sensor offline")
+        return self.state
+
+    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
+        if self.refuse_restore:
+            raise ValueError("incompatible state")
+        token = bytes(payload)
+        self.staged.append(token)
+        return token
+
+    async def activate_restore(self, token: bytes) -> None:
+        self.state = token
+
+    async def abort_restore(self, token: bytes) -> None:
+        self.aborted += 1
+
+
+def describe(scope: CaptureScope) -> ManifestBody:
+    return sample_body(scope.checkpoint_id, step=scope.step, epoch=scope.epoch)
+
+
+def parts() -> list[Part]:
+    return [Part(n) for n in ("world", "agent-fly-a", "task-ledger", "prior-inspection",
+                              "executor-fly-a")]  # fmt: skip
+
+
+def coordinator(store: FileStore, participants: list[Part], **options: Any) -> Coordinator:
+    return Coordinator(
+        store, MemoryBus(), participants, session_id="session-1", epoch="epoch-1",
+        describe=describe, **options,
+    )  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_capture_asks_every_participant_concurrently(tmp_path: Path) -> None:
+    """No participant's capture waits for another's: all start before any finishes."""
+    participants = parts()
+    gate = anyio.Event()
+    for p in participants:
+        p.gate = gate
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        async with anyio.create_task_group() as group:
+            results: list[Any] = []
+
+            async def run() -> None:
+                results.append(await c.capture(1))
+
+            group.start_soon(run)
+            for p in participants:
+                with anyio.fail_after(5):
+                    await p.started.wait()  # every one has started, none finished
+            gate.set()
+        outcome = await results[0].wait()
+        assert isinstance(outcome, Committed)
+        with await store.read("epoch-1-1") as stored:
+            assert bytes(stored.payload("world")) == b"world@0"
+
+
+@pytest.mark.asyncio
+async def test_a_failed_participant_fences_the_epoch(tmp_path: Path) -> None:
+    """Capture failure: nothing is queued, nothing leaks, and capture is refused
+    until a restore into a new epoch."""
+    participants = parts()
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        await (await c.capture(1)).wait()
+        participants[2].fail_capture = True
+        with pytest.raises(CaptureFailedError) as caught:
+            await c.capture(2)
+        assert caught.value.participant == "task-ledger"
+        assert c.ledger.statistics().live == 0
+        participants[2].fail_capture = False
+        with pytest.raises(EpochFencedError):
+            await c.capture(3)
+        await c.restore(new_epoch="epoch-2")
+        assert isinstance(await (await c.capture(4)).wait(), Committed)
+        assert c.writer.statistics().outstanding == 0
+
+
+@pytest.mark.asyncio
+async def test_lost_reply_is_resolved_from_the_store_without_saving_again(tmp_path: Path) -> None:
+    """The host drops the ticket; resolve() finds the commit by id; one save only."""
+    async with FileStore(tmp_path) as store, coordinator(store, parts()) as c:
+        ticket = await c.capture(5)
+        del ticket  # the reply is lost
+        with anyio.fail_after(5):
+            while c.resolve("epoch-1-5") is None:
+                await anyio.sleep(0.001)
+        record = c.resolve("epoch-1-5")
+        assert record is not None and record.boundary == "5"
+        assert store.statistics().commits == 1
+        assert c.resolve("epoch-1-6") is None
+
+
+@pytest.mark.asyncio
+async def test_durability_deadline_is_distinct_from_failure(tmp_path: Path) -> None:
+    """A slow disk past the deadline is DeadlineExpiredError (not a failure); the
+    save still commits, and resolve() says so."""
+    fs = GateFS()
+    async with FileStore(tmp_path, fs=fs) as store, coordinator(store, parts()) as c:
+        with pytest.raises(DeadlineExpiredError) as caught:
+            await c.checkpoint(9, durability_timeout=0.05)
+        assert caught.value.code == "deadline.expired"
+        assert caught.value.phase == "durability"
+        assert c.resolve("epoch-1-9") is None
+        fs.open_all()
+        with anyio.fail_after(5):
+            while c.resolve("epoch-1-9") is None:
+                await anyio.sleep(0.001)
+        assert c.writer.statistics().failed == 0
+
+
+@pytest.mark.asyncio
+async def test_restore_is_all_or_nothing_and_reports_the_tainted(tmp_path: Path) -> None:
+    """One participant refuses its bytes: nobody activates, the staged ones are
+    aborted and reported; the current epoch is refused; a clean restore then works."""
+    participants = parts()
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        await (await c.capture(1, replaceable=False)).wait()
+        for p in participants:
+            p.state = f"{p.name}@changed".encode()
+        participants[3].refuse_restore = True
+        with pytest.raises(RestoreFailedError) as caught:
+            await c.restore(new_epoch="epoch-2")
+        assert caught.value.participant == "prior-inspection"
+        assert caught.value.tainted == ("world", "agent-fly-a", "task-ledger")
+        assert [p.aborted for p in participants] == [1, 1, 1, 0, 0]
+        assert all(p.state.endswith(b"@changed") for p in participants)  # none activated
+        assert c.epoch == "epoch-1"
+        with pytest.raises(StaleEpochError):
+            await c.restore(new_epoch="epoch-1")
+        participants[3].refuse_restore = False
+        report = await c.restore(new_epoch="epoch-2")
+        assert report.record.checkpoint_id == "epoch-1-1"
+        assert all(p.state == f"{p.name}@0".encode() for p in participants)
+        assert c.epoch == "epoch-2"
+
+
+@pytest.mark.asyncio
+async def test_cancelling_the_host_mid_capture_leaks_nothing(tmp_path: Path) -> None:
+    """A host task cancelled while participants capture: no handle, no slot left."""
+    participants = parts()
+    gate = anyio.Event()
+    participants[4].gate = gate  # one participant stalls
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        with anyio.move_on_after(0.05) as scope:
+            await c.capture(1)
+        assert scope.cancelled_caught
+        assert c.ledger.statistics().live == 0
+        assert c.writer.statistics().outstanding == 0
+        participants[4].gate = None
+        assert isinstance(await (await c.capture(2)).wait(), Committed)
+
+
+@pytest.mark.asyncio
+async def test_capture_deadline_is_not_the_disk(tmp_path: Path) -> None:
+    """A participant that never answers hits the capture deadline, fencing the epoch."""
+    participants = parts()
+    participants[0].gate = anyio.Event()
+    options = {"capture_timeout": 0.05}
+    async with FileStore(tmp_path) as store, coordinator(store, participants, **options) as c:
+        with pytest.raises(DeadlineExpiredError) as caught:
+            await c.capture(1)
+        assert caught.value.phase == "capture"
+        with pytest.raises(EpochFencedError):
+            await c.capture(2)
+        assert c.ledger.statistics().live == 0
