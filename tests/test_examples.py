@@ -21,3 +21,18 @@ def test_make_sample_writes_a_complete_verified_checkpoint(tmp_path: Path) -> No
     assert manifest.checkpoint_id == "ckpt-120"
     assert decoded.names[0] == "world"
     assert len(decoded.names) == 9
+
+
+def test_simulation_example_checkpoints_and_restores(tmp_path: Path) -> None:
+    """The async host example steps, checkpoints, restores into a new epoch, and gets
+    its exact state back."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "simulation.py"), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "identical state" in result.stdout
+    assert "committed" in result.stdout
