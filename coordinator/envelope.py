@@ -306,9 +306,12 @@ class EnvelopePlan:
     does both, hashing on worker threads while the caller consumes the pieces.
     """
 
-    def __init__(self, prefix: bytes, layout: Layout, payloads: Sequence[memoryview]) -> None:
+    def __init__(
+        self, prefix: bytes, layout: Layout, payloads: Sequence[memoryview], *, verify: bool = True
+    ) -> None:
         self.prefix = prefix
         self.layout = layout
+        self._verify = verify
         self.sealed: Seal | None = None
         self._payloads = tuple(payloads)
 
@@ -330,12 +333,19 @@ class EnvelopePlan:
     def seal(self) -> Seal:
         """Hash every piece and produce the footer; raises ``EnvelopeInputError`` if a
         payload disagrees with the digest its manifest record claims (it changed after
-        it was described)."""
-        if self.layout.footer_offset < _PARALLEL_MIN:  # one thread, one walk
+        it was described).
+
+        With ``payloads_verified`` (see ``plan``) only the footer's hash is taken.
+        """
+        if not self._verify or self.layout.footer_offset < _PARALLEL_MIN:  # one stream
             body_hash = hashlib.sha256()
             for piece in self.pieces():
                 body_hash.update(piece)
-            actual = [hashlib.sha256(view).digest() for view in self._payloads]
+            actual = (
+                [hashlib.sha256(view).digest() for view in self._payloads]
+                if self._verify
+                else [bytes.fromhex(entry.digest) for entry in self.layout.entries]
+            )
         else:
             body: list[tuple[int, memoryview]] = []
             offset = 0
@@ -389,12 +399,19 @@ class EnvelopePlan:
         yield memoryview(result.footer)
 
 
-def plan(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]]) -> EnvelopePlan:
+def plan(
+    manifest: Mapping[str, Any],
+    payloads: Sequence[tuple[str, BytesLike]],
+    *,
+    payloads_verified: bool = False,
+) -> EnvelopePlan:
     """Lay out an envelope for ``manifest`` and ``payloads`` (written in that order).
 
     The manifest must already carry the ``payloads`` records (see
-    ``coordinator.manifest.build_manifest``); their
-    digests go into the table, and ``seal()`` proves them against the bytes.
+    ``coordinator.manifest.build_manifest``); their digests go into the table,
+    and ``seal()`` proves them against the bytes. A caller whose payloads are
+    immutable and were digested moments ago (the writer's artifact handles)
+    passes ``payloads_verified=True`` so that pass is not paid twice.
     """
     if len(payloads) > MAX_PAYLOADS:
         raise EnvelopeInputError(f"{len(payloads)} payloads; an envelope holds at most 64")
@@ -470,7 +487,7 @@ def plan(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]])
             entry.byte_length,
             bytes.fromhex(entry.digest),
         )
-    return EnvelopePlan(bytes(prefix), layout, views)
+    return EnvelopePlan(bytes(prefix), layout, views, verify=not payloads_verified)
 
 
 def encode(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]]) -> bytes:

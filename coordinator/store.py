@@ -476,9 +476,18 @@ class SyncStore:
     # --- committing ----------------------------------------------------------------
 
     def commit(
-        self, manifest: CheckpointManifest, payloads: Sequence[tuple[str, BytesLike]]
+        self,
+        manifest: CheckpointManifest,
+        payloads: Sequence[tuple[str, BytesLike]],
+        *,
+        payloads_verified: bool = False,
     ) -> CommitReceipt:
-        """Make one checkpoint durable, or raise ``CommitError`` having changed nothing."""
+        """Make one checkpoint durable, or raise ``CommitError`` having changed nothing.
+
+        ``payloads_verified``: the payloads are immutable and their manifest
+        digests were computed from these very bytes (artifact handles), so the
+        envelope takes only the footer's hash (see ``envelope.plan``).
+        """
         self._check_open()
         if self.read_only:
             raise StoreReadOnlyError(f"{self.path} was opened read-only")
@@ -496,7 +505,7 @@ class SyncStore:
                     "as a generation that fails its own digest."
                 )
         try:
-            receipt = self._commit(manifest, payloads)
+            receipt = self._commit(manifest, payloads, payloads_verified)
         except BaseException:
             self._failed += 1
             raise
@@ -505,7 +514,10 @@ class SyncStore:
         return receipt
 
     def _commit(
-        self, manifest: CheckpointManifest, payloads: Sequence[tuple[str, BytesLike]]
+        self,
+        manifest: CheckpointManifest,
+        payloads: Sequence[tuple[str, BytesLike]],
+        payloads_verified: bool,
     ) -> CommitReceipt:
         checkpoint_id = manifest.checkpoint_id
         timings: dict[str, float] = {}
@@ -517,7 +529,9 @@ class SyncStore:
             timings[name] = round((now - clock) * 1000, 3)
             clock = now
 
-        envelope_plan = plan(manifest_to_builtins(manifest), payloads)
+        envelope_plan = plan(
+            manifest_to_builtins(manifest), payloads, payloads_verified=payloads_verified
+        )
         previous = self.lookup(checkpoint_id)
         name = f"{checkpoint_id}{SUFFIX}"
         if previous is not None and previous.file == name:
@@ -763,10 +777,18 @@ class FileStore:
                     core.close()
 
     async def commit(
-        self, manifest: CheckpointManifest, payloads: Sequence[tuple[str, BytesLike]]
+        self,
+        manifest: CheckpointManifest,
+        payloads: Sequence[tuple[str, BytesLike]],
+        *,
+        payloads_verified: bool = False,
     ) -> CommitReceipt:
         async with self._commit_lock:
-            receipt: CommitReceipt = await self._run(self.core.commit, manifest, payloads)
+            receipt: CommitReceipt = await self._run(
+                functools.partial(self.core.commit, payloads_verified=payloads_verified),
+                manifest,
+                payloads,
+            )
             return receipt
 
     def lookup(self, checkpoint_id: str) -> GenerationRecord | None:

@@ -366,7 +366,11 @@ class Writer:
             for attempt in range(1, max(1, self.retry.attempts) + 1):
                 tried = attempt
                 try:
-                    receipt = await self.store.commit(job.manifest, payloads)
+                    # Handles are immutable and were digested at capture: the
+                    # footer's pass is the only one left to pay.
+                    receipt = await self.store.commit(
+                        job.manifest, payloads, payloads_verified=True
+                    )
                 except CommitError as error:
                     failure = error
                     continue

@@ -305,3 +305,17 @@ def test_whole_file_digest_comes_without_another_pass(reference: Any) -> None:
     assert envelope_plan.sealed is not None
     assert envelope_plan.sealed.envelope_digest == hashlib.sha256(data).hexdigest()
     assert envelope.decode(data).envelope_digest == hashlib.sha256(data).hexdigest()
+
+
+def test_payloads_verified_skips_the_payload_pass_and_decode_still_checks() -> None:
+    """payloads_verified trusts the manifest digests (one hash pass, the footer's);
+    a caller who lies gets an envelope every reader refuses."""
+    payloads = [("p", b"real bytes")]
+    manifest = minimal_manifest([("p", b"other byte")])  # same length, wrong digest
+    with pytest.raises(EnvelopeInputError):
+        envelope.encode(manifest, payloads)
+    trusted = envelope.plan(manifest, payloads, payloads_verified=True)
+    data = b"".join(trusted.stream())
+    with pytest.raises(CorruptEnvelopeError) as caught:
+        envelope.decode(data)
+    assert caught.value.check == "entry-digest"
