@@ -11,8 +11,9 @@ map, a read-only view of a bytearray) is **refused** with
 ``MutableCaptureError``: copying would hide a cost the host should see, and
 bytes that change after capture are exactly the bug this prevents.
 
-Digests of captures of 64 KiB or more are computed in a worker thread; below
-that, hashing takes less than a thread hop and runs inline.
+Digests of captures of 64 KiB or more are computed in worker threads (at most
+one fewer than the cores, see ``hashing_limiter``); below that, hashing takes
+less than a thread hop and runs inline.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ __all__ = [
     "MemoryArtifact",
     "SpoolArtifact",
     "capture",
+    "hashing_limiter",
+    "sha256_hex",
 ]
 
 HASH_IN_THREAD_BYTES = 64 << 10
@@ -189,9 +192,15 @@ class SpoolArtifact(_Handle):
             mapped.close()  # BufferError if a view is still held: release views first
 
 
-def _sha256(data: BytesLike) -> str:
+def sha256_hex(data: BytesLike) -> str:
     with memoryview(data) as view:
         return hashlib.sha256(view).hexdigest()
+
+
+def hashing_limiter() -> anyio.CapacityLimiter:
+    """Worker threads for capture digests: one fewer than the cores, so hashing a
+    large capture never takes the core the host's event loop runs on."""
+    return anyio.CapacityLimiter(max(1, (os.cpu_count() or 2) - 1))
 
 
 async def capture(
@@ -201,6 +210,7 @@ async def capture(
     ledger: ArtifactLedger,
     spool_dir: str | None = None,
     spool_threshold: int = 64 << 20,
+    limiter: anyio.CapacityLimiter | None = None,
 ) -> ArtifactHandle:
     """Take one participant's bytes as an immutable, digested handle.
 
@@ -217,13 +227,15 @@ async def capture(
         length = view.nbytes
     handle: ArtifactHandle
     if spool_dir is not None and length >= max(1, spool_threshold):
-        mapped, digest = await anyio.to_thread.run_sync(SpoolArtifact.write, data, spool_dir)
+        mapped, digest = await anyio.to_thread.run_sync(
+            SpoolArtifact.write, data, spool_dir, limiter=limiter
+        )
         handle = SpoolArtifact(name, mapped, digest, ledger)
     elif length >= HASH_IN_THREAD_BYTES:
-        digest = await anyio.to_thread.run_sync(_sha256, data)
+        digest = await anyio.to_thread.run_sync(sha256_hex, data, limiter=limiter)
         handle = MemoryArtifact(name, data, digest, ledger)
     else:
-        return MemoryArtifact(name, data, _sha256(data), ledger)
+        return MemoryArtifact(name, data, sha256_hex(data), ledger)
     # A cancellation that arrived while the thread ran is delivered here, after
     # the thread finished: the handle is released rather than lost.
     try:

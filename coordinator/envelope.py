@@ -366,7 +366,7 @@ class EnvelopePlan:
         body_hash.update(footer)
         return Seal(footer=footer, envelope_digest=body_hash.hexdigest())
 
-    def stream(self) -> Iterator[memoryview]:
+    def stream(self, *, thread_setup: Callable[[], None] | None = None) -> Iterator[memoryview]:
         """Every byte of the envelope, piece by piece, the footer last.
 
         Hashing runs on worker threads while the caller handles the pieces; a
@@ -382,6 +382,8 @@ class EnvelopePlan:
 
         def run() -> None:
             try:
+                if thread_setup is not None:
+                    thread_setup()  # e.g. the store lowers this thread's priority
                 outcome.append(self.seal())
             except BaseException as error:  # handed to the consumer below
                 outcome.append(error)

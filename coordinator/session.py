@@ -14,6 +14,9 @@ each result into an immutable digested artifact, builds the manifest from those
 digests (no second hash) and hands the job to the writer. A participant that
 fails fences the epoch: capture is refused until a restore into a new epoch.
 
+A final capture on clean shutdown is off by default; pass ``final_step`` (the
+host's current step) to take one, durably, before the writer drains.
+
 Two deadlines, kept apart: ``capture_timeout`` bounds the participants (a dead
 participant), ``checkpoint(durability_timeout=...)`` bounds the wait for the
 disk (a slow disk is not a dead participant). An expired durability deadline
@@ -43,7 +46,7 @@ from ._errors import (
     UsageError,
 )
 from ._types import BytesLike
-from .artifacts import ArtifactHandle, ArtifactLedger, capture
+from .artifacts import ArtifactHandle, ArtifactLedger, capture, hashing_limiter
 from .bus import Bus
 from .ids import check_id
 from .manifest import ManifestBody, PayloadRecord, manifest_with_records
@@ -111,6 +114,7 @@ class Coordinator:
         retry: RetryPolicy | None = None,
         capture_timeout: float = 30.0,
         spool_dir: str | None = None,
+        final_step: Callable[[], int] | None = None,
     ) -> None:
         names = [check_id(p.name) for p in participants]
         if len(set(names)) != len(names):
@@ -123,11 +127,14 @@ class Coordinator:
         self.describe = describe
         self.capture_timeout = capture_timeout
         self.spool_dir = spool_dir
+        self.final_step = final_step
         self.ledger = ArtifactLedger()
         self.writer = Writer(store, bus, limits=limits, retry=retry, ledger=self.ledger)
+        self._hashing: anyio.CapacityLimiter | None = None
         self._fenced: CaptureFailedError | None = None
 
     async def __aenter__(self) -> Self:
+        self._hashing = hashing_limiter()
         await self.writer.__aenter__()
         return self
 
@@ -137,6 +144,8 @@ class Coordinator:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> bool | None:
+        if exc_type is None and self.final_step is not None and self._fenced is None:
+            await self.capture(self.final_step(), replaceable=False)  # drained below
         return await self.writer.__aexit__(exc_type, exc, traceback)
 
     async def aclose(self) -> None:
@@ -196,7 +205,11 @@ class Coordinator:
                 failure.append(CaptureFailedError(participant.name, repr(error)))
                 raise
             captured[participant.name] = await capture(
-                participant.name, data, ledger=self.ledger, spool_dir=self.spool_dir
+                participant.name,
+                data,
+                ledger=self.ledger,
+                spool_dir=self.spool_dir,
+                limiter=self._hashing,
             )
 
         try:

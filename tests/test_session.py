@@ -208,3 +208,16 @@ async def test_capture_deadline_is_not_the_disk(tmp_path: Path) -> None:
         with pytest.raises(EpochFencedError):
             await c.capture(2)
         assert c.ledger.statistics().live == 0
+
+
+@pytest.mark.asyncio
+async def test_final_capture_on_clean_shutdown_is_opt_in(tmp_path: Path) -> None:
+    """Off by default; with final_step, a clean close takes one durable checkpoint."""
+    async with FileStore(tmp_path / "a") as store:
+        async with coordinator(store, parts()):
+            pass
+        assert store.generations == ()
+    async with FileStore(tmp_path / "b") as store:
+        async with coordinator(store, parts(), final_step=lambda: 42):
+            pass
+        assert [r.checkpoint_id for r in store.generations] == ["epoch-1-42"]

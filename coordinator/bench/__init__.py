@@ -110,4 +110,14 @@ def _store(size: int, runs: int) -> list[Result]:
     return run(size=size, runs=runs)
 
 
-GROUPS: dict[str, Callable[[int, int], list[Result]]] = {"envelope": _envelope, "store": _store}
+def _runtime(size: int, runs: int) -> list[Result]:
+    from .runtime import run
+
+    return run(size=size, runs=runs)
+
+
+GROUPS: dict[str, Callable[[int, int], list[Result]]] = {
+    "envelope": _envelope,
+    "store": _store,
+    "runtime": _runtime,
+}
