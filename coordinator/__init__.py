@@ -8,6 +8,7 @@ from ._errors import CommitError as CommitError
 from ._errors import CoordinatorError as CoordinatorError
 from ._errors import CorruptEnvelopeError as CorruptEnvelopeError
 from ._errors import DeadlineExpiredError as DeadlineExpiredError
+from ._errors import DuplicateCheckpointError as DuplicateCheckpointError
 from ._errors import EnvelopeError as EnvelopeError
 from ._errors import EnvelopeInputError as EnvelopeInputError
 from ._errors import EpochFencedError as EpochFencedError
@@ -71,6 +72,7 @@ __all__ = [
     "CoordinatorError",
     "CorruptEnvelopeError",
     "DeadlineExpiredError",
+    "DuplicateCheckpointError",
     "Envelope",
     "EnvelopeError",
     "EnvelopeInputError",

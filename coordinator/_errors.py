@@ -22,7 +22,8 @@ into typed attributes; the message is built once, here.
     ├── CaptureFailedError                capture.failed   a participant failed: epoch fenced
     ├── EpochFencedError                  epoch.fenced     capture refused until a restore
     ├── DeadlineExpiredError              deadline.expired no outcome in time (may still commit)
-    ├── StaleEpochError                   restore.stale_epoch  restore into the current epoch
+    ├── StaleEpochError                   restore.stale_epoch  an epoch that was used before
+    ├── DuplicateCheckpointError          capture.duplicate_id an id that was captured before
     ├── RestoreFailedError                restore.failed   the group did not install; see tainted
     └── StoreError                        store
         ├── StoreLockedError              store.locked     another writer holds the store
@@ -44,6 +45,7 @@ errors (the bytes we were handed are bad) follows h11's Local/RemoteProtocolErro
 
 from __future__ import annotations
 
+import traceback
 from typing import Any, ClassVar
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "CoordinatorError",
     "CorruptEnvelopeError",
     "DeadlineExpiredError",
+    "DuplicateCheckpointError",
     "EnvelopeError",
     "EnvelopeInputError",
     "EpochFencedError",
@@ -249,9 +252,16 @@ class StaleEpochError(CoordinatorError):
     code: ClassVar[str] = "restore.stale_epoch"
 
 
+class DuplicateCheckpointError(CoordinatorError):
+    """A checkpoint id is used once: its events' ids and its generation depend on it."""
+
+    code: ClassVar[str] = "capture.duplicate_id"
+
+
 class RestoreFailedError(CoordinatorError):
-    """The group did not install: nothing was activated. ``tainted`` names the
-    participants that had staged (and were then aborted)."""
+    """The group did not install. ``tainted`` names the participants whose state
+    may have been touched: those that staged and were aborted, or, if activation
+    itself failed part way, every participant (the epoch is then fenced)."""
 
     code: ClassVar[str] = "restore.failed"
 
@@ -357,6 +367,21 @@ class StorePoisonedError(CommitError):
     reopened, so this store refuses further commits."""
 
     code: ClassVar[str] = "store.poisoned"
+
+
+def release_frames(error: BaseException) -> None:
+    """Clear the locals of the finished frames in ``error``'s tracebacks (and in its
+    causes and contexts). They can hold views of a caller's buffers, which would
+    keep an mmap from closing for as long as the error is kept."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        item = pending.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        traceback.clear_frames(item.__traceback__)
+        pending.extend((item.__cause__, item.__context__))
 
 
 def _clip(value: object, limit: int = 80) -> str:

@@ -186,10 +186,10 @@ class SpoolArtifact(_Handle):
         return memoryview(self._map)
 
     def release(self) -> None:
+        if self._map is not None and not self._released:
+            self._map.close()  # BufferError while a view is held: the handle stays live
+            self._map = None
         self._release()
-        mapped, self._map = self._map, None
-        if mapped is not None:
-            mapped.close()  # BufferError if a view is still held: release views first
 
 
 def sha256_hex(data: BytesLike) -> str:

@@ -26,7 +26,6 @@ import hashlib
 import mmap
 import struct
 import threading
-import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from ._errors import (
     JsonError,
     JsonValueError,
     NotCanonicalError,
+    release_frames,
 )
 from ._types import BytesLike
 from .canonical import canonical_bytes, parse_canonical
@@ -688,7 +688,7 @@ def decode(data: BytesLike) -> Envelope:
     except BaseException as error:
         # The traceback's frames hold views of ``data``; clear them so the
         # caller can close its mmap while handling the error.
-        traceback.clear_frames(error.__traceback__)
+        release_frames(error)
         view.release()
         raise
 

@@ -29,6 +29,7 @@ them only when all have staged: all or none.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -39,7 +40,9 @@ import msgspec
 
 from ._errors import (
     CaptureFailedError,
+    CoordinatorError,
     DeadlineExpiredError,
+    DuplicateCheckpointError,
     EpochFencedError,
     RestoreFailedError,
     StaleEpochError,
@@ -131,7 +134,9 @@ class Coordinator:
         self.ledger = ArtifactLedger()
         self.writer = Writer(store, bus, limits=limits, retry=retry, ledger=self.ledger)
         self._hashing: anyio.CapacityLimiter | None = None
-        self._fenced: CaptureFailedError | None = None
+        self._fenced: CoordinatorError | None = None
+        self._captured_ids: set[str] = set()  # this epoch's; ids carry the epoch
+        self._used_epochs = {self.epoch}
 
     async def __aenter__(self) -> Self:
         self._hashing = hashing_limiter()
@@ -144,9 +149,16 @@ class Coordinator:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> bool | None:
+        final_error: BaseException | None = None
         if exc_type is None and self.final_step is not None and self._fenced is None:
-            await self.capture(self.final_step(), replaceable=False)  # drained below
-        return await self.writer.__aexit__(exc_type, exc, traceback)
+            try:
+                await self.capture(self.final_step(), replaceable=False)  # drained below
+            except Exception as error:
+                final_error = error
+        handled = await self.writer.__aexit__(exc_type, exc, traceback)
+        if final_error is not None:
+            raise final_error
+        return handled
 
     async def aclose(self) -> None:
         await self.__aexit__(None, None, None)
@@ -168,12 +180,17 @@ class Coordinator:
                 f"epoch {self.epoch} is fenced ({self._fenced}); restore into a new epoch"
             )
         checkpoint_id = check_id(checkpoint_id or f"{self.epoch}-{step}")
+        if checkpoint_id in self._captured_ids or self.store.lookup(checkpoint_id) is not None:
+            raise DuplicateCheckpointError(
+                f"checkpoint {checkpoint_id} was captured before; ids are used once"
+            )
         scope = CaptureScope(
             session_id=self.session_id, epoch=self.epoch, step=step, checkpoint_id=checkpoint_id
         )
         with self.writer.reserve() as reservation:  # before any participant is asked
             started = time.perf_counter()
             handles = await self._capture_all(scope)
+            self._captured_ids.add(checkpoint_id)
             try:
                 records = [
                     PayloadRecord(name=h.name, byte_length=str(h.byte_length), digest=h.digest)
@@ -201,16 +218,16 @@ class Coordinator:
         async def one(participant: Participant) -> None:
             try:
                 data = await participant.capture(scope)
-            except Exception as error:
+                captured[participant.name] = await capture(
+                    participant.name,
+                    data,
+                    ledger=self.ledger,
+                    spool_dir=self.spool_dir,
+                    limiter=self._hashing,
+                )
+            except Exception as error:  # its own failure, or bytes we cannot take
                 failure.append(CaptureFailedError(participant.name, repr(error)))
                 raise
-            captured[participant.name] = await capture(
-                participant.name,
-                data,
-                ledger=self.ledger,
-                spool_dir=self.spool_dir,
-                limiter=self._hashing,
-            )
 
         try:
             with anyio.fail_after(self.capture_timeout):
@@ -247,12 +264,21 @@ class Coordinator:
 
     # --- restore -------------------------------------------------------------------
 
+    @staticmethod
+    async def _abort(staged: Sequence[tuple[Participant, Any]]) -> None:
+        """Abort every staged participant, shielded, whatever one of them raises."""
+        with anyio.CancelScope(shield=True):
+            for participant, token in staged:
+                with contextlib.suppress(Exception):
+                    await participant.abort_restore(token)
+
     async def restore(self, checkpoint_id: str | None = None, *, new_epoch: str) -> RestoreReport:
         """Verify a generation (named, or the high water) and install it into
         ``new_epoch``: every participant stages, then all activate, or none does."""
         check_id(new_epoch)
-        if new_epoch == self.epoch:
-            raise StaleEpochError(f"{new_epoch} is the current epoch; restore into a new one")
+        used = self._used_epochs | {r.epoch for r in self.store.generations}
+        if new_epoch in used:
+            raise StaleEpochError(f"epoch {new_epoch} was used before; restore into a new one")
         stored = await self.store.read(checkpoint_id)
         record = stored.record
         scope = RestoreScope(
@@ -265,19 +291,30 @@ class Coordinator:
         try:
             for participant in self.participants:
                 try:
-                    payload = stored.payload(participant.name)
-                    token = await participant.stage_restore(payload, scope)
-                except Exception as error:
+                    token = await participant.stage_restore(stored.payload(participant.name), scope)
+                except BaseException as error:
                     tainted = tuple(p.name for p, _ in staged)
-                    for staged_participant, staged_token in staged:
-                        await staged_participant.abort_restore(staged_token)
+                    await self._abort(staged)
+                    if not isinstance(error, Exception):
+                        raise  # cancelled: staged ones were aborted
                     raise RestoreFailedError(participant.name, repr(error), tainted) from error
                 staged.append((participant, token))
-            for participant, token in staged:
-                await participant.activate_restore(token)
+            for index, (participant, token) in enumerate(staged):
+                try:
+                    await participant.activate_restore(token)
+                except BaseException as error:
+                    # Some are live in the new state, some not: nothing can undo that.
+                    await self._abort(staged[index + 1 :])
+                    everyone = tuple(p.name for p in self.participants)
+                    self._fenced = RestoreFailedError(participant.name, repr(error), everyone)
+                    if not isinstance(error, Exception):
+                        raise
+                    raise self._fenced from error
         finally:
             stored.close()
         self.epoch = new_epoch
+        self._used_epochs.add(new_epoch)
+        self._captured_ids.clear()
         self._fenced = None
         return RestoreReport(
             record=record, epoch=new_epoch, participants=tuple(p.name for p, _ in staged)

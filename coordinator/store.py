@@ -751,7 +751,8 @@ async def run_in_bulk_thread(function: Callable[..., Any], *args: Any) -> Any:
     threading.Thread(target=target, name="coordinator-bulk", daemon=True).start()
     with anyio.CancelScope(shield=True):
         await done.wait()
-    await anyio.lowlevel.checkpoint_if_cancelled()
+    # Like anyio's threads: a cancellation that came meanwhile is delivered at the
+    # caller's next await, after it has the result (a commit is never discarded).
     succeeded, value = outcome[0]
     if not succeeded:
         raise value

@@ -41,6 +41,7 @@ from ._errors import (
     SaveFailedError,
     WriterBusyError,
     WriterClosedError,
+    release_frames,
 )
 from .artifacts import ArtifactHandle, ArtifactLedger
 from .bus import Bus
@@ -56,7 +57,7 @@ from .events import (
     event_id,
 )
 from .manifest import CheckpointManifest
-from .store import FileStore
+from .store import CommitReceipt, FileStore
 
 __all__ = [
     "Outcome",
@@ -224,12 +225,30 @@ class Writer:
         self._work.set()
         self._mail.set()
         assert self._group is not None
-        # The tasks drain the queue and the outbox, then return. A cancellation
-        # here tears them down instead: queued jobs fail loudly (_abandon_queue).
-        handled = await self._group.__aexit__(exc_type, exc, traceback)
+        if exc is None or isinstance(exc, Exception):
+            # The host's own error is no reason to drop accepted saves: the tasks
+            # drain the queue and the outbox, then return, and the error goes on.
+            await self._group.__aexit__(None, None, None)
+            handled: bool | None = False
+        else:
+            # Cancelled: the tasks are torn down; queued jobs fail loudly.
+            handled = await self._group.__aexit__(exc_type, exc, traceback)
+        await self._flush_outbox()
         if exc_type is None:
             self._raise_failure()
         return handled
+
+    async def _flush_outbox(self) -> None:
+        """Publish what teardown emitted after the outbox task stopped (bounded)."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            while self._outbox:
+                event = self._outbox.popleft()
+                try:
+                    await self.bus.publish(event)
+                except Exception:
+                    self._counts["events_dropped"] += 1
+                else:
+                    self._counts["events_published"] += 1
 
     async def aclose(self) -> None:
         await self.__aexit__(None, None, None)
@@ -266,6 +285,12 @@ class Writer:
         having released the handles and the slot.
         """
         reservation._claim()
+        if self._closing:  # the writer task may be gone: never leave a ticket hanging
+            self._outstanding -= 1
+            for handle in handles:
+                if not handle.released:
+                    handle.release()
+            raise WriterClosedError("the writer is closing; this capture was not queued")
         job = _Job(
             manifest=manifest,
             handles=list(handles),
@@ -355,59 +380,61 @@ class Writer:
         job.ticket._resolve(event)
 
     async def _commit(self, job: _Job) -> None:
-        taken = self._clock()
-        job.timings["queue_wait_ms"] = (taken - job.queued_at) * 1000
+        job.timings["queue_wait_ms"] = (self._clock() - job.queued_at) * 1000
         views = [handle.view() for handle in job.handles]
         payloads = [(handle.name, view) for handle, view in zip(job.handles, views, strict=True)]
-        outcome: Outcome | None = None
-        failure: CoordinatorError | None = None
-        tried = 0
         try:
-            for attempt in range(1, max(1, self.retry.attempts) + 1):
-                tried = attempt
-                try:
-                    # Handles are immutable and were digested at capture: the
-                    # footer's pass is the only one left to pay.
-                    receipt = await self.store.commit(
-                        job.manifest, payloads, payloads_verified=True
-                    )
-                except CommitError as error:
-                    failure = error
-                    continue
-                except CoordinatorError as error:  # not a fault a retry could fix
-                    failure = error
-                    break
-                failure = None
-                job.timings["write_ms"] = receipt.timings_ms.get("write", 0.0)
-                job.timings["fsync_ms"] = receipt.timings_ms.get("fsync", 0.0)
-                job.timings["total_ms"] = (self._clock() - job.captured_at) * 1000
-                outcome = self._event(
-                    Committed,
-                    job,
-                    generation=receipt.record.file,
-                    envelope_digest=receipt.record.envelope_digest,
-                    envelope_bytes=receipt.record.byte_length,
-                    high_water=receipt.high_water,
-                )
-                break
-        except BaseException as error:  # torn down (cancelled): answer the ticket, then go
-            self._fail(job, WriterClosedError.code, f"writer stopped: {error!r}", tried)
+            receipt, failure, tried = await self._attempts(job, payloads)
+        except BaseException as error:  # torn down (cancelled): release, answer, go
+            self._drop(views, job)
+            self._fail(job, WriterClosedError.code, f"writer stopped: {error!r}", 0)
             raise
-        finally:
-            for view in views:
-                view.release()
-            self._release(job)  # before the outcome is delivered
-        if outcome is None:
+        self._drop(views, job)  # before the outcome is delivered
+        job.timings["total_ms"] = (self._clock() - job.captured_at) * 1000
+        if receipt is None:
             assert failure is not None
-            job.timings["total_ms"] = (self._clock() - job.captured_at) * 1000
             if self._failure is None:
                 self._failure = SaveFailedError(job.checkpoint_id, failure.code, str(failure))
             self._fail(job, failure.code, str(failure), tried)
             return
+        job.timings["write_ms"] = receipt.timings_ms.get("write", 0.0)
+        job.timings["fsync_ms"] = receipt.timings_ms.get("fsync", 0.0)
+        outcome: Committed = self._event(
+            Committed,
+            job,
+            generation=receipt.record.file,
+            envelope_digest=receipt.record.envelope_digest,
+            envelope_bytes=receipt.record.byte_length,
+            high_water=receipt.high_water,
+        )
         self._counts["committed"] += 1
         self._durable = job.checkpoint_id
         self._emit(outcome)
         job.ticket._resolve(outcome)
+
+    async def _attempts(
+        self, job: _Job, payloads: list[tuple[str, memoryview]]
+    ) -> tuple[CommitReceipt | None, CoordinatorError | None, int]:
+        """The commit step under the retry policy: (receipt, last failure, attempts)."""
+        failure: CoordinatorError | None = None
+        for attempt in range(1, max(1, self.retry.attempts) + 1):
+            try:
+                # Handles are immutable and were digested at capture: the
+                # footer's pass is the only one left to pay.
+                receipt = await self.store.commit(job.manifest, payloads, payloads_verified=True)
+            except CoordinatorError as error:
+                release_frames(error)  # its frames hold views of the payloads
+                failure = error
+                if not isinstance(error, CommitError):  # not a fault a retry could fix
+                    return None, failure, attempt
+                continue
+            return receipt, None, attempt
+        return None, failure, max(1, self.retry.attempts)
+
+    def _drop(self, views: list[memoryview], job: _Job) -> None:
+        for view in views:
+            view.release()
+        self._release(job)
 
     # --- events --------------------------------------------------------------------
 

@@ -69,3 +69,12 @@ async def test_a_closed_subscription_is_forgotten() -> None:
     assert bus.statistics().subscribers == 0
     await bus.publish(make("queued"))
     assert bus.statistics().published == 1
+
+
+@pytest.mark.asyncio
+async def test_subscribing_to_a_closed_bus_is_refused() -> None:
+    """A subscriber that could never see the end of the stream is not created."""
+    bus = MemoryBus()
+    await bus.aclose()
+    with pytest.raises(anyio.ClosedResourceError):
+        bus.subscribe()

@@ -221,3 +221,92 @@ async def test_final_capture_on_clean_shutdown_is_opt_in(tmp_path: Path) -> None
         async with coordinator(store, parts(), final_step=lambda: 42):
             pass
         assert [r.checkpoint_id for r in store.generations] == ["epoch-1-42"]
+
+
+# --- review findings -------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_participant_returning_a_mutable_buffer_fences(tmp_path: Path) -> None:
+    """Bytes the coordinator cannot take are that participant's capture failure."""
+    participants = parts()
+
+    async def mutable(scope: CaptureScope) -> bytearray:
+        return bytearray(b"changes")
+
+    participants[1].capture = mutable  # type: ignore[method-assign]
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        with pytest.raises(CaptureFailedError) as caught:
+            await c.capture(1)
+        assert caught.value.participant == "agent-fly-a"
+        with pytest.raises(EpochFencedError):
+            await c.capture(2)
+        assert c.ledger.statistics().live == 0
+
+
+@pytest.mark.asyncio
+async def test_checkpoint_ids_and_epochs_are_used_once(tmp_path: Path) -> None:
+    """A repeated id (same epoch and step) and a return to an old epoch are refused:
+    event ids and generations are keyed by them."""
+    from coordinator import DuplicateCheckpointError
+
+    async with FileStore(tmp_path) as store, coordinator(store, parts()) as c:
+        await (await c.capture(1, replaceable=False)).wait()
+        with pytest.raises(DuplicateCheckpointError):
+            await c.capture(1)
+        await c.restore(new_epoch="epoch-2")
+        with pytest.raises(StaleEpochError):
+            await c.restore(new_epoch="epoch-1")
+        await (await c.capture(1)).wait()  # epoch-2-1 is a new id
+
+
+@pytest.mark.asyncio
+async def test_final_capture_failure_still_closes_the_writer(tmp_path: Path) -> None:
+    """If the final capture is refused, the writer is closed anyway and the error shown."""
+    participants = parts()
+    async with FileStore(tmp_path) as store:
+        c = coordinator(store, participants, final_step=lambda: 5)
+        with pytest.raises(CaptureFailedError):
+            async with c:
+                participants[0].fail_capture = True
+        assert c.writer._closing
+        assert c.writer.statistics().outstanding == 0
+
+
+@pytest.mark.asyncio
+async def test_restore_failing_at_activation_fences_and_taints_everyone(tmp_path: Path) -> None:
+    """Activation that fails part way cannot be undone: every participant is reported
+    tainted, the rest are aborted, and capture is fenced until a clean restore."""
+    participants = parts()
+
+    async def broken(token: bytes) -> None:
+        raise RuntimeError("device gone")
+
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        await (await c.capture(1, replaceable=False)).wait()
+        participants[2].activate_restore = broken  # type: ignore[method-assign]
+        with pytest.raises(RestoreFailedError) as caught:
+            await c.restore(new_epoch="epoch-2")
+        assert caught.value.tainted == tuple(p.name for p in participants)
+        assert [p.aborted for p in participants] == [0, 0, 0, 1, 1]
+        with pytest.raises(EpochFencedError):
+            await c.capture(2)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_restore_aborts_what_staged(tmp_path: Path) -> None:
+    """Cancelled mid-stage: the staged participants are aborted, none activated."""
+    participants = parts()
+    stall = anyio.Event()
+
+    async def slow(payload: memoryview, scope: RestoreScope) -> bytes:
+        await stall.wait()
+        return bytes(payload)
+
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        await (await c.capture(1, replaceable=False)).wait()
+        participants[3].stage_restore = slow  # type: ignore[method-assign]
+        with anyio.move_on_after(0.05):
+            await c.restore(new_epoch="epoch-2")
+        assert [p.aborted for p in participants] == [1, 1, 1, 0, 0]
+        assert c.epoch == "epoch-1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import random
 import threading
 from collections import defaultdict
@@ -309,3 +310,86 @@ async def test_cancelled_writer_releases_and_answers_every_ticket(tmp_path: Path
                 scope.cancel()
         assert all(t.done() for t in tickets)
         assert ledger.statistics().live == 0
+
+
+# --- review findings -------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_failed_save_of_spooled_artifacts_releases_them(tmp_path: Path) -> None:
+    """The failure's traceback must not pin views of a spool map: the handles are
+    released, the ticket says failed, the writer keeps going."""
+    fs = RecordingFS(fail_nth("fsync", 1, errno.EIO, "tmp-ckpt"), keep_data=False)
+    async with FileStore(tmp_path / "store", fs=fs) as store, Writer(store, MemoryBus()) as w:
+        reservation = w.reserve()
+        handles = [
+            await capture(
+                n, bytes(2000), ledger=w.ledger, spool_dir=str(tmp_path), spool_threshold=1
+            )
+            for n in NAMES
+        ]
+        records = [
+            PayloadRecord(name=h.name, byte_length=str(h.byte_length), digest=h.digest)
+            for h in handles
+        ]
+        manifest = manifest_with_records(sample_body("ckpt-1", step=1), records)
+        outcome = await w.submit(reservation, manifest, handles).wait()
+        assert isinstance(outcome, Failed)
+        assert w.ledger.statistics().live == 0
+        with pytest.raises(SaveFailedError):
+            w.reserve()
+
+
+@pytest.mark.asyncio
+async def test_submit_after_close_is_refused_not_left_hanging(tmp_path: Path) -> None:
+    """A capture that finishes while the writer closes is refused, and gives back
+    its handles and its slot."""
+    from coordinator import WriterClosedError
+
+    async with FileStore(tmp_path) as store:
+        writer = Writer(store, MemoryBus())
+        async with writer:
+            reservation = writer.reserve()
+            manifest, handles = await make_job(1, writer.ledger)
+        with pytest.raises(WriterClosedError):
+            writer.submit(reservation, manifest, handles)
+        assert writer.ledger.statistics().live == 0
+        assert writer.statistics().outstanding == 0
+
+
+@pytest.mark.asyncio
+async def test_a_commit_cut_short_by_cancellation_still_reports_committed(tmp_path: Path) -> None:
+    """A bulk commit in flight when the writer is cancelled finishes, and its ticket
+    says committed: a durable checkpoint is never reported as failed."""
+    fs = GateFS()
+    ledger = ArtifactLedger()
+    async with FileStore(tmp_path, fs=fs) as store:
+        with anyio.CancelScope() as scope:
+            async with Writer(store, MemoryBus(), ledger=ledger) as writer:
+                reservation = writer.reserve()
+                handles = [await capture(n, os.urandom(4 << 20), ledger=ledger) for n in NAMES]
+                records = [
+                    PayloadRecord(name=h.name, byte_length=str(h.byte_length), digest=h.digest)
+                    for h in handles
+                ]
+                manifest = manifest_with_records(sample_body("ckpt-1", step=1), records)
+                ticket = writer.submit(reservation, manifest, handles, replaceable=False)
+                await anyio.to_thread.run_sync(fs.waiting.wait)
+                scope.cancel()
+                fs.open_all()
+        assert isinstance(ticket.outcome, Committed)
+        assert store.lookup("ckpt-1") is not None
+        assert ledger.statistics().live == 0
+
+
+@pytest.mark.asyncio
+async def test_a_host_error_still_drains_accepted_saves(tmp_path: Path) -> None:
+    """The host's own exception propagates unwrapped, after accepted saves are written."""
+    fs = GateFS()
+    async with FileStore(tmp_path, fs=fs) as store:
+        with pytest.raises(ValueError, match="host bug"):
+            async with Writer(store, MemoryBus()) as writer:
+                ticket = await submit(writer, 1, replaceable=False)
+                fs.open_all()
+                raise ValueError("host bug")
+        assert isinstance(ticket.outcome, Committed)

@@ -101,6 +101,8 @@ class MemoryBus:
     def subscribe(self, session_id: str | None = None, *, buffer: int = 1024) -> Subscription:
         if buffer < 1:
             raise ValueError("a subscription needs a buffer of at least 1")
+        if self._closed:
+            raise anyio.ClosedResourceError("the bus is closed")
         send, receive = anyio.create_memory_object_stream[Event](buffer)
         subscription = Subscription(self, session_id, send, receive)
         self._subscriptions.append(subscription)
