@@ -202,3 +202,17 @@ def test_verify_store_with_invalid_manifest(tmp_path: Path) -> None:
     code, _, err = run("verify", str(tmp_path))
     assert code == 1
     assert "store.manifest" in err
+
+
+def test_every_bench_group_runs_and_reports_baselines() -> None:
+    """bench all (tiny sizes) prints one JSON object per group, each metric with its
+    verdict and, where it has one, its same-run baseline."""
+    code, out, _ = run("bench", "all", "--size", "8MiB", "--runs", "1", "--json")
+    assert code == 0
+    documents = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert [d["group"] for d in documents] == ["envelope", "store", "runtime"]
+    for document in documents:
+        for item in document["results"]:
+            assert isinstance(item["met"], bool)
+            if item["baseline"] is not None:
+                assert item["ratio"] == pytest.approx(item["ours"] / item["baseline"], rel=1e-3)

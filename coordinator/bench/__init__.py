@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["GROUPS", "Result", "median", "render", "report", "result"]
+__all__ = ["GROUPS", "Result", "median", "render", "report", "result", "status_kib"]
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,6 +58,15 @@ def result(
         met=met,
         detail=detail or {},
     )
+
+
+def status_kib(field: str) -> int:
+    """A kibibyte figure (VmRSS, VmHWM...) of this process from /proc/self/status."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def median(values: Sequence[float]) -> float:

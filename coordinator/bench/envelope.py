@@ -23,7 +23,7 @@ from pathlib import Path
 from .. import envelope
 from .._sample import sample_body, sample_payload_names
 from ..manifest import build_manifest, manifest_to_builtins
-from . import Result, median, result
+from . import Result, median, result, status_kib
 
 
 def _timed(action: Callable[[], object]) -> float:
@@ -178,21 +178,14 @@ def _decode_rss(path: Path) -> float:
     return float(json.loads(output)["added_mib"])
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def rss_probe() -> None:
     """Entry point of the RSS subprocess: decode ``argv[1]`` and print the peak added."""
     path = Path(sys.argv[1])
     with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         # "5" resets VmHWM to the current RSS, so the peak is this decode's alone.
         Path("/proc/self/clear_refs").write_text("5")
-        before = _status_kib("VmRSS")
+        before = status_kib("VmRSS")
         decoded = envelope.decode(mapped)
-        peak = _status_kib("VmHWM")
+        peak = status_kib("VmHWM")
         decoded.release()
     sys.stdout.write(json.dumps({"added_mib": round((peak - before) / 1024, 2)}) + "\n")

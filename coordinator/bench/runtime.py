@@ -29,7 +29,7 @@ from ..manifest import ManifestBody, build_manifest
 from ..session import CaptureScope, Coordinator
 from ..store import FileStore
 from ..writer import WriterLimits
-from . import Result, median, result
+from . import Result, median, result, status_kib
 from .store import _fsync_dir, _raw_write
 
 AGENTS = ["fly-a", "fly-b"]  # with admission: 8 payloads
@@ -60,13 +60,6 @@ def _describe(scope: CaptureScope) -> ManifestBody:
     return sample_body(scope.checkpoint_id, agent_ids=AGENTS, step=scope.step, admission=True)
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 async def _save_once(folder: Path, parts: Sequence[_Bytes], run: int) -> dict[str, float]:
     """One 1 GiB checkpoint through the coordinator, with the loop watched."""
     lags: list[tuple[float, float]] = []  # (when the sleep began, how late it woke, ms)
@@ -85,7 +78,7 @@ async def _save_once(folder: Path, parts: Sequence[_Bytes], run: int) -> dict[st
         )  # fmt: skip
         async with coordinator:
             Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here on
-            rss_before = _status_kib("VmRSS")
+            rss_before = status_kib("VmRSS")
             group.start_soon(monitor)
             await anyio.sleep(0.01)  # the monitor is running
             start = time.perf_counter()
@@ -94,7 +87,7 @@ async def _save_once(folder: Path, parts: Sequence[_Bytes], run: int) -> dict[st
             outcome = await ticket.wait()
             finished = time.perf_counter()
             done.set()
-            peak = _status_kib("VmHWM")
+            peak = status_kib("VmHWM")
         if not isinstance(outcome, Committed):
             raise RuntimeError(f"the benchmark checkpoint did not commit: {outcome}")
     during = sorted(lag for began, lag in lags if began >= start)
