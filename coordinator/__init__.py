@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING, Any
 
 from ._errors import ArtifactReleasedError as ArtifactReleasedError
+from ._errors import BusConfigError as BusConfigError
 from ._errors import CaptureFailedError as CaptureFailedError
 from ._errors import CommitError as CommitError
 from ._errors import CoordinatorError as CoordinatorError
@@ -24,6 +25,7 @@ from ._errors import NotCanonicalError as NotCanonicalError
 from ._errors import RenameError as RenameError
 from ._errors import RestoreFailedError as RestoreFailedError
 from ._errors import SaveFailedError as SaveFailedError
+from ._errors import ServerError as ServerError
 from ._errors import StaleEpochError as StaleEpochError
 from ._errors import StoreClosedError as StoreClosedError
 from ._errors import StoreDirectoryError as StoreDirectoryError
@@ -66,6 +68,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ArtifactReleasedError",
+    "BusConfigError",
     "CaptureFailedError",
     "CommitError",
     "Coordinator",
@@ -92,6 +95,7 @@ __all__ = [
     "RenameError",
     "RestoreFailedError",
     "SaveFailedError",
+    "ServerError",
     "StaleEpochError",
     "StoreClosedError",
     "StoreDirectoryError",

@@ -25,6 +25,8 @@ into typed attributes; the message is built once, here.
     ├── StaleEpochError                   restore.stale_epoch  an epoch that was used before
     ├── DuplicateCheckpointError          capture.duplicate_id an id that was captured before
     ├── RestoreFailedError                restore.failed   the group did not install; see tainted
+    ├── ServerError                       server.unavailable  no embedded nats-server
+    ├── BusConfigError                    bus.config       an existing stream/bucket does not fit
     └── StoreError                        store
         ├── StoreLockedError              store.locked     another writer holds the store
         ├── StoreReadOnlyError            store.read_only  commit on a read-only store
@@ -50,6 +52,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "ArtifactReleasedError",
+    "BusConfigError",
     "CaptureFailedError",
     "CommitError",
     "CoordinatorError",
@@ -71,6 +74,7 @@ __all__ = [
     "RenameError",
     "RestoreFailedError",
     "SaveFailedError",
+    "ServerError",
     "StaleEpochError",
     "StoreClosedError",
     "StoreDirectoryError",
@@ -272,6 +276,19 @@ class RestoreFailedError(CoordinatorError):
         super().__init__(
             f"restore failed at {participant!r}: {reason}; tainted: {list(tainted) or 'none'}"
         )
+
+
+class ServerError(CoordinatorError):
+    """The embedded nats-server could not be found, started or stopped."""
+
+    code: ClassVar[str] = "server.unavailable"
+
+
+class BusConfigError(CoordinatorError):
+    """An existing JetStream stream or bucket is configured in a way we cannot use;
+    it is never changed behind the operator's back."""
+
+    code: ClassVar[str] = "bus.config"
 
 
 class StoreError(CoordinatorError):

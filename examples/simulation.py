@@ -57,7 +57,7 @@ def describe(scope: CaptureScope) -> ManifestBody:
 
 
 async def watch(bus: MemoryBus) -> None:
-    async with bus.subscribe() as events:
+    async with await bus.subscribe() as events:
         async for event in events:
             kind = type(event).__name__.lower()
             extra = getattr(event, "generation", "") or getattr(event, "superseded_by", "")

@@ -19,9 +19,9 @@ def test_memory_bus_is_a_bus() -> None:
 async def test_subscribers_see_events_in_order() -> None:
     """Every subscriber gets every event of its session, in publication order."""
     bus = MemoryBus()
-    everything = bus.subscribe()
-    one = bus.subscribe("session-1")
-    other = bus.subscribe("session-2")
+    everything = await bus.subscribe()
+    one = await bus.subscribe("session-1")
+    other = await bus.subscribe("session-2")
     for seq in range(1, 6):
         await bus.publish(make("queued", seq))
     got = [(await everything.receive()).seq for _ in range(5)]
@@ -36,8 +36,8 @@ async def test_subscribers_see_events_in_order() -> None:
 async def test_a_slow_subscriber_never_blocks_publishing_and_drops_are_counted() -> None:
     """A full buffer loses events for that subscriber only, and says how many."""
     bus = MemoryBus()
-    slow = bus.subscribe(buffer=2)
-    fast = bus.subscribe(buffer=100)
+    slow = await bus.subscribe(buffer=2)
+    fast = await bus.subscribe(buffer=100)
     with anyio.fail_after(1):
         for seq in range(1, 11):
             await bus.publish(make("queued", seq))
@@ -51,7 +51,7 @@ async def test_a_slow_subscriber_never_blocks_publishing_and_drops_are_counted()
 async def test_closing_the_bus_ends_every_subscription() -> None:
     """After aclose, subscribers drain what they hold and then see the end."""
     bus = MemoryBus()
-    subscription = bus.subscribe()
+    subscription = await bus.subscribe()
     await bus.publish(make("committed"))
     await bus.aclose()
     assert [event.seq async for event in subscription] == [1]
@@ -63,7 +63,7 @@ async def test_closing_the_bus_ends_every_subscription() -> None:
 async def test_a_closed_subscription_is_forgotten() -> None:
     """Closing a subscription removes it; publishing goes on for the others."""
     bus = MemoryBus()
-    async with bus.subscribe() as gone:
+    async with await bus.subscribe() as gone:
         assert bus.statistics().subscribers == 1
     assert gone.dropped == 0
     assert bus.statistics().subscribers == 0
@@ -77,4 +77,4 @@ async def test_subscribing_to_a_closed_bus_is_refused() -> None:
     bus = MemoryBus()
     await bus.aclose()
     with pytest.raises(anyio.ClosedResourceError):
-        bus.subscribe()
+        await bus.subscribe()

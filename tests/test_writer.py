@@ -71,7 +71,7 @@ async def wait_until(condition: Any) -> None:
 async def test_a_checkpoint_is_captured_queued_and_committed(tmp_path: Path) -> None:
     """One checkpoint: its ticket says committed, its events come in order, handles go."""
     bus = MemoryBus()
-    events = bus.subscribe()
+    events = await bus.subscribe()
     async with FileStore(tmp_path) as store, Writer(store, bus) as writer:
         ticket = await submit(writer, 1)
         outcome = await ticket.wait()
@@ -168,7 +168,7 @@ async def test_failed_commit_releases_publishes_and_raises_next_time(tmp_path: P
     durability, and the next reserve() raises the failure once."""
     fs = RecordingFS(fail_nth("fsync", 1, errno.EIO, "tmp-ckpt"), keep_data=False)
     bus = MemoryBus()
-    events = bus.subscribe()
+    events = await bus.subscribe()
     async with FileStore(tmp_path, fs=fs) as store, Writer(store, bus) as writer:
         ticket = await submit(writer, 1)
         outcome = await ticket.wait()
@@ -248,7 +248,7 @@ async def test_event_order_and_seq_over_1000_checkpoints(tmp_path: Path) -> None
     and each checkpoint's events are captured < queued < exactly one terminal."""
     fs = GateFS()
     bus = MemoryBus()
-    events = bus.subscribe(buffer=10_000)
+    events = await bus.subscribe(buffer=10_000)
     chooser = random.Random(11)
     async with FileStore(tmp_path, fs=fs) as store:
         limits = WriterLimits(max_outstanding=3)

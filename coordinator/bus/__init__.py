@@ -14,7 +14,7 @@ import msgspec
 from ..events import Event
 from .memory import MemoryBus, Subscription
 
-__all__ = ["Bus", "BusStatistics", "MemoryBus", "Subscription"]
+__all__ = ["Bus", "BusStatistics", "MemoryBus", "NatsBus", "Subscription"]
 
 
 class BusStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -29,10 +29,19 @@ class Bus(Protocol):
         """Publish one event; never waits on a slow subscriber."""
         ...
 
-    def subscribe(self, session_id: str | None = None, *, buffer: int = 1024) -> Subscription:
-        """Events of one session (or all), in publication order."""
+    async def subscribe(self, session_id: str | None = None, *, buffer: int = 1024) -> Subscription:
+        """Events of one session (or all) from now on, in publication order."""
         ...
 
     def statistics(self) -> BusStatistics: ...
 
     async def aclose(self) -> None: ...
+
+
+def __getattr__(name: str) -> object:
+    """``NatsBus`` loads nats only when asked for."""
+    if name == "NatsBus":
+        from ._nats import NatsBus
+
+        return NatsBus
+    raise AttributeError(name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Protocol, Self
 
 import anyio
 import anyio.lowlevel
@@ -23,12 +23,18 @@ if TYPE_CHECKING:
 __all__ = ["MemoryBus", "Subscription"]
 
 
+class _Owner(Protocol):
+    """The bus a subscription belongs to."""
+
+    async def _forget(self, subscription: Subscription) -> None: ...
+
+
 class Subscription:
     """An async iterator of events; ``dropped`` counts what a full buffer lost."""
 
     def __init__(
         self,
-        bus: MemoryBus,
+        bus: _Owner,
         session_id: str | None,
         send: MemoryObjectSendStream[Event],
         receive: MemoryObjectReceiveStream[Event],
@@ -57,7 +63,7 @@ class Subscription:
         return self._receive.__aiter__()
 
     async def aclose(self) -> None:
-        self._bus._forget(self)
+        await self._bus._forget(self)
         await self._send.aclose()
         await self._receive.aclose()
 
@@ -96,9 +102,10 @@ class MemoryBus:
             except anyio.WouldBlock:
                 self._dropped += 1
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                self._forget(subscription)
+                self._remove(subscription)
 
-    def subscribe(self, session_id: str | None = None, *, buffer: int = 1024) -> Subscription:
+    async def subscribe(self, session_id: str | None = None, *, buffer: int = 1024) -> Subscription:
+        await anyio.lowlevel.checkpoint()
         if buffer < 1:
             raise ValueError("a subscription needs a buffer of at least 1")
         if self._closed:
@@ -108,7 +115,10 @@ class MemoryBus:
         self._subscriptions.append(subscription)
         return subscription
 
-    def _forget(self, subscription: Subscription) -> None:
+    async def _forget(self, subscription: Subscription) -> None:
+        self._remove(subscription)
+
+    def _remove(self, subscription: Subscription) -> None:
         if subscription in self._subscriptions:
             self._subscriptions.remove(subscription)
 

@@ -1,0 +1,276 @@
+"""The NATS bus: events on a JetStream stream, the latest ``committed`` per session
+in a KV bucket. The only module that imports ``nats``.
+
+- Subjects are ``<prefix>.<session>.<event>`` (``events.subject``); the stream
+  covers ``<prefix>.>``. A missing stream or bucket is created; an existing one
+  that does not cover our subjects is refused (``BusConfigError``), never changed.
+- Every event is published with ``Nats-Msg-Id`` = its ``eventId``, so a retry
+  after a lost ack (or a reconciliation) is stored once.
+- ``publish`` never waits for the server: events go to a bounded outbox that a
+  task drains in order, retrying with the same ids while the server is away.
+  Overflow is counted in ``statistics().dropped``. Durability never waits on
+  the bus: the store manifest is the truth.
+- Subscribers get a bounded buffer each; a full buffer, or nats-py's own slow
+  consumer report, is counted, never only logged.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+import msgspec
+import nats
+import nats.errors
+from anyio.abc import TaskGroup, TaskStatus
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription as NatsSubscription
+from nats.js import JetStreamContext
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from .._errors import BusConfigError
+from ..events import DEFAULT_PREFIX, Committed, Event, decode_event, encode_event, subject
+from ..events import subject_token as token
+from . import BusStatistics
+from .memory import Subscription
+
+__all__ = ["NatsBus"]
+
+
+class NatsBus:
+    """``async with NatsBus("nats://127.0.0.1:4222") as bus:``; other keyword
+    arguments (credentials, nkeys, TLS, user/password...) go to ``nats.connect``."""
+
+    def __init__(
+        self,
+        servers: str | Sequence[str],
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        stream: str = "CKPT",
+        bucket: str = "CKPT_COMMITTED",
+        outbox_limit: int = 10_000,
+        publish_timeout: float = 2.0,
+        **connect_options: Any,
+    ) -> None:
+        self.servers = [servers] if isinstance(servers, str) else list(servers)
+        self.prefix = prefix
+        self.stream = stream
+        self.bucket = bucket
+        self.outbox_limit = outbox_limit
+        self.publish_timeout = publish_timeout
+        self._options = connect_options
+        self._outbox: collections.deque[Event] = collections.deque()
+        self._wake = anyio.Event()
+        self._closing = False
+        self._flush_deadline = 0.0
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._kv: KeyValue | None = None
+        self._group: TaskGroup | None = None
+        self._subscriptions: dict[Subscription, NatsSubscription] = {}
+        self._counts = collections.Counter[str]()
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        self._nc = await nats.connect(
+            self.servers,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.1,
+            error_cb=self._on_error,
+            **self._options,
+        )
+        self._js = self._nc.jetstream()
+        await self._ensure_stream()
+        await self._ensure_bucket()
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        await self._group.start(self._run_outbox)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool | None:
+        await self.aclose()
+        return None
+
+    async def aclose(self, *, flush_timeout: float = 5.0) -> None:
+        """Publish what the outbox holds (up to ``flush_timeout``), then disconnect."""
+        if self._closing:
+            return
+        self._closing = True
+        self._flush_deadline = anyio.current_time() + flush_timeout
+        self._wake.set()
+        if self._group is not None:
+            await self._group.__aexit__(None, None, None)
+        for subscription in list(self._subscriptions):
+            await subscription._send.aclose()
+        self._subscriptions.clear()
+        if self._nc is not None:
+            await self._nc.close()
+
+    async def _ensure_stream(self) -> None:
+        assert self._js is not None
+        wanted = f"{self.prefix}.>"
+        try:
+            info = await self._js.stream_info(self.stream)
+        except NotFoundError:
+            await self._js.add_stream(name=self.stream, subjects=[wanted])
+            return
+        if wanted not in (info.config.subjects or []):
+            raise BusConfigError(
+                f"stream {self.stream} exists with subjects {info.config.subjects}, not "
+                f"{wanted!r}; it is left as it is: pass another stream name or fix it"
+            )
+
+    async def _ensure_bucket(self) -> None:
+        assert self._js is not None
+        try:
+            self._kv = await self._js.key_value(self.bucket)
+        except BucketNotFoundError:
+            self._kv = await self._js.create_key_value(bucket=self.bucket, history=1)
+
+    async def _on_error(self, error: Exception) -> None:
+        if isinstance(error, nats.errors.SlowConsumerError):
+            self._counts["dropped"] += 1  # counted: nats-py's default would only log
+
+    # --- publishing ----------------------------------------------------------------
+
+    async def publish(self, event: Event) -> None:
+        """Queue ``event`` for the server; never waits for it."""
+        await anyio.lowlevel.checkpoint()
+        self.publish_nowait(event)
+
+    def publish_nowait(self, event: Event) -> None:
+        if len(self._outbox) >= self.outbox_limit:
+            self._counts["dropped"] += 1  # the outbox is full: counted, not silent
+            return
+        self._outbox.append(event)
+        self._wake.set()
+
+    async def _run_outbox(
+        self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        backoff = 0.05
+        while True:
+            if not self._outbox:
+                if self._closing:
+                    return
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                continue
+            if self._closing and anyio.current_time() > self._flush_deadline:
+                self._counts["dropped"] += len(self._outbox)  # given up on: counted
+                self._outbox.clear()
+                return
+            event = self._outbox[0]
+            try:
+                await self._send(event)
+            except Exception:  # away, or no ack in time: retry the same event, same id
+                self._counts["retries"] += 1
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            backoff = 0.05
+            self._outbox.popleft()
+
+    async def _send(self, event: Event) -> None:
+        assert self._js is not None and self._kv is not None
+        data = encode_event(event)
+        ack = await self._js.publish(
+            subject(event.session_id, str(type(event).__struct_config__.tag), prefix=self.prefix),
+            data,
+            timeout=self.publish_timeout,
+            headers={"Nats-Msg-Id": event.event_id},
+        )
+        self._counts["duplicates" if ack.duplicate else "published"] += 1
+        if isinstance(event, Committed):
+            await self._kv.put(token(event.session_id), data)
+
+    # --- reading -------------------------------------------------------------------
+
+    async def subscribe(self, session_id: str | None = None, *, buffer: int = 1024) -> Subscription:
+        """Live events (core NATS) of one session, or all, from now on."""
+        assert self._nc is not None
+        send, receive = anyio.create_memory_object_stream[Event](buffer)
+        subscription = Subscription(self, None, send, receive)
+        subjects = f"{self.prefix}.{token(session_id)}.*" if session_id else f"{self.prefix}.>"
+
+        async def deliver(message: Any) -> None:
+            try:
+                event = decode_event(message.data)
+            except msgspec.ValidationError:
+                self._counts["invalid"] += 1
+                return
+            try:
+                send.send_nowait(event)
+            except anyio.WouldBlock:
+                subscription.dropped += 1
+                self._counts["dropped"] += 1
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                return
+            else:
+                self._counts["delivered"] += 1
+
+        self._subscriptions[subscription] = await self._nc.subscribe(
+            subjects, cb=deliver, pending_msgs_limit=buffer * 4
+        )
+        return subscription
+
+    async def _forget(self, subscription: Subscription) -> None:
+        nats_subscription = self._subscriptions.pop(subscription, None)
+        if nats_subscription is not None and self._nc is not None and not self._nc.is_closed:
+            await nats_subscription.unsubscribe()
+
+    async def latest_committed(self, session_id: str) -> Committed | None:
+        """The last ``committed`` event of a session, from the KV bucket."""
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(token(session_id))
+        except KeyNotFoundError:
+            return None
+        event = decode_event(entry.value or b"")
+        return event if isinstance(event, Committed) else None
+
+    async def history(self, session_id: str | None = None) -> list[Event]:
+        """Every event the stream holds for a session (or all), oldest first."""
+        assert self._js is not None
+        subjects = f"{self.prefix}.{token(session_id)}.*" if session_id else f"{self.prefix}.>"
+        info = await self._js.stream_info(self.stream)
+        events: list[Event] = []
+        if info.state.messages == 0:
+            return events
+        consumer = await self._js.pull_subscribe(subjects, stream=self.stream)
+        try:
+            while True:
+                try:
+                    batch = await consumer.fetch(512, timeout=0.5)
+                except nats.errors.TimeoutError:
+                    break
+                for message in batch:
+                    events.append(decode_event(message.data))
+                    await message.ack()
+        finally:
+            await consumer.unsubscribe()
+        return events
+
+    def statistics(self) -> BusStatistics:
+        return BusStatistics(
+            published=self._counts["published"],
+            delivered=self._counts["delivered"],
+            dropped=self._counts["dropped"],
+            subscribers=len(self._subscriptions),
+        )
+
+    @property
+    def pending(self) -> int:
+        """Events waiting in the outbox (the server is away, or slow)."""
+        return len(self._outbox)

