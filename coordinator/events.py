@@ -13,6 +13,7 @@ Only ``durable: true`` on ``committed`` means saved.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
 import msgspec
@@ -34,6 +35,7 @@ __all__ = [
     "encode_event",
     "event_id",
     "events_schema",
+    "rfc3339_now",
     "subject",
     "subject_token",
 ]
@@ -125,6 +127,11 @@ def encode_event(event: Event) -> bytes:
 def decode_event(data: bytes | memoryview) -> Event:
     """Decode and validate one event (``msgspec.ValidationError`` if it is not one)."""
     return _DECODER.decode(data)
+
+
+def rfc3339_now() -> str:
+    """The current UTC time as events carry it: RFC 3339, microseconds, ``Z``."""
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def event_id(session_id: str, epoch: str, checkpoint_id: str, event: str) -> str:

@@ -27,7 +27,6 @@ import collections
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Self
 
@@ -55,6 +54,7 @@ from .events import (
     Superseded,
     Timings,
     event_id,
+    rfc3339_now,
 )
 from .manifest import CheckpointManifest
 from .store import CommitReceipt, FileStore
@@ -162,10 +162,6 @@ class _Job:
     @property
     def checkpoint_id(self) -> str:
         return self.manifest.checkpoint_id
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 class Writer:
@@ -445,7 +441,7 @@ class Writer:
         return kind(
             seq=self._seq[scope.session_id],
             event_id=event_id(scope.session_id, scope.epoch, job.checkpoint_id, name),
-            time=_now(),
+            time=rfc3339_now(),
             checkpoint_id=job.checkpoint_id,
             session_id=scope.session_id,
             epoch=scope.epoch,

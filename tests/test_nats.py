@@ -160,3 +160,32 @@ async def test_saves_go_on_while_the_server_is_away(server: EmbeddedServer, tmp_
     ids = [e.event_id for e in history]
     assert len(ids) == len(set(ids)) == 45  # 15 checkpoints x 3 events, each once
     assert latest is not None and latest.checkpoint_id == "ckpt-14"
+
+
+@pytest.mark.asyncio
+async def test_reconciliation_announces_a_commit_the_bus_never_saw(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A crash between commit and publish: the next open announces the generation,
+    once, however often reconciliation runs."""
+    from storekit import checkpoint
+
+    from coordinator.reconcile import reconcile
+
+    async with FileStore(tmp_path / "store") as store:
+        for index in range(3):  # committed with no bus at all: the "crash" window
+            await store.commit(*checkpoint(index))
+        async with NatsBus(server.url) as bus:
+            assert await reconcile(store, bus) == ("ckpt-2",)
+            with anyio.fail_after(10):
+                while bus.pending:
+                    await anyio.sleep(0.01)
+            assert await reconcile(store, bus) == ()  # the KV now knows it
+            latest = await bus.latest_committed("session-1")
+            await bus.publish(latest)  # and a re-announcement is stored once
+            with anyio.fail_after(10):
+                while bus.pending:
+                    await anyio.sleep(0.01)
+            history = await bus.history("session-1")
+    assert latest is not None and latest.checkpoint_id == "ckpt-2"
+    assert [(type(e).__name__, e.checkpoint_id) for e in history] == [("Committed", "ckpt-2")]
