@@ -1,7 +1,7 @@
 """The ``coordinator`` command.
 
 Exit status: 0 success; 1 the thing checked is corrupt or failed its check;
-2 bad command line; 3 a file could not be read.
+2 bad command line; 3 a file could not be read; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREADABLE = 3
+EXIT_INTERRUPTED = 130
 
 _SIZE = re.compile(r"(\d+)\s*(B|KiB|MiB|GiB)?", re.IGNORECASE)
 _UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -209,6 +210,19 @@ def _ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
+def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    import anyio
+
+    from .demo import run_demo, summary_json, summary_text
+
+    live = None if args.json else out
+    summary = anyio.run(
+        lambda: run_demo(steps=args.steps, store_dir=args.store, nats_url=args.nats, out=live)
+    )
+    print(summary_json(summary) if args.json else summary_text(summary), file=out)
+    return EXIT_OK if summary.world_identical else EXIT_FAILED
+
+
 def _schema(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .events import events_schema
 
@@ -233,6 +247,19 @@ def _parser() -> argparse.ArgumentParser:
         prog="coordinator", description="Checkpoint coordinator: FLYSESS1 envelopes and stores."
     )
     commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser(
+        "demo",
+        help="run a simulation host on an embedded NATS server: save, watch, restore",
+        description="Example: coordinator demo --steps 60 --store ./saves",
+    )
+    demo.add_argument("--steps", type=_positive, default=60, help="simulation steps (60)")
+    demo.add_argument("--store", default=None, help="store directory (default: a new temp dir)")
+    demo.add_argument(
+        "--nats", default=None, help="use this NATS server instead of an embedded one"
+    )
+    demo.add_argument("--json", action="store_true", help="print only a JSON summary")
+    demo.set_defaults(run=_demo)
 
     inspect = commands.add_parser("inspect", help="print an envelope's layout and manifest")
     inspect.add_argument("file", type=Path)
@@ -288,6 +315,9 @@ def main(
             f"coordinator: cannot read {error.filename or ''}: {error.strerror or error}", file=err
         )
         return EXIT_UNREADABLE
+    except KeyboardInterrupt:
+        print("coordinator: interrupted", file=err)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -247,10 +247,15 @@ class Coordinator:
         return [captured[p.name] for p in self.participants]
 
     async def checkpoint(
-        self, step: int, *, durability_timeout: float = 60.0, replaceable: bool = False
+        self,
+        step: int,
+        *,
+        durability_timeout: float = 60.0,
+        replaceable: bool = False,
+        checkpoint_id: str | None = None,
     ) -> Outcome:
         """A capture that waits for its outcome (durable by default: not replaceable)."""
-        ticket = await self.capture(step, replaceable=replaceable)
+        ticket = await self.capture(step, replaceable=replaceable, checkpoint_id=checkpoint_id)
         try:
             with anyio.fail_after(durability_timeout):
                 return await ticket.wait()

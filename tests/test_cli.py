@@ -216,3 +216,49 @@ def test_every_bench_group_runs_and_reports_baselines() -> None:
             assert isinstance(item["met"], bool)
             if item["baseline"] is not None:
                 assert item["ratio"] == pytest.approx(item["ours"] / item["baseline"], rel=1e-3)
+
+
+def test_demo_shows_every_event_kind_and_restores_the_world(tmp_path: Path) -> None:
+    """coordinator demo (embedded NATS) reports every event kind, and the restored
+    world equals the world at the restored boundary."""
+    code, out, err = run("demo", "--steps", "31", "--store", str(tmp_path / "saves"), "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert set(summary["events"]) == {"captured", "queued", "superseded", "committed", "failed"}
+    assert summary["world_identical"] is True
+    assert summary["generations"] >= 1
+    assert run("verify", str(tmp_path / "saves"))[0] == 0
+
+
+def test_ctrl_c_leaves_no_server_and_a_store_that_verifies(tmp_path: Path) -> None:
+    """SIGINT mid-demo: the embedded nats-server is gone, the exit is clean (130),
+    and the store verifies."""
+    import re
+    import signal
+    import socket
+
+    store = tmp_path / "saves"
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "demo", "--steps", "100000", "--store", str(store)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert demo.stdout is not None
+    port = None
+    commits = 0
+    for line in demo.stdout:
+        found = re.search(r"nats://127\.0\.0\.1:(\d+)", line)
+        if found:
+            port = int(found[1])
+        commits += "committed" in line
+        if commits >= 2:
+            break
+    demo.send_signal(signal.SIGINT)
+    _, stderr = demo.communicate(timeout=60)
+    assert demo.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert port is not None
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # the server is gone
+    assert run("verify", str(store))[0] == 0
