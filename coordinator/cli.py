@@ -223,6 +223,57 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK if summary.world_identical else EXIT_FAILED
 
 
+def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Verify a generation and write its payloads as files: all of them or none (they
+    are written in a staging directory beside the target, which is renamed into place)."""
+    import os
+    import shutil
+    import tempfile
+
+    from .canonical import canonical_bytes
+    from .store import SyncStore
+
+    target = Path(args.to).absolute()
+    if target.exists():
+        print(f"coordinator: {target} exists; restore writes a new directory", file=err)
+        return EXIT_USAGE
+    if not args.store.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "not a store directory", str(args.store))
+    with SyncStore(args.store, read_only=True, create=False) as store:
+        stored = store.read(store.select(args.checkpoint))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
+    try:
+        with stored:
+            for name in stored.envelope.names:
+                _write_durably(staging / name, stored.payload(name))
+            _write_durably(staging / "manifest.json", canonical_bytes(stored.envelope.manifest))
+            count, size = len(stored.envelope.names), stored.envelope.layout.file_bytes
+        os.rename(staging, target)
+        directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    print(
+        f"restored {stored.record.checkpoint_id} ({count} payloads, envelope {size} bytes) "
+        f"to {target}",
+        file=out,
+    )
+    return EXIT_OK
+
+
+def _write_durably(path: Path, data: Any) -> None:
+    import os
+
+    with path.open("wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
 def _schema(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .events import events_schema
 
@@ -276,6 +327,16 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("store", type=Path)
     ls.add_argument("--json", action="store_true", help="one JSON object for machines")
     ls.set_defaults(run=_ls)
+
+    restore = commands.add_parser(
+        "restore",
+        help="verify a generation and write its payloads to files (all or none)",
+        description="Example: coordinator restore ./saves --checkpoint ckpt-120 --to ./restored",
+    )
+    restore.add_argument("store", type=Path)
+    restore.add_argument("--checkpoint", default=None, help="checkpoint id (default: high water)")
+    restore.add_argument("--to", required=True, help="a new directory for the payload files")
+    restore.set_defaults(run=_restore)
 
     schema = commands.add_parser("schema", help="print a JSON Schema (events)")
     schema.add_argument("what", choices=["events"])

@@ -262,3 +262,31 @@ def test_ctrl_c_leaves_no_server_and_a_store_that_verifies(tmp_path: Path) -> No
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0  # the server is gone
     assert run("verify", str(store))[0] == 0
+
+
+def test_restore_writes_every_payload_or_nothing(tmp_path: Path) -> None:
+    """restore verifies, writes each payload file and the manifest; a corrupt generation
+    is refused and leaves no output and no staging directory."""
+    from coordinator.store import SyncStore
+
+    make_store(tmp_path / "store", 2)
+    reader = SyncStore(tmp_path / "store", read_only=True)
+    with reader, reader.read(reader.select("ckpt-1")) as stored:
+        expected = {n: bytes(stored.payload(n)) for n in stored.envelope.names}
+    code, out, _ = run("restore", str(tmp_path / "store"), "--to", str(tmp_path / "out"))
+    assert code == 0 and "ckpt-1" in out
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()
+            if p.name != "manifest.json"} == expected  # fmt: skip
+    assert json.loads((tmp_path / "out" / "manifest.json").read_bytes())["checkpointId"] == "ckpt-1"
+
+    target = tmp_path / "store" / "ckpt-0.flysess"
+    data = bytearray(target.read_bytes())
+    data[300] ^= 1
+    target.write_bytes(bytes(data))
+    code, _, err = run(
+        "restore", str(tmp_path / "store"), "--checkpoint", "ckpt-0", "--to", str(tmp_path / "bad")
+    )
+    assert code == 1 and "store.corrupt" in err
+    assert not (tmp_path / "bad").exists()
+    assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
+    assert run("restore", str(tmp_path / "store"), "--to", str(tmp_path / "out"))[0] == 2
