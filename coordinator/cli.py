@@ -274,6 +274,60 @@ def _write_durably(path: Path, data: Any) -> None:
         os.fsync(file.fileno())
 
 
+def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Replay the stream's history, then follow live events, folding them into save
+    state. --json: one folded session state per event, for scripts."""
+    import anyio
+
+    from .bus._nats import NatsBus
+    from .monitor import SaveState
+
+    def show(state: SaveState, session_id: str) -> None:
+        session = state.sessions[session_id]
+        if args.json:
+            print(json.dumps(msgspec.to_builtins(session)), file=out, flush=True)
+            return
+        print(
+            f"{session_id:12} high water {session.high_water or '-'} "
+            f"(step {session.high_water_boundary or '-'})  in flight {len(session.in_flight)}  "
+            f"queue {session.queue_depth}  committed {session.committed}  "
+            f"superseded {session.superseded}  failed {session.failed}"
+            + (f"  last failure {session.last_failure}" if session.last_failure else "")
+            + (f"  last commit {session.last_committed_ms:.1f} ms"
+               if session.last_committed_ms is not None else ""),
+            file=out,
+            flush=True,
+        )  # fmt: skip
+
+    async def follow() -> None:
+        state = SaveState()
+        sessions = args.session or [None]
+        async with NatsBus(args.nats) as bus:
+            live = [await bus.subscribe(s) for s in sessions] if not args.replay_only else []
+            seen: set[str] = set()
+            for session in sessions:
+                for event in await bus.history(session):
+                    seen.add(event.event_id)
+                    state = state.apply(event)
+                    show(state, event.session_id)
+            if args.replay_only:
+                return
+            async with anyio.create_task_group() as group:
+                for subscription in live:
+
+                    async def pump(subscription: Any = subscription) -> None:
+                        nonlocal state
+                        async for event in subscription:
+                            if event.event_id not in seen:  # already replayed
+                                state = state.apply(event)
+                                show(state, event.session_id)
+
+                    group.start_soon(pump)
+
+    anyio.run(follow)
+    return EXIT_OK
+
+
 def _schema(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .events import events_schema
 
@@ -337,6 +391,17 @@ def _parser() -> argparse.ArgumentParser:
     restore.add_argument("--checkpoint", default=None, help="checkpoint id (default: high water)")
     restore.add_argument("--to", required=True, help="a new directory for the payload files")
     restore.set_defaults(run=_restore)
+
+    watch = commands.add_parser(
+        "watch",
+        help="follow save state on a NATS server: history first, then live",
+        description="Example: coordinator watch --nats nats://127.0.0.1:4222 --session demo",
+    )
+    watch.add_argument("--nats", default="nats://127.0.0.1:4222", help="the NATS server URL")
+    watch.add_argument("--session", action="append", help="a session to follow (repeatable)")
+    watch.add_argument("--json", action="store_true", help="one folded state line per event")
+    watch.add_argument("--replay-only", action="store_true", help="replay the history, then exit")
+    watch.set_defaults(run=_watch)
 
     schema = commands.add_parser("schema", help="print a JSON Schema (events)")
     schema.add_argument("what", choices=["events"])

@@ -189,3 +189,24 @@ async def test_reconciliation_announces_a_commit_the_bus_never_saw(
             history = await bus.history("session-1")
     assert latest is not None and latest.checkpoint_id == "ckpt-2"
     assert [(type(e).__name__, e.checkpoint_id) for e in history] == [("Committed", "ckpt-2")]
+
+
+def test_watch_replays_the_same_high_water_as_ls(server: EmbeddedServer, tmp_path: Path) -> None:
+    """`watch --json` over a finished demo reports the high water `ls` shows."""
+    import io
+    import json
+
+    from coordinator.cli import main
+
+    def run(*argv: str) -> str:
+        out = io.StringIO()
+        assert main(list(argv), out=out, err=io.StringIO()) == 0
+        return out.getvalue()
+
+    store = str(tmp_path / "saves")
+    run("demo", "--steps", "25", "--store", store, "--nats", server.url, "--json")
+    lines = run("watch", "--nats", server.url, "--session", "demo", "--json", "--replay-only")
+    states = [json.loads(line) for line in lines.splitlines()]
+    listed = json.loads(run("ls", "--json", store))
+    assert states[-1]["highWater"] == listed["highWater"] == "final-25"
+    assert states[-1]["gaps"] == 0

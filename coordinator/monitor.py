@@ -1,0 +1,71 @@
+"""Save state as a pure fold of events: ``state = state.apply(event)``.
+
+Every subscriber, in any language, can rebuild the same view from the events
+alone: what is durable (the high water), what is in flight, what failed and
+why, and what was superseded. Applying an event never changes the old state;
+it returns a new one. ``seq`` gaps (events a subscriber missed) are counted.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .events import Captured, Committed, Event, Failed, Queued, Superseded
+
+__all__ = ["SaveState", "SessionState"]
+
+
+class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    session_id: str
+    high_water: str | None = None
+    high_water_boundary: str | None = None
+    in_flight: frozenset[str] = frozenset()  # captured, not yet committed/failed/superseded
+    queue_depth: int = 0
+    committed: int = 0
+    superseded: int = 0
+    failed: int = 0
+    last_committed_ms: float | None = None
+    last_committed_bytes: int | None = None
+    last_failure: str | None = None  # "code: reason"
+    last_seq: int = 0
+    gaps: int = 0
+
+
+class SaveState(msgspec.Struct, frozen=True, kw_only=True):
+    sessions: dict[str, SessionState] = msgspec.field(default_factory=dict)
+
+    def apply(self, event: Event) -> SaveState:
+        """The state after ``event``; ``self`` is left as it was."""
+        before = self.sessions.get(event.session_id) or SessionState(session_id=event.session_id)
+        sessions = dict(self.sessions)
+        sessions[event.session_id] = _fold(before, event)
+        return SaveState(sessions=sessions)
+
+
+def _fold(state: SessionState, event: Event) -> SessionState:
+    changes: dict[str, object] = {}
+    if event.seq > 0:  # seq 0: a reconciliation, outside any sequence
+        if state.last_seq and event.seq > state.last_seq + 1:
+            changes["gaps"] = state.gaps + (event.seq - state.last_seq - 1)
+        changes["last_seq"] = max(state.last_seq, event.seq)
+    open_ids = set(state.in_flight)
+    if isinstance(event, Captured):
+        open_ids.add(event.checkpoint_id)
+    elif isinstance(event, Queued):
+        changes["queue_depth"] = event.queue_depth
+    else:
+        open_ids.discard(event.checkpoint_id)
+        if isinstance(event, Committed):
+            changes.update(
+                committed=state.committed + 1,
+                high_water=event.high_water,
+                high_water_boundary=event.boundary,
+                last_committed_ms=event.timings.total_ms,
+                last_committed_bytes=int(event.envelope_bytes),
+            )
+        elif isinstance(event, Superseded):
+            changes["superseded"] = state.superseded + 1
+        elif isinstance(event, Failed):
+            changes.update(failed=state.failed + 1, last_failure=f"{event.code}: {event.reason}")
+    changes["in_flight"] = frozenset(open_ids)
+    return msgspec.structs.replace(state, **changes)
