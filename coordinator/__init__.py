@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import ArtifactReleasedError as ArtifactReleasedError
 from ._errors import BusConfigError as BusConfigError
+from ._errors import BusUnavailableError as BusUnavailableError
 from ._errors import CaptureFailedError as CaptureFailedError
 from ._errors import CommitError as CommitError
 from ._errors import CoordinatorError as CoordinatorError
@@ -69,6 +70,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ArtifactReleasedError",
     "BusConfigError",
+    "BusUnavailableError",
     "CaptureFailedError",
     "CommitError",
     "Coordinator",

@@ -27,6 +27,7 @@ into typed attributes; the message is built once, here.
     ├── RestoreFailedError                restore.failed   the group did not install; see tainted
     ├── ServerError                       server.unavailable  no embedded nats-server
     ├── BusConfigError                    bus.config       an existing stream/bucket does not fit
+    ├── BusUnavailableError               bus.unavailable  the NATS server cannot be reached
     └── StoreError                        store
         ├── StoreLockedError              store.locked     another writer holds the store
         ├── StoreReadOnlyError            store.read_only  commit on a read-only store
@@ -53,6 +54,7 @@ from typing import Any, ClassVar
 __all__ = [
     "ArtifactReleasedError",
     "BusConfigError",
+    "BusUnavailableError",
     "CaptureFailedError",
     "CommitError",
     "CoordinatorError",
@@ -289,6 +291,12 @@ class BusConfigError(CoordinatorError):
     it is never changed behind the operator's back."""
 
     code: ClassVar[str] = "bus.config"
+
+
+class BusUnavailableError(CoordinatorError):
+    """The NATS server could not be reached when connecting."""
+
+    code: ClassVar[str] = "bus.unavailable"
 
 
 class StoreError(CoordinatorError):

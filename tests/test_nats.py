@@ -210,3 +210,17 @@ def test_watch_replays_the_same_high_water_as_ls(server: EmbeddedServer, tmp_pat
     listed = json.loads(run("ls", "--json", store))
     assert states[-1]["highWater"] == listed["highWater"] == "final-25"
     assert states[-1]["gaps"] == 0
+
+
+@pytest.mark.asyncio
+async def test_an_unreachable_server_is_a_clear_typed_error() -> None:
+    """No server at the URL: BusUnavailableError within the connect timeout, not a hang."""
+    from coordinator import BusUnavailableError
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    with anyio.fail_after(10), pytest.raises(BusUnavailableError) as caught:
+        async with NatsBus(f"nats://127.0.0.1:{free}", connect_timeout=0.5):
+            pass
+    assert caught.value.code == "bus.unavailable"

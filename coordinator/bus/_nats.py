@@ -32,7 +32,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from .._errors import BusConfigError
+from .._errors import BusConfigError, BusUnavailableError
 from ..events import DEFAULT_PREFIX, Committed, Event, decode_event, encode_event, subject
 from ..events import subject_token as token
 from . import BusStatistics
@@ -54,6 +54,7 @@ class NatsBus:
         bucket: str = "CKPT_COMMITTED",
         outbox_limit: int = 10_000,
         publish_timeout: float = 2.0,
+        connect_timeout: float = 5.0,
         **connect_options: Any,
     ) -> None:
         self.servers = [servers] if isinstance(servers, str) else list(servers)
@@ -62,6 +63,7 @@ class NatsBus:
         self.bucket = bucket
         self.outbox_limit = outbox_limit
         self.publish_timeout = publish_timeout
+        self.connect_timeout = connect_timeout
         self._options = connect_options
         self._outbox: collections.deque[Event] = collections.deque()
         self._wake = anyio.Event()
@@ -77,13 +79,22 @@ class NatsBus:
     # --- lifecycle -----------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        self._nc = await nats.connect(
-            self.servers,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.1,
-            error_cb=self._on_error,
-            **self._options,
-        )
+        try:
+            # Once connected, reconnect forever (the outbox waits); the first
+            # connection gets a deadline and a clear error instead.
+            with anyio.fail_after(self.connect_timeout):
+                self._nc = await nats.connect(
+                    self.servers,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.1,
+                    error_cb=self._on_error,
+                    **self._options,
+                )
+        except (TimeoutError, OSError, nats.errors.Error) as error:
+            raise BusUnavailableError(
+                f"cannot reach NATS at {', '.join(self.servers)} "
+                f"within {self.connect_timeout}s ({type(error).__name__})"
+            ) from None
         self._js = self._nc.jetstream()
         await self._ensure_stream()
         await self._ensure_bucket()
