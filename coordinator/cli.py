@@ -278,26 +278,21 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Replay the stream's history, then follow live events, folding them into save
     state. --json: one folded session state per event, for scripts."""
     import anyio
+    from rich.console import Console
+    from rich.live import Live
 
     from .bus._nats import NatsBus
-    from .monitor import SaveState
+    from .monitor import SaveState, render
+
+    console = Console(file=out, width=None if out.isatty() else 160)  # pipes: no folding
+    live = Live(render(SaveState()), console=console, refresh_per_second=8, transient=False)
 
     def show(state: SaveState, session_id: str) -> None:
-        session = state.sessions[session_id]
         if args.json:
+            session = state.sessions[session_id]
             print(json.dumps(msgspec.to_builtins(session)), file=out, flush=True)
-            return
-        print(
-            f"{session_id:12} high water {session.high_water or '-'} "
-            f"(step {session.high_water_boundary or '-'})  in flight {len(session.in_flight)}  "
-            f"queue {session.queue_depth}  committed {session.committed}  "
-            f"superseded {session.superseded}  failed {session.failed}"
-            + (f"  last failure {session.last_failure}" if session.last_failure else "")
-            + (f"  last commit {session.last_committed_ms:.1f} ms"
-               if session.last_committed_ms is not None else ""),
-            file=out,
-            flush=True,
-        )  # fmt: skip
+        else:
+            live.update(render(state))
 
     async def follow() -> None:
         state = SaveState()
@@ -324,7 +319,11 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
                     group.start_soon(pump)
 
-    anyio.run(follow)
+    if args.json:
+        anyio.run(follow)
+    else:
+        with live:
+            anyio.run(follow)
     return EXIT_OK
 
 

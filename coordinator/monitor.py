@@ -8,11 +8,16 @@ it returns a new one. ``seq`` gaps (events a subscriber missed) are counted.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from .events import Captured, Committed, Event, Failed, Queued, Superseded
 
-__all__ = ["SaveState", "SessionState"]
+if TYPE_CHECKING:
+    from rich.table import Table
+
+__all__ = ["SaveState", "SessionState", "render"]
 
 
 class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -69,3 +74,31 @@ def _fold(state: SessionState, event: Event) -> SessionState:
             changes.update(failed=state.failed + 1, last_failure=f"{event.code}: {event.reason}")
     changes["in_flight"] = frozenset(open_ids)
     return msgspec.structs.replace(state, **changes)
+
+
+def render(state: SaveState) -> Table:
+    """The live terminal view: one row per session (rich loads only when asked for)."""
+    from rich.table import Table
+
+    table = Table(title="save state", title_justify="left")
+    columns = ("session", "high water", "step", "in flight", "queue", "committed",
+               "last commit", "size", "superseded", "failed", "last failure")  # fmt: skip
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for session in sorted(state.sessions.values(), key=lambda s: s.session_id):
+        latency = session.last_committed_ms
+        size = session.last_committed_bytes
+        table.add_row(
+            session.session_id,
+            session.high_water or "-",
+            session.high_water_boundary or "-",
+            str(len(session.in_flight)),
+            str(session.queue_depth),
+            str(session.committed),
+            "-" if latency is None else f"{latency:.1f} ms",
+            "-" if size is None else f"{size / (1 << 20):.1f} MiB",
+            str(session.superseded),
+            str(session.failed),
+            session.last_failure or "",
+        )
+    return table

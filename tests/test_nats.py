@@ -224,3 +224,18 @@ async def test_an_unreachable_server_is_a_clear_typed_error() -> None:
         async with NatsBus(f"nats://127.0.0.1:{free}", connect_timeout=0.5):
             pass
     assert caught.value.code == "bus.unavailable"
+
+
+def test_watch_draws_a_table_per_session(server: EmbeddedServer, tmp_path: Path) -> None:
+    """Without --json, watch shows the rich table: the session, its high water, its counts."""
+    import io
+
+    from coordinator.cli import main
+
+    out = io.StringIO()
+    store = str(tmp_path / "saves")
+    assert main(["demo", "--steps", "12", "--store", store, "--nats", server.url, "--json"],
+                out=io.StringIO(), err=io.StringIO()) == 0  # fmt: skip
+    assert main(["watch", "--nats", server.url, "--replay-only"], out=out, err=io.StringIO()) == 0
+    text = out.getvalue()
+    assert "save state" in text and "demo" in text and "final-12" in text
