@@ -1,7 +1,7 @@
 """The ``coordinator`` command.
 
 Exit status: 0 success; 1 the thing checked is corrupt or failed its check;
-2 bad command line; 3 a file could not be read; 130 interrupted (Ctrl-C).
+2 bad command line; 3 a file could not be accessed; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -113,11 +113,11 @@ def _print_inspect(envelope: Envelope, path: Path, out: TextIO) -> None:
 
 
 def _report_failure(error: CoordinatorError, path: Path | str, err: TextIO) -> int:
+    """One line: where, the stable code, the failed check if any, and what happened."""
     if isinstance(error, CorruptEnvelopeError):
-        print(f"{path}: CORRUPT [{error.code}] check {error.step} {error.check}", file=err)
+        print(f"{path}: CORRUPT [{error.code}] check {error.step} {error.check}: {error}", file=err)
     else:
-        print(f"{path}: FAILED [{error.code}]", file=err)
-    print(f"  {error}", file=err)
+        print(f"{path}: FAILED [{error.code}] {error}", file=err)
     return EXIT_FAILED
 
 
@@ -246,7 +246,8 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         with stored:
             for name in stored.envelope.names:
                 _write_durably(staging / name, stored.payload(name))
-            _write_durably(staging / "manifest.json", canonical_bytes(stored.envelope.manifest))
+            # "_" cannot begin an Id, so no payload can be this file
+            _write_durably(staging / "_manifest.json", canonical_bytes(stored.envelope.manifest))
             count, size = len(stored.envelope.names), stored.envelope.layout.file_bytes
         os.rename(staging, target)
         directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
@@ -437,12 +438,29 @@ def main(
         return _report_failure(error, where, err)
     except OSError as error:
         print(
-            f"coordinator: cannot read {error.filename or ''}: {error.strerror or error}", file=err
+            f"coordinator: cannot access {error.filename or ''}: {error.strerror or error}",
+            file=err,
         )
         return EXIT_UNREADABLE
+    except BaseExceptionGroup as group:  # from a task group: report the first of ours
+        ours = _first_coordinator_error(group)
+        if ours is None:
+            raise
+        return _report_failure(ours, f"coordinator {args.command}", err)
     except KeyboardInterrupt:
         print("coordinator: interrupted", file=err)
         return EXIT_INTERRUPTED
+
+
+def _first_coordinator_error(group: BaseExceptionGroup[BaseException]) -> CoordinatorError | None:
+    for error in group.exceptions:
+        if isinstance(error, CoordinatorError):
+            return error
+        if isinstance(error, BaseExceptionGroup):
+            found = _first_coordinator_error(error)
+            if found is not None:
+                return found
+    return None
 
 
 if __name__ == "__main__":

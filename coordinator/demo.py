@@ -14,7 +14,7 @@ import errno
 import json
 import os
 import random
-import statistics
+import secrets
 import tempfile
 import threading
 from collections import Counter
@@ -25,6 +25,7 @@ import msgspec
 
 from ._errors import SaveFailedError
 from ._sample import sample_body
+from .bench import percentile
 from .bus import Bus
 from .events import Committed, Event, Failed, Superseded
 from .fs import FileSystem
@@ -147,8 +148,9 @@ async def _simulate(
                 try:
                     tickets.append(await coordinator.capture(step, replaceable=False))
                     await anyio.to_thread.run_sync(disk.held.wait, 30)
-                    await coordinator.capture(step, checkpoint_id=f"hot-{step}-a")
-                    tickets.append(await coordinator.capture(step, checkpoint_id=f"hot-{step}-b"))
+                    hot_id = f"{coordinator.epoch}-hot-{step}"
+                    await coordinator.capture(step, checkpoint_id=f"{hot_id}-a")
+                    tickets.append(await coordinator.capture(step, checkpoint_id=f"{hot_id}-b"))
                 finally:
                     disk.hold.set()
             elif step == 30:  # a simulated write error on exactly this save
@@ -167,6 +169,9 @@ async def _simulate(
 
 
 async def _host(bus: Bus, store_dir: str, steps: int, out: TextIO | None) -> DemoSummary:
+    # Every run gets epochs of its own, so its checkpoint and event ids never repeat
+    # an earlier run's (in the same store, or on the same NATS server).
+    run = f"run-{secrets.token_hex(3)}"
     disk = _DemoDisk()
     parts = [_Part("world", WORLD_BYTES, 1)]
     parts += [_Part(f"agent-{a}", AGENT_BYTES, i + 2) for i, a in enumerate(AGENTS)]
@@ -189,7 +194,7 @@ async def _host(bus: Bus, store_dir: str, steps: int, out: TextIO | None) -> Dem
     async with FileStore(store_dir, fs=disk) as store, anyio.create_task_group() as group:
         group.start_soon(watch)
         coordinator = Coordinator(
-            store, bus, parts, session_id="demo", epoch="epoch-1", describe=_describe,
+            store, bus, parts, session_id="demo", epoch=f"{run}-1", describe=_describe,
             limits=WriterLimits(max_outstanding=3),
         )  # fmt: skip
         async with coordinator:
@@ -198,13 +203,13 @@ async def _host(bus: Bus, store_dir: str, steps: int, out: TextIO | None) -> Dem
             )
             try:
                 final = await coordinator.checkpoint(
-                    steps, durability_timeout=60, checkpoint_id=f"final-{steps}"
+                    steps, durability_timeout=60, checkpoint_id=f"{run}-final-{steps}"
                 )
             except SaveFailedError as error:  # an earlier failure, raised once: seen, go on
                 if out is not None:
                     print(f"  host: an earlier save failed [{error.error_code}]", file=out)
                 final = await coordinator.checkpoint(
-                    steps, durability_timeout=60, checkpoint_id=f"final-{steps}"
+                    steps, durability_timeout=60, checkpoint_id=f"{run}-final-{steps}"
                 )
             if not isinstance(final, Committed):
                 raise RuntimeError(f"the final checkpoint did not commit: {final}")
@@ -213,7 +218,7 @@ async def _host(bus: Bus, store_dir: str, steps: int, out: TextIO | None) -> Dem
                 raise RuntimeError(f"the store does not verify: {report.failures}")
             for part in parts:
                 part.state = b"scrambled"
-            restored = await coordinator.restore(new_epoch="epoch-2")
+            restored = await coordinator.restore(new_epoch=f"{run}-2")
             identical = world.state == worlds[int(restored.record.boundary)]
         generations = store.generations
         await anyio.sleep(0.2)  # let the last events reach the monitor
@@ -224,8 +229,8 @@ async def _host(bus: Bus, store_dir: str, steps: int, out: TextIO | None) -> Dem
         steps=steps,
         generations=len(generations),
         stored_bytes=sum(int(r.byte_length) for r in generations),
-        commit_ms_p50=round(statistics.median(ordered), 2) if ordered else 0.0,
-        commit_ms_p99=round(ordered[max(0, int(len(ordered) * 0.99) - 1)], 2) if ordered else 0.0,
+        commit_ms_p50=round(percentile(ordered, 0.5), 2) if ordered else 0.0,
+        commit_ms_p99=round(percentile(ordered, 0.99), 2) if ordered else 0.0,
         events=dict(sorted(seen.items())),
         restored=restored.record.checkpoint_id,
         restored_epoch=restored.epoch,

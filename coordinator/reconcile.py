@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ._errors import GenerationCorruptError
 from .events import Committed, Event, event_id, rfc3339_now
 from .store import FileStore
 
@@ -36,7 +37,11 @@ async def reconcile(store: FileStore, bus: _AnnouncingBus) -> tuple[str, ...]:
         latest = await bus.latest_committed(session_id)
         if latest is not None and latest.envelope_digest == record.envelope_digest:
             continue
-        with await store.read(record.checkpoint_id) as stored:
+        try:
+            stored = await store.read(record.checkpoint_id)
+        except GenerationCorruptError:
+            continue  # nothing to announce: `coordinator verify` reports it
+        with stored:
             payload_bytes = sum(entry.byte_length for entry in stored.envelope.layout.entries)
             episode_id = stored.manifest.episode_id
         await bus.publish(

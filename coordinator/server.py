@@ -85,24 +85,48 @@ class EmbeddedServer:
         self._process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
+        try:
+            await self._wait_ready()
+        except BaseException:  # cancelled (Ctrl-C) or failed: never leave it running
+            with anyio.CancelScope(shield=True):
+                await self.kill()
+            raise
+
+    async def _wait_ready(self) -> None:
+        """Ready means: our process is alive and a NATS server answers on the port."""
+        assert self._process is not None
         deadline = time.monotonic() + self.ready_timeout
         while True:
             if self._process.poll() is not None:
-                message = self._process.stderr.read().decode() if self._process.stderr else ""
-                self._process = None
+                stderr = self._process.stderr
+                message = stderr.read().decode() if stderr else ""
                 raise ServerError(f"nats-server exited at start: {message.strip()[:500]}")
-            try:
-                stream = await anyio.connect_tcp("127.0.0.1", self.port)
-            except OSError:
-                if time.monotonic() > deadline:
-                    await self.stop()
-                    raise ServerError(
-                        f"nats-server not ready after {self.ready_timeout}s"
-                    ) from None
-                await anyio.sleep(0.005)
-                continue
+            if await self._answers():
+                return
+            if time.monotonic() > deadline:
+                raise ServerError(f"nats-server not ready after {self.ready_timeout}s")
+            await anyio.sleep(0.005)
+
+    async def _answers(self) -> bool:
+        try:
+            stream = await anyio.connect_tcp("127.0.0.1", self.port)
+        except OSError:
+            return False
+        try:
+            with anyio.move_on_after(1):
+                greeting = await stream.receive(4096)
+                # Another program on the port would not greet like this, and ours must
+                # still be running (it exits at once if the port was taken).
+                return (
+                    greeting.startswith(b"INFO")
+                    and self._process is not None
+                    and (self._process.poll() is None)
+                )
+            return False
+        except (OSError, anyio.EndOfStream):
+            return False
+        finally:
             await stream.aclose()
-            return
 
     async def stop(self) -> None:
         process, self._process = self._process, None
@@ -127,7 +151,11 @@ class EmbeddedServer:
                 process.stderr.close()
 
     async def __aenter__(self) -> Self:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            self._remove_owned_dir()
+            raise
         return self
 
     async def __aexit__(
@@ -138,5 +166,8 @@ class EmbeddedServer:
     ) -> None:
         with anyio.CancelScope(shield=True):
             await self.stop()
+        self._remove_owned_dir()
+
+    def _remove_owned_dir(self) -> None:
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)

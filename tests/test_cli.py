@@ -44,7 +44,7 @@ def test_verify_a_missing_file_exits_3(tmp_path: Path) -> None:
     """An unreadable file is not 'corrupt': it has its own exit status."""
     code, _, err = run("verify", str(tmp_path / "nope.flysess"))
     assert code == 3
-    assert "cannot read" in err
+    assert "cannot access" in err
 
 
 def test_verify_an_empty_file_is_corrupt(tmp_path: Path) -> None:
@@ -276,8 +276,9 @@ def test_restore_writes_every_payload_or_nothing(tmp_path: Path) -> None:
     code, out, _ = run("restore", str(tmp_path / "store"), "--to", str(tmp_path / "out"))
     assert code == 0 and "ckpt-1" in out
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()
-            if p.name != "manifest.json"} == expected  # fmt: skip
-    assert json.loads((tmp_path / "out" / "manifest.json").read_bytes())["checkpointId"] == "ckpt-1"
+            if p.name != "_manifest.json"} == expected  # fmt: skip
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_bytes())
+    assert manifest["checkpointId"] == "ckpt-1"
 
     target = tmp_path / "store" / "ckpt-0.flysess"
     data = bytearray(target.read_bytes())
@@ -290,3 +291,12 @@ def test_restore_writes_every_payload_or_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "bad").exists()
     assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
     assert run("restore", str(tmp_path / "store"), "--to", str(tmp_path / "out"))[0] == 2
+
+
+def test_demo_can_run_again_on_the_same_store(tmp_path: Path) -> None:
+    """Each run has epochs of its own: a second run on the same store just works."""
+    store = str(tmp_path / "saves")
+    for _ in range(2):
+        code, out, err = run("demo", "--steps", "12", "--store", store, "--json")
+        assert code == 0, err
+        assert json.loads(out)["world_identical"]

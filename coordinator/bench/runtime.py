@@ -29,7 +29,7 @@ from ..manifest import ManifestBody, build_manifest
 from ..session import CaptureScope, Coordinator
 from ..store import FileStore
 from ..writer import WriterLimits
-from . import Result, median, result, status_kib
+from . import Result, median, percentile, result, status_kib
 from .store import _fsync_dir, _raw_write
 
 AGENTS = ["fly-a", "fly-b"]  # with admission: 8 payloads
@@ -95,7 +95,7 @@ async def _save_once(folder: Path, parts: Sequence[_Bytes], run: int) -> dict[st
     return {
         "capture_s": captured - start,
         "total_s": finished - start,
-        "lag_p99_ms": during[int(len(during) * 0.99) - 1] if during else 0.0,
+        "lag_p99_ms": percentile(during, 0.99) if during else 0.0,
         "lag_max_ms": during[-1] if during else 0.0,
         "capture_block_ms": max(in_capture, default=0.0),
         "rss_added_mib": (peak - rss_before) / 1024,

@@ -17,6 +17,8 @@ in a KV bucket. The only module that imports ``nats``.
 from __future__ import annotations
 
 import collections
+import contextlib
+import re
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -29,7 +31,13 @@ from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription as NatsSubscription
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import (
+    APIError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 
 from .._errors import BusConfigError, BusUnavailableError
@@ -39,6 +47,21 @@ from . import BusStatistics
 from .memory import Subscription
 
 __all__ = ["NatsBus"]
+
+# Errors a later retry can get past (the server is away or slow); others are final.
+_TRANSIENT = (
+    TimeoutError,
+    OSError,
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoRespondersError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+    ServiceUnavailableError,
+)
+# How many recent event ids a live subscription remembers, to drop re-publications.
+_RECENT_IDS = 4096
 
 
 class NatsBus:
@@ -92,12 +115,24 @@ class NatsBus:
                 )
         except (TimeoutError, OSError, nats.errors.Error) as error:
             raise BusUnavailableError(
-                f"cannot reach NATS at {', '.join(self.servers)} "
-                f"within {self.connect_timeout}s ({type(error).__name__})"
+                f"cannot reach NATS at {_redacted(self.servers)} ({type(error).__name__})"
             ) from None
         self._js = self._nc.jetstream()
-        await self._ensure_stream()
-        await self._ensure_bucket()
+        try:
+            await self._ensure_stream()
+            await self._ensure_bucket()
+        except BaseException as error:
+            await self._close_connection()
+            if isinstance(error, ServiceUnavailableError):
+                raise BusUnavailableError(
+                    f"the NATS server at {_redacted(self.servers)} has no JetStream "
+                    "(start it with -js)"
+                ) from None
+            if isinstance(error, APIError):
+                raise BusConfigError(
+                    f"JetStream refused the stream or bucket setup: {error.description}"
+                ) from None
+            raise
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
         await self._group.start(self._run_outbox)
@@ -119,13 +154,22 @@ class NatsBus:
         self._closing = True
         self._flush_deadline = anyio.current_time() + flush_timeout
         self._wake.set()
-        if self._group is not None:
-            await self._group.__aexit__(None, None, None)
-        for subscription in list(self._subscriptions):
-            await subscription._send.aclose()
-        self._subscriptions.clear()
+        try:
+            if self._group is not None:
+                await self._group.__aexit__(None, None, None)
+        finally:
+            self._counts["dropped"] += len(self._outbox)  # unsent: counted, never silent
+            self._outbox.clear()
+            for subscription in list(self._subscriptions):
+                await subscription._send.aclose()
+            self._subscriptions.clear()
+            await self._close_connection()
+
+    async def _close_connection(self) -> None:
+        """Close the client, shielded, whatever state the server is in."""
         if self._nc is not None:
-            await self._nc.close()
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await self._nc.close()
 
     async def _ensure_stream(self) -> None:
         assert self._js is not None
@@ -149,8 +193,11 @@ class NatsBus:
             self._kv = await self._js.create_key_value(bucket=self.bucket, history=1)
 
     async def _on_error(self, error: Exception) -> None:
+        """nats-py's asynchronous errors: counted (its default would only log them)."""
         if isinstance(error, nats.errors.SlowConsumerError):
-            self._counts["dropped"] += 1  # counted: nats-py's default would only log
+            self._counts["dropped"] += 1
+        else:
+            self._counts["errors"] += 1
 
     # --- publishing ----------------------------------------------------------------
 
@@ -185,11 +232,13 @@ class NatsBus:
             event = self._outbox[0]
             try:
                 await self._send(event)
-            except Exception:  # away, or no ack in time: retry the same event, same id
+            except _TRANSIENT:  # away, or no ack in time: retry the same event, same id
                 self._counts["retries"] += 1
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
+            except Exception:  # the server refused it: retrying would block the rest
+                self._counts["dropped"] += 1
             backoff = 0.05
             self._outbox.popleft()
 
@@ -204,7 +253,7 @@ class NatsBus:
         )
         self._counts["duplicates" if ack.duplicate else "published"] += 1
         if isinstance(event, Committed):
-            await self._kv.put(token(event.session_id), data)
+            await self._kv.put(event.session_id, data)  # Ids are valid KV keys as they are
 
     # --- reading -------------------------------------------------------------------
 
@@ -215,12 +264,21 @@ class NatsBus:
         subscription = Subscription(self, None, send, receive)
         subjects = f"{self.prefix}.{token(session_id)}.*" if session_id else f"{self.prefix}.>"
 
+        recent: collections.deque[str] = collections.deque(maxlen=_RECENT_IDS)
+        recent_set: set[str] = set()
+
         async def deliver(message: Any) -> None:
             try:
                 event = decode_event(message.data)
-            except msgspec.ValidationError:
+            except msgspec.MsgspecError:  # not one of our events: counted, skipped
                 self._counts["invalid"] += 1
                 return
+            if event.event_id in recent_set:  # a retry the stream de-duplicated
+                return
+            if len(recent) == recent.maxlen:
+                recent_set.discard(recent[0])
+            recent.append(event.event_id)
+            recent_set.add(event.event_id)
             try:
                 send.send_nowait(event)
             except anyio.WouldBlock:
@@ -245,7 +303,7 @@ class NatsBus:
         """The last ``committed`` event of a session, from the KV bucket."""
         assert self._kv is not None
         try:
-            entry = await self._kv.get(token(session_id))
+            entry = await self._kv.get(session_id)
         except KeyNotFoundError:
             return None
         event = decode_event(entry.value or b"")
@@ -267,7 +325,10 @@ class NatsBus:
                 except nats.errors.TimeoutError:
                     break
                 for message in batch:
-                    events.append(decode_event(message.data))
+                    try:
+                        events.append(decode_event(message.data))
+                    except msgspec.MsgspecError:  # a foreign message on our subjects
+                        self._counts["invalid"] += 1
                     await message.ack()
         finally:
             await consumer.unsubscribe()
@@ -281,7 +342,16 @@ class NatsBus:
             subscribers=len(self._subscriptions),
         )
 
+    def counts(self) -> dict[str, int]:
+        """Every counter: published, duplicates, retries, dropped, invalid, errors..."""
+        return dict(self._counts)
+
     @property
     def pending(self) -> int:
         """Events waiting in the outbox (the server is away, or slow)."""
         return len(self._outbox)
+
+
+def _redacted(servers: Sequence[str]) -> str:
+    """Server URLs without their credentials, for messages."""
+    return ", ".join(re.sub(r"//[^@/]*@", "//", url) for url in servers)

@@ -15,7 +15,7 @@ import anyio
 import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..events import Event
+from ..events import Committed, Event
 
 if TYPE_CHECKING:
     from . import BusStatistics
@@ -86,6 +86,12 @@ class MemoryBus:
         self._delivered = 0
         self._dropped = 0
         self._closed = False
+        self._committed: dict[str, Committed] = {}
+
+    async def latest_committed(self, session_id: str) -> Committed | None:
+        """The last ``committed`` event of a session this bus carried."""
+        await anyio.lowlevel.checkpoint()
+        return self._committed.get(session_id)
 
     async def publish(self, event: Event) -> None:
         await anyio.lowlevel.checkpoint()
@@ -95,6 +101,8 @@ class MemoryBus:
         if self._closed:
             raise anyio.ClosedResourceError("the bus is closed")
         self._published += 1
+        if isinstance(event, Committed):
+            self._committed[event.session_id] = event
         for subscription in list(self._subscriptions):
             try:
                 if subscription._offer(event):
