@@ -107,6 +107,11 @@ def _describe(scope: CaptureScope) -> ManifestBody:
     )  # fmt: skip
 
 
+def _say(out: TextIO, line: str) -> None:
+    """The demo's output goes to the stream the CLI hands it, never to stdout."""
+    out.write(line + "\n")
+
+
 def _show(event: Event, out: TextIO) -> None:
     kind = type(event).__name__.lower()
     extra = ""
@@ -117,7 +122,7 @@ def _show(event: Event, out: TextIO) -> None:
         extra = f"by {event.superseded_by}"
     elif isinstance(event, Failed):
         extra = f"[{event.code}]"
-    print(f"  {event.seq:4}  {kind:10}  {event.checkpoint_id:12}  {extra}", file=out)
+    _say(out, f"  {event.seq:4}  {kind:10}  {event.checkpoint_id:12}  {extra}")
 
 
 async def _simulate(
@@ -162,7 +167,7 @@ async def _simulate(
                 tickets.append(await coordinator.capture(step, replaceable=not durable))
         except SaveFailedError as error:  # raised once, by the next capture
             if out is not None:
-                print(f"  host: an earlier save failed [{error.error_code}]", file=out)
+                _say(out, f"  host: an earlier save failed [{error.error_code}]")
         except Exception as error:
             if getattr(error, "code", "") != "writer.busy":  # busy: try later
                 raise
@@ -207,7 +212,7 @@ async def _host(bus: Bus, store_dir: str, steps: int, out: TextIO | None) -> Dem
                 )
             except SaveFailedError as error:  # an earlier failure, raised once: seen, go on
                 if out is not None:
-                    print(f"  host: an earlier save failed [{error.error_code}]", file=out)
+                    _say(out, f"  host: an earlier save failed [{error.error_code}]")
                 final = await coordinator.checkpoint(
                     steps, durability_timeout=60, checkpoint_id=f"{run}-final-{steps}"
                 )
@@ -248,13 +253,13 @@ async def run_demo(
 
     store_dir = store_dir or tempfile.mkdtemp(prefix="coordinator-demo-")
     if out is not None:
-        print(f"store {store_dir}", file=out)
+        _say(out, f"store {store_dir}")
     if nats_url is not None:
         async with NatsBus(nats_url) as bus:
             return await _host(bus, store_dir, steps, out)
     async with EmbeddedServer() as server:
         if out is not None:
-            print(f"embedded nats-server at {server.url}", file=out)
+            _say(out, f"embedded nats-server at {server.url}")
         async with NatsBus(server.url) as bus:
             return await _host(bus, store_dir, steps, out)
 
