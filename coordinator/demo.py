@@ -27,7 +27,7 @@ from ._errors import SaveFailedError
 from ._sample import sample_body
 from .bench import percentile
 from .bus import Bus
-from .events import Committed, Event, Failed, Superseded
+from .events import Committed, Event, Failed, Superseded, event_name
 from .fs import FileSystem
 from .manifest import ManifestBody
 from .server import EmbeddedServer
@@ -113,7 +113,7 @@ def _say(out: TextIO, line: str) -> None:
 
 
 def _show(event: Event, out: TextIO) -> None:
-    kind = type(event).__name__.lower()
+    kind = event_name(event)
     extra = ""
     if isinstance(event, Committed):
         extra = f"-> {event.generation} ({int(event.envelope_bytes) >> 10} KiB, "
@@ -190,7 +190,7 @@ async def _host(bus: Bus, store_dir: str, steps: int, out: TextIO | None) -> Dem
 
     async def watch() -> None:
         async for event in subscription:
-            seen[type(event).__name__.lower()] += 1
+            seen[event_name(event)] += 1
             if isinstance(event, Committed) and event.timings.total_ms is not None:
                 latencies.append(event.timings.total_ms)
             if out is not None:

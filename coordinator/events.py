@@ -34,6 +34,7 @@ __all__ = [
     "decode_event",
     "encode_event",
     "event_id",
+    "event_name",
     "events_schema",
     "rfc3339_now",
     "subject",
@@ -127,6 +128,12 @@ def encode_event(event: Event) -> bytes:
 def decode_event(data: bytes | memoryview) -> Event:
     """Decode and validate one event (``msgspec.ValidationError`` if it is not one)."""
     return _DECODER.decode(data)
+
+
+def event_name(event: Event | type[Event]) -> str:
+    """``captured``, ``queued``, ...: an event's (or event class's) tag on the wire."""
+    kind = event if isinstance(event, type) else type(event)
+    return str(kind.__struct_config__.tag)
 
 
 def rfc3339_now() -> str:

@@ -54,6 +54,7 @@ from .events import (
     Superseded,
     Timings,
     event_id,
+    event_name,
     rfc3339_now,
 )
 from .manifest import CheckpointManifest
@@ -436,7 +437,7 @@ class Writer:
 
     def _event(self, kind: type[Any], job: _Job, **fields: Any) -> Any:
         scope = job.manifest.source_scope
-        name = kind.__struct_config__.tag
+        name = event_name(kind)
         self._seq[scope.session_id] += 1
         return kind(
             seq=self._seq[scope.session_id],

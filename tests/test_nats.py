@@ -11,7 +11,7 @@ import anyio
 import nats
 import pytest
 import pytest_asyncio
-from test_writer import submit
+from test_writer import submit, wait_until
 
 from coordinator import BusConfigError
 from coordinator.bus import NatsBus
@@ -70,15 +70,11 @@ async def test_events_arrive_in_order_and_once(server: EmbeddedServer, tmp_path:
                         break
                     except Exception:
                         await anyio.sleep(0.001)
-        with anyio.fail_after(20):
-            while bus.pending:
-                await anyio.sleep(0.01)
+        await wait_until(lambda: not bus.pending, timeout=20)
         history = await bus.history("session-1")
         again = history[-1]
         await bus.publish(again)  # a retry after a "lost ack": same Nats-Msg-Id
-        with anyio.fail_after(10):
-            while bus.pending:
-                await anyio.sleep(0.01)
+        await wait_until(lambda: not bus.pending)
         assert len(await bus.history("session-1")) == len(history)
     assert [e.seq for e in history] == list(range(1, len(history) + 1))
     kinds: dict[str, list[str]] = defaultdict(list)
@@ -151,9 +147,7 @@ async def test_saves_go_on_while_the_server_is_away(server: EmbeddedServer, tmp_
                     assert isinstance(outcome, Committed)
                 assert bus.pending > 0
                 await server.start()
-            with anyio.fail_after(30):
-                while bus.pending:
-                    await anyio.sleep(0.05)
+            await wait_until(lambda: not bus.pending, timeout=30)
             history = await bus.history("session-1")
             latest = await bus.latest_committed("session-1")
         assert len(store.generations) == 15
@@ -177,15 +171,11 @@ async def test_reconciliation_announces_a_commit_the_bus_never_saw(
             await store.commit(*checkpoint(index))
         async with NatsBus(server.url) as bus:
             assert await reconcile(store, bus) == ("ckpt-2",)
-            with anyio.fail_after(10):
-                while bus.pending:
-                    await anyio.sleep(0.01)
+            await wait_until(lambda: not bus.pending)
             assert await reconcile(store, bus) == ()  # the KV now knows it
             latest = await bus.latest_committed("session-1")
             await bus.publish(latest)  # and a re-announcement is stored once
-            with anyio.fail_after(10):
-                while bus.pending:
-                    await anyio.sleep(0.01)
+            await wait_until(lambda: not bus.pending)
             history = await bus.history("session-1")
     assert latest is not None and latest.checkpoint_id == "ckpt-2"
     assert [(type(e).__name__, e.checkpoint_id) for e in history] == [("Committed", "ckpt-2")]
@@ -265,9 +255,7 @@ async def test_a_session_id_with_a_dot_flows_through(server: EmbeddedServer) -> 
         for event in dotted:
             await bus.publish(event)
         await bus.publish(make("captured", 1))  # another session, behind it
-        with anyio.fail_after(10):
-            while bus.pending:
-                await anyio.sleep(0.01)
+        await wait_until(lambda: not bus.pending)
         latest = await bus.latest_committed("run.1")
         assert latest is not None and latest.session_id == "run.1"
         assert len(await bus.history("run.1")) == 3
@@ -301,9 +289,7 @@ async def test_foreign_messages_on_our_subjects_are_skipped(server: EmbeddedServ
         await client.jetstream().publish("ckpt.session-1.captured", b"not json")
         await client.close()
         await bus.publish(make("queued", 1))
-        with anyio.fail_after(10):
-            while bus.pending:
-                await anyio.sleep(0.01)
+        await wait_until(lambda: not bus.pending)
         history = await bus.history("session-1")
         assert [type(e).__name__ for e in history] == ["Queued"]
         assert bus.counts()["invalid"] == 1

@@ -7,7 +7,7 @@ from typing import Any
 
 import anyio
 import pytest
-from test_writer import GateFS
+from test_writer import GateFS, wait_until
 
 from coordinator import (
     CaptureFailedError,
@@ -126,9 +126,7 @@ async def test_lost_reply_is_resolved_from_the_store_without_saving_again(tmp_pa
     async with FileStore(tmp_path) as store, coordinator(store, parts()) as c:
         ticket = await c.capture(5)
         del ticket  # the reply is lost
-        with anyio.fail_after(5):
-            while c.resolve("epoch-1-5") is None:
-                await anyio.sleep(0.001)
+        await wait_until(lambda: c.resolve("epoch-1-5") is not None, timeout=5)
         record = c.resolve("epoch-1-5")
         assert record is not None and record.boundary == "5"
         assert store.statistics().commits == 1
@@ -147,9 +145,7 @@ async def test_durability_deadline_is_distinct_from_failure(tmp_path: Path) -> N
         assert caught.value.phase == "durability"
         assert c.resolve("epoch-1-9") is None
         fs.open_all()
-        with anyio.fail_after(5):
-            while c.resolve("epoch-1-9") is None:
-                await anyio.sleep(0.001)
+        await wait_until(lambda: c.resolve("epoch-1-9") is not None, timeout=5)
         assert c.writer.statistics().failed == 0
 
 

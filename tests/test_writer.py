@@ -61,10 +61,11 @@ async def submit(writer: Writer, index: int, *, replaceable: bool = True) -> Any
     return writer.submit(reservation, manifest, handles, replaceable=replaceable)
 
 
-async def wait_until(condition: Any) -> None:
-    with anyio.fail_after(10):
+async def wait_until(condition: Any, timeout: float = 10) -> None:
+    """Poll ``condition`` until it holds (no fixed sleeps), failing after ``timeout``."""
+    with anyio.fail_after(timeout):
         while not condition():
-            await anyio.sleep(0.001)
+            await anyio.sleep(0.005)
 
 
 @pytest.mark.asyncio

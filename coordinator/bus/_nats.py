@@ -41,7 +41,15 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from .._errors import BusConfigError, BusUnavailableError
-from ..events import DEFAULT_PREFIX, Committed, Event, decode_event, encode_event, subject
+from ..events import (
+    DEFAULT_PREFIX,
+    Committed,
+    Event,
+    decode_event,
+    encode_event,
+    event_name,
+    subject,
+)
 from ..events import subject_token as token
 from . import BusStatistics
 from .memory import Subscription
@@ -246,7 +254,7 @@ class NatsBus:
         assert self._js is not None and self._kv is not None
         data = encode_event(event)
         ack = await self._js.publish(
-            subject(event.session_id, str(type(event).__struct_config__.tag), prefix=self.prefix),
+            subject(event.session_id, event_name(event), prefix=self.prefix),
             data,
             timeout=self.publish_timeout,
             headers={"Nats-Msg-Id": event.event_id},
