@@ -86,6 +86,7 @@ class NatsBus:
         outbox_limit: int = 10_000,
         publish_timeout: float = 2.0,
         connect_timeout: float = 5.0,
+        replicas: int = 1,
         **connect_options: Any,
     ) -> None:
         self.servers = [servers] if isinstance(servers, str) else list(servers)
@@ -95,6 +96,7 @@ class NatsBus:
         self.outbox_limit = outbox_limit
         self.publish_timeout = publish_timeout
         self.connect_timeout = connect_timeout
+        self.replicas = replicas  # for a stream or bucket this bus creates (R3 on a cluster)
         self._options = connect_options
         self._outbox: collections.deque[Event] = collections.deque()
         self._wake = anyio.Event()
@@ -185,7 +187,9 @@ class NatsBus:
         try:
             info = await self._js.stream_info(self.stream)
         except NotFoundError:
-            await self._js.add_stream(name=self.stream, subjects=[wanted])
+            await self._js.add_stream(
+                name=self.stream, subjects=[wanted], num_replicas=self.replicas
+            )
             return
         if wanted not in (info.config.subjects or []):
             raise BusConfigError(
@@ -198,7 +202,9 @@ class NatsBus:
         try:
             self._kv = await self._js.key_value(self.bucket)
         except BucketNotFoundError:
-            self._kv = await self._js.create_key_value(bucket=self.bucket, history=1)
+            self._kv = await self._js.create_key_value(
+                bucket=self.bucket, history=1, replicas=self.replicas
+            )
 
     async def _on_error(self, error: Exception) -> None:
         """nats-py's asynchronous errors: counted (its default would only log them)."""
