@@ -2,7 +2,9 @@
 
 from typing import TYPE_CHECKING, Any
 
+from ._errors import ArtifactCorruptError as ArtifactCorruptError
 from ._errors import ArtifactReleasedError as ArtifactReleasedError
+from ._errors import ArtifactUnavailableError as ArtifactUnavailableError
 from ._errors import BusConfigError as BusConfigError
 from ._errors import BusUnavailableError as BusUnavailableError
 from ._errors import CaptureFailedError as CaptureFailedError
@@ -23,6 +25,7 @@ from ._errors import ManifestError as ManifestError
 from ._errors import MutableCaptureError as MutableCaptureError
 from ._errors import NoSpaceError as NoSpaceError
 from ._errors import NotCanonicalError as NotCanonicalError
+from ._errors import RemoteWorkerError as RemoteWorkerError
 from ._errors import RenameError as RenameError
 from ._errors import RestoreFailedError as RestoreFailedError
 from ._errors import SaveFailedError as SaveFailedError
@@ -68,7 +71,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ArtifactCorruptError",
     "ArtifactReleasedError",
+    "ArtifactUnavailableError",
     "BusConfigError",
     "BusUnavailableError",
     "CaptureFailedError",
@@ -94,6 +99,7 @@ __all__ = [
     "MutableCaptureError",
     "NoSpaceError",
     "NotCanonicalError",
+    "RemoteWorkerError",
     "RenameError",
     "RestoreFailedError",
     "SaveFailedError",

@@ -28,6 +28,9 @@ into typed attributes; the message is built once, here.
     ├── ServerError                       server.unavailable  no embedded nats-server
     ├── BusConfigError                    bus.config       an existing stream/bucket does not fit
     ├── BusUnavailableError               bus.unavailable  the NATS server cannot be reached
+    ├── ArtifactUnavailableError          artifact.unavailable  a remote object could not be read
+    ├── ArtifactCorruptError (ValueError) artifact.corrupt  bytes differ from their length/digest
+    ├── RemoteWorkerError                 remote.worker    a remote participant did not do its part
     └── StoreError                        store
         ├── StoreLockedError              store.locked     another writer holds the store
         ├── StoreReadOnlyError            store.read_only  commit on a read-only store
@@ -52,7 +55,9 @@ import traceback
 from typing import Any, ClassVar
 
 __all__ = [
+    "ArtifactCorruptError",
     "ArtifactReleasedError",
+    "ArtifactUnavailableError",
     "BusConfigError",
     "BusUnavailableError",
     "CaptureFailedError",
@@ -73,6 +78,7 @@ __all__ = [
     "MutableCaptureError",
     "NoSpaceError",
     "NotCanonicalError",
+    "RemoteWorkerError",
     "RenameError",
     "RestoreFailedError",
     "SaveFailedError",
@@ -297,6 +303,32 @@ class BusUnavailableError(CoordinatorError):
     """The NATS server could not be reached when connecting."""
 
     code: ClassVar[str] = "bus.unavailable"
+
+
+class ArtifactUnavailableError(CoordinatorError):
+    """A remote participant's object could not be read (gone, expired, bus away)."""
+
+    code: ClassVar[str] = "artifact.unavailable"
+
+
+class ArtifactCorruptError(CoordinatorError, ValueError):
+    """Bytes read for an artifact differ from the length or digest declared at capture."""
+
+    code: ClassVar[str] = "artifact.corrupt"
+
+
+class RemoteWorkerError(CoordinatorError):
+    """A remote participant's worker did not answer, or answered with an error.
+    ``remote_code`` is the worker's own code (``remote.no_worker``,
+    ``remote.timeout``, or the code of the error it raised)."""
+
+    code: ClassVar[str] = "remote.worker"
+
+    def __init__(self, participant: str, remote_code: str, reason: str) -> None:
+        self.participant = participant
+        self.remote_code = remote_code
+        self.reason = reason
+        super().__init__(f"remote participant {participant!r} [{remote_code}]: {reason}")
 
 
 class StoreError(CoordinatorError):

@@ -37,6 +37,7 @@ __all__ = [
     "ArtifactHandle",
     "ArtifactLedger",
     "ArtifactStatistics",
+    "BaseHandle",
     "MemoryArtifact",
     "SpoolArtifact",
     "capture",
@@ -54,7 +55,18 @@ class ArtifactHandle(Protocol):
     digest: str
 
     @property
+    def remote(self) -> bool:
+        """Its bytes live elsewhere until ``load()``."""
+        ...
+
+    @property
     def released(self) -> bool: ...
+
+    async def load(self) -> None:
+        """Bring the bytes here, verified against ``byte_length`` and ``digest``,
+        before the first ``view()``. A no-op for bytes already in this process;
+        a remote object is read from the bus (the writer calls this)."""
+        ...
 
     def view(self) -> memoryview:
         """The bytes, read-only, without a copy."""
@@ -104,8 +116,11 @@ class ArtifactLedger:
         )
 
 
-class _Handle:
+class BaseHandle:
+    """What every handle shares: its ledger entry, and a release that happens once."""
+
     __slots__ = ("_ledger", "_released", "byte_length", "digest", "name")
+    remote = False
 
     def __init__(self, name: str, byte_length: int, digest: str, ledger: ArtifactLedger) -> None:
         self.name = name
@@ -119,6 +134,9 @@ class _Handle:
     def released(self) -> bool:
         return self._released
 
+    async def load(self) -> None:
+        """Local bytes are here already."""
+
     def _release(self) -> None:
         if self._released:
             raise ArtifactReleasedError(f"artifact {self.name!r} was already released")
@@ -130,7 +148,7 @@ class _Handle:
         return f"<{type(self).__name__} {self.name} {self.byte_length} bytes {state}>"
 
 
-class MemoryArtifact(_Handle):
+class MemoryArtifact(BaseHandle):
     """Bytes held in memory, by reference."""
 
     __slots__ = ("_data",)
@@ -151,7 +169,7 @@ class MemoryArtifact(_Handle):
         self._data = None
 
 
-class SpoolArtifact(_Handle):
+class SpoolArtifact(BaseHandle):
     """Bytes in an unlinked spool file, mapped read-only: off the heap, gone on exit."""
 
     __slots__ = ("_map",)

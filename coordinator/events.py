@@ -50,6 +50,7 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_de
 
     capture_ms: float | None = None
     queue_wait_ms: float | None = None
+    fetch_ms: float | None = None  # reading remote participants' objects
     write_ms: float | None = None
     fsync_ms: float | None = None
     total_ms: float | None = None

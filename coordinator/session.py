@@ -33,7 +33,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Self
 
 import anyio
 import msgspec
@@ -48,15 +48,16 @@ from ._errors import (
     StaleEpochError,
     UsageError,
 )
-from ._types import BytesLike
 from .artifacts import ArtifactHandle, ArtifactLedger, capture, hashing_limiter
 from .bus import Bus
 from .ids import check_id
 from .manifest import ManifestBody, PayloadRecord, manifest_with_records
+from .participant import ArtifactSource, CaptureScope, Participant, RestoreScope
 from .store import FileStore, GenerationRecord
 from .writer import Outcome, RetryPolicy, Ticket, Writer, WriterLimits
 
 __all__ = [
+    "ArtifactSource",
     "CaptureScope",
     "Coordinator",
     "Participant",
@@ -65,42 +66,10 @@ __all__ = [
 ]
 
 
-class CaptureScope(msgspec.Struct, frozen=True, kw_only=True):
-    session_id: str
-    epoch: str
-    step: int
-    checkpoint_id: str
-
-
-class RestoreScope(msgspec.Struct, frozen=True, kw_only=True):
-    session_id: str
-    epoch: str  # the new epoch the restored state will live in
-    checkpoint_id: str
-    step: int
-
-
 class RestoreReport(msgspec.Struct, frozen=True, kw_only=True):
     record: GenerationRecord
     epoch: str
     participants: tuple[str, ...]
-
-
-class Participant(Protocol):
-    """One part of the simulation whose state goes into a checkpoint.
-
-    ``name`` is its payload name (an Id). ``stage_restore`` must copy what it
-    needs from ``payload``: the view is released once the restore ends.
-    """
-
-    name: str
-
-    async def capture(self, scope: CaptureScope) -> BytesLike: ...
-
-    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Any: ...
-
-    async def activate_restore(self, token: Any) -> None: ...
-
-    async def abort_restore(self, token: Any) -> None: ...
 
 
 class Coordinator:
@@ -217,6 +186,15 @@ class Coordinator:
 
         async def one(participant: Participant) -> None:
             try:
+                if isinstance(participant, ArtifactSource):
+                    handle = await participant.capture_artifact(scope, self.ledger)
+                    if handle.name != participant.name:
+                        handle.release()
+                        raise UsageError(
+                            f"a handle named {handle.name!r}, not {participant.name!r}"
+                        )
+                    captured[participant.name] = handle
+                    return
                 data = await participant.capture(scope)
                 captured[participant.name] = await capture(
                     participant.name,

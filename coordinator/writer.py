@@ -378,6 +378,8 @@ class Writer:
 
     async def _commit(self, job: _Job) -> None:
         job.timings["queue_wait_ms"] = (self._clock() - job.queued_at) * 1000
+        if not await self._load(job):
+            return
         views = [handle.view() for handle in job.handles]
         payloads = [(handle.name, view) for handle, view in zip(job.handles, views, strict=True)]
         try:
@@ -408,6 +410,28 @@ class Writer:
         self._durable = job.checkpoint_id
         self._emit(outcome)
         job.ticket._resolve(outcome)
+
+    async def _load(self, job: _Job) -> bool:
+        """Bring remote payloads here, verified; a payload that cannot be read
+        fails the save (nothing was written), like a failed commit."""
+        remote = [handle for handle in job.handles if handle.remote]
+        if not remote:
+            return True
+        started = self._clock()
+        try:
+            for handle in remote:
+                await handle.load()
+        except BaseException as error:
+            self._release(job)
+            if not isinstance(error, CoordinatorError):
+                self._fail(job, WriterClosedError.code, f"writer stopped: {error!r}", 0)
+                raise
+            if self._failure is None:
+                self._failure = SaveFailedError(job.checkpoint_id, error.code, str(error))
+            self._fail(job, error.code, str(error), 1)
+            return False
+        job.timings["fetch_ms"] = (self._clock() - started) * 1000
+        return True
 
     async def _attempts(
         self, job: _Job, payloads: list[tuple[str, memoryview]]

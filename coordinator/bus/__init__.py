@@ -14,7 +14,15 @@ import msgspec
 from ..events import Event
 from .memory import MemoryBus, Subscription
 
-__all__ = ["Bus", "BusStatistics", "MemoryBus", "NatsBus", "Subscription"]
+__all__ = [
+    "Bus",
+    "BusStatistics",
+    "MemoryBus",
+    "NatsBus",
+    "RemoteParticipant",
+    "Subscription",
+    "serve_participant",
+]
 
 
 class BusStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,10 +46,13 @@ class Bus(Protocol):
     async def aclose(self) -> None: ...
 
 
-def __getattr__(name: str) -> object:
-    """``NatsBus`` loads nats only when asked for."""
-    if name == "NatsBus":
-        from ._nats import NatsBus
+_NEEDS_NATS = {"NatsBus": "._nats", "RemoteParticipant": ".remote", "serve_participant": ".remote"}
 
-        return NatsBus
+
+def __getattr__(name: str) -> object:
+    """What needs nats is loaded only when asked for."""
+    if name in _NEEDS_NATS:
+        import importlib
+
+        return getattr(importlib.import_module(_NEEDS_NATS[name], __name__), name)
     raise AttributeError(name)

@@ -52,6 +52,7 @@ from ..events import (
 )
 from ..events import subject_token as token
 from . import BusStatistics
+from ._objects import DEFAULT_OBJECT_BUCKET, ObjectBucket
 from .memory import Subscription
 
 __all__ = ["NatsBus"]
@@ -87,6 +88,8 @@ class NatsBus:
         publish_timeout: float = 2.0,
         connect_timeout: float = 5.0,
         replicas: int = 1,
+        object_bucket: str = DEFAULT_OBJECT_BUCKET,
+        object_ttl: float = 3600.0,
         **connect_options: Any,
     ) -> None:
         self.servers = [servers] if isinstance(servers, str) else list(servers)
@@ -97,7 +100,12 @@ class NatsBus:
         self.publish_timeout = publish_timeout
         self.connect_timeout = connect_timeout
         self.replicas = replicas  # for a stream or bucket this bus creates (R3 on a cluster)
+        self.object_bucket = object_bucket
+        self.object_ttl = object_ttl  # what outlives its owner (a killed worker) goes after it
         self._options = connect_options
+        self._objects: ObjectBucket | None = None
+        self._deletions: collections.deque[str] = collections.deque()
+        self._deletions_wake = anyio.Event()
         self._outbox: collections.deque[Event] = collections.deque()
         self._wake = anyio.Event()
         self._closing = False
@@ -112,21 +120,9 @@ class NatsBus:
     # --- lifecycle -----------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        try:
-            # Once connected, reconnect forever (the outbox waits); the first
-            # connection gets a deadline and a clear error instead.
-            with anyio.fail_after(self.connect_timeout):
-                self._nc = await nats.connect(
-                    self.servers,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.1,
-                    error_cb=self._on_error,
-                    **self._options,
-                )
-        except (TimeoutError, OSError, nats.errors.Error) as error:
-            raise BusUnavailableError(
-                f"cannot reach NATS at {_redacted(self.servers)} ({type(error).__name__})"
-            ) from None
+        self._nc = await connect(
+            self.servers, self.connect_timeout, error_cb=self._on_error, **self._options
+        )
         self._js = self._nc.jetstream()
         try:
             await self._ensure_stream()
@@ -146,6 +142,7 @@ class NatsBus:
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
         await self._group.start(self._run_outbox)
+        self._group.start_soon(self._run_deletions)
         return self
 
     async def __aexit__(
@@ -164,6 +161,7 @@ class NatsBus:
         self._closing = True
         self._flush_deadline = anyio.current_time() + flush_timeout
         self._wake.set()
+        self._deletions_wake.set()
         try:
             if self._group is not None:
                 await self._group.__aexit__(None, None, None)
@@ -269,6 +267,55 @@ class NatsBus:
         if isinstance(event, Committed):
             await self._kv.put(event.session_id, data)  # Ids are valid KV keys as they are
 
+    # --- remote participants' objects ------------------------------------------
+
+    @property
+    def client(self) -> Client:
+        """The connection, for remote participants' requests."""
+        if self._nc is None:
+            raise RuntimeError("the bus is not open")
+        return self._nc
+
+    async def objects(self) -> ObjectBucket:
+        """The bucket remote participants put captures in (created with the TTL)."""
+        if self._objects is None:
+            assert self._js is not None
+            self._objects = await ObjectBucket.open(
+                self._js, self.object_bucket, ttl=self.object_ttl, replicas=self.replicas
+            )
+        return self._objects
+
+    def delete_object_soon(self, name: str) -> None:
+        """Delete a released object in the background; the TTL covers any failure."""
+        self._deletions.append(name)
+        self._deletions_wake.set()
+
+    async def _run_deletions(self) -> None:
+        while True:
+            if not self._deletions:
+                if self._closing:
+                    return
+                await self._deletions_wake.wait()
+                self._deletions_wake = anyio.Event()
+                continue
+            if self._closing and anyio.current_time() > self._flush_deadline:
+                self._counts["objects_left_to_ttl"] += len(self._deletions)
+                self._deletions.clear()
+                return
+            name = self._deletions[0]
+            try:
+                with anyio.fail_after(self.publish_timeout):
+                    deleted = await (await self.objects()).delete(name)
+            except _TRANSIENT:
+                self._counts["retries"] += 1
+                await anyio.sleep(0.1)
+                continue
+            except Exception:  # refused: the TTL removes it
+                self._counts["objects_left_to_ttl"] += 1
+            else:
+                self._counts["objects_deleted" if deleted else "objects_missing"] += 1
+            self._deletions.popleft()
+
     # --- reading -------------------------------------------------------------------
 
     async def subscribe(self, session_id: str | None = None, *, buffer: int = 1024) -> Subscription:
@@ -364,6 +411,27 @@ class NatsBus:
     def pending(self) -> int:
         """Events waiting in the outbox (the server is away, or slow)."""
         return len(self._outbox)
+
+
+async def connect(
+    servers: Sequence[str], timeout: float, *, error_cb: Any, **options: Any
+) -> Client:
+    """A nats-py client that, once connected, reconnects forever (what waits for
+    the server has its own bounds); the first connection gets ``timeout`` and a
+    clear ``BusUnavailableError`` instead of nats-py's endless retries."""
+    try:
+        with anyio.fail_after(timeout):
+            return await nats.connect(
+                list(servers),
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.1,
+                error_cb=error_cb,
+                **options,
+            )
+    except (TimeoutError, OSError, nats.errors.Error) as error:
+        raise BusUnavailableError(
+            f"cannot reach NATS at {_redacted(servers)} ({type(error).__name__})"
+        ) from None
 
 
 def _redacted(servers: Sequence[str]) -> str:

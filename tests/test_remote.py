@@ -1,0 +1,231 @@
+"""Remote participants: a worker process serves capture and restore over NATS; its
+bytes travel as objects in the bus's bucket, which the writer reads, verifies,
+commits and deletes. Real nats-server, real worker subprocesses."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+import pytest_asyncio
+from test_session import Part, describe
+from test_writer import NAMES, wait_until
+
+from coordinator import ArtifactCorruptError, CaptureFailedError
+from coordinator._sample import sample_body
+from coordinator.artifacts import ArtifactLedger, capture
+from coordinator.bus import NatsBus, RemoteParticipant
+from coordinator.bus._objects import ObjectArtifact
+from coordinator.events import Committed, Failed
+from coordinator.manifest import PayloadRecord, manifest_with_records
+from coordinator.server import EmbeddedServer
+from coordinator.session import Coordinator
+from coordinator.store import FileStore
+from coordinator.writer import Writer
+
+WORKER = Path(__file__).parents[1] / "examples" / "remote_worker.py"
+SESSION = "session-1"
+
+
+@pytest_asyncio.fixture
+async def server(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
+    async with EmbeddedServer(tmp_path / "nats") as running:
+        yield running
+
+
+class Worker:
+    """``examples/remote_worker.py`` in a subprocess, followed line by line."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+        self.lines: list[dict[str, Any]] = []
+
+    async def expect(self, event: str, timeout: float = 20) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        with anyio.fail_after(timeout):
+            while True:
+                line = await anyio.to_thread.run_sync(self.process.stdout.readline)
+                if not line:
+                    raise AssertionError(f"the worker exited waiting for {event}: {self.lines}")
+                self.lines.append(json.loads(line))
+                if self.lines[-1]["event"] == event:
+                    return self.lines[-1]
+
+
+@contextlib.contextmanager
+def spawn(url: str, *args: str) -> Iterator[Worker]:
+    command = [sys.executable, str(WORKER), "--nats", url, "--session", SESSION, *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        yield Worker(process)
+    finally:
+        process.kill()
+        process.wait()
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+def coordinator(store: FileStore, bus: NatsBus, remote: RemoteParticipant) -> Coordinator:
+    """The sample manifest's participants, one of them remote."""
+    local = [Part(n) for n in ("world", "task-ledger", "prior-inspection", "executor-fly-a")]
+    return Coordinator(
+        store, bus, [*local, remote], session_id=SESSION, epoch="epoch-1", describe=describe
+    )
+
+
+@pytest.mark.asyncio
+async def test_a_remote_participant_end_to_end(server: EmbeddedServer, tmp_path: Path) -> None:
+    """Capture in the worker, commit, the object is deleted, restore into a new epoch."""
+    size = 3 << 20
+    with spawn(server.url, "--name", "agent-fly-a", "--size", str(size)) as worker:
+        await worker.expect("ready")
+        async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+            remote = RemoteParticipant(bus, "agent-fly-a")
+            async with coordinator(store, bus, remote) as host:
+                outcome = await host.checkpoint(7)
+                captured = await worker.expect("captured")
+                assert isinstance(outcome, Committed)
+                assert outcome.timings.fetch_ms is not None
+                bucket = await bus.objects()
+                await wait_until(lambda: bus.counts().get("objects_deleted") == 1)
+                assert await bucket.names() == []
+                assert host.ledger.statistics().live == 0
+
+                stored = await store.read(outcome.checkpoint_id)
+                try:
+                    payload = bytes(stored.payload("agent-fly-a"))
+                finally:
+                    stored.close()
+                assert len(payload) == size and payload[:8] == (7).to_bytes(8, "little")
+                assert hashlib.sha256(payload).hexdigest() == captured["digest"]
+                generation = (tmp_path / "store" / outcome.generation).read_bytes()
+                for identity in (bus.object_bucket, "127.0.0.1", str(server.port), "ckpt-rpc"):
+                    assert identity.encode() not in generation  # no bus identity inside
+
+                report = await host.restore(new_epoch="epoch-2")
+                restored = await worker.expect("restored")
+                assert "agent-fly-a" in report.participants
+                assert restored["epoch"] == "epoch-2"
+                assert restored["digest"] == captured["digest"]
+                await wait_until(lambda: bus.counts().get("objects_deleted") == 2)
+                assert await bucket.names() == []  # the restore's object went too
+
+
+@pytest.mark.asyncio
+async def test_a_worker_killed_mid_capture_fails_the_capture_clearly(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The capture fails with the worker's silence named, and the epoch is fenced."""
+    with spawn(server.url, "--name", "agent-fly-a", "--capture-delay", "30") as worker:
+        await worker.expect("ready")
+        async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+            remote = RemoteParticipant(bus, "agent-fly-a", timeout=2)
+            async with coordinator(store, bus, remote) as host:
+                async with anyio.create_task_group() as group:
+
+                    async def kill_when_capturing() -> None:
+                        await worker.expect("capturing")
+                        os.kill(worker.process.pid, signal.SIGKILL)
+
+                    group.start_soon(kill_when_capturing)
+                    with pytest.raises(CaptureFailedError, match=r"remote\.timeout"):
+                        await host.checkpoint(1)
+                assert host.ledger.statistics().live == 0
+                assert store.core.high_water is None
+
+
+@pytest.mark.asyncio
+async def test_no_worker_is_a_clear_error_at_once(server: EmbeddedServer, tmp_path: Path) -> None:
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+        remote = RemoteParticipant(bus, "agent-nobody", timeout=10)
+        async with coordinator(store, bus, remote) as host:
+            with anyio.fail_after(5):  # no responders: no need to wait for the timeout
+                with pytest.raises(CaptureFailedError, match=r"remote\.no_worker"):
+                    await host.checkpoint(1)
+
+
+@pytest.mark.asyncio
+async def test_orphaned_chunks_go_with_the_bucket_ttl(server: EmbeddedServer) -> None:
+    """A worker killed mid-put leaves chunks without a meta message: nothing can
+    name them for a delete, and the bucket's TTL removes them."""
+    async with NatsBus(server.url, object_bucket="SHORT", object_ttl=1.0) as bus:
+        await bus.objects()
+        js = bus.client.jetstream()
+        for _ in range(3):
+            await js.publish("$O.SHORT.C.orphan", b"x" * 1024)
+        assert (await js.stream_info("OBJ_SHORT")).state.messages == 3
+
+        async def empty() -> bool:
+            return (await js.stream_info("OBJ_SHORT")).state.messages == 0
+
+        with anyio.fail_after(10):
+            while not await empty():
+                await anyio.sleep(0.1)
+
+
+async def handle_for(bus: NatsBus, stored: bytes, declared: bytes) -> ObjectArtifact:
+    """An object holding ``stored`` whose handle declares ``declared``'s length and digest."""
+    bucket = await bus.objects()
+    await bucket.put("obj-1", memoryview(stored), hashlib.sha256(declared).hexdigest())
+    return ObjectArtifact(
+        "world",
+        len(declared),
+        hashlib.sha256(declared).hexdigest(),
+        ArtifactLedger(),
+        bucket=bucket,
+        object_name="obj-1",
+        on_release=bus.delete_object_soon,
+    )
+
+
+@pytest.mark.asyncio
+async def test_an_object_whose_bytes_differ_is_refused(server: EmbeddedServer) -> None:
+    """A meta message can claim the right digest; the bytes themselves are hashed."""
+    async with NatsBus(server.url) as bus:
+        good = os.urandom(1 << 20)
+        bad = good[:-1] + bytes([good[-1] ^ 1])
+        handle = await handle_for(bus, bad, good)
+        with pytest.raises(ArtifactCorruptError, match="fails its digest"):
+            await handle.load()
+        handle.release()
+        await wait_until(lambda: bus.counts().get("objects_deleted") == 1)
+
+
+@pytest.mark.asyncio
+async def test_an_unreadable_object_fails_the_save_and_keeps_the_store(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A missing object or one of another length fails the save with its code; the
+    store is untouched and the handles are released."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+        async with Writer(store, bus) as writer:
+            for declared, code in ((b"short", "artifact.corrupt"), (None, "artifact.unavailable")):
+                handle = await handle_for(bus, b"stored bytes", declared or b"stored bytes")
+                if declared is None:
+                    await (await bus.objects()).delete("obj-1")
+                local = [await capture(n, b"local", ledger=writer.ledger) for n in NAMES[1:]]
+                handles = [handle, *local]
+                records = [
+                    PayloadRecord(name=h.name, byte_length=str(h.byte_length), digest=h.digest)
+                    for h in handles
+                ]
+                manifest = manifest_with_records(sample_body(f"ckpt-{code}", step=1), records)
+                ticket = writer.submit(writer.reserve(), manifest, handles, replaceable=False)
+                outcome = await ticket.wait()
+                assert isinstance(outcome, Failed) and outcome.code == code
+                assert all(h.released for h in handles)
+                with contextlib.suppress(Exception):
+                    writer.reserve().cancel()  # the failure is raised once, here
+        assert store.core.high_water is None
+        assert not [p for p in (tmp_path / "store").iterdir() if p.suffix == ".flysess"]
