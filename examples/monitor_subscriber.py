@@ -1,0 +1,177 @@
+"""Follow checkpoint saves over NATS with nothing but nats-py and json.
+
+    python examples/monitor_subscriber.py --nats nats://127.0.0.1:4222 [--session S] [--once]
+
+This program never imports ``coordinator``: it reads the wire format alone
+(docs/bus.md, docs/events.schema.json). It reads the durable state of each
+session from the KV bucket CKPT_COMMITTED, replays the stream CKPT (subjects
+``ckpt.<session>.<event>``) from the start with an ordered consumer, then
+follows it live. Every event prints one line with the session's folded state:
+high water and its step, checkpoints in flight, committed, superseded, failures
+with their codes. A jump in a session's ``seq`` means events were missed: it is
+reported. ``--once`` exits when the history is replayed and nothing new has come
+for ``--idle`` seconds, printing a final JSON summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass, field
+
+import nats
+import nats.errors
+import nats.js.errors
+
+STREAM, BUCKET, PREFIX = "CKPT", "CKPT_COMMITTED", "ckpt"
+
+
+@dataclass
+class Session:
+    kv: str | None = None  # the high water the KV bucket held when we started
+    high_water: str | None = None  # the newest durable checkpoint, from the events
+    boundary: str | None = None  # its step (a u64, as a decimal string)
+    in_flight: set[str] = field(default_factory=set)  # captured, no terminal event yet
+    committed: int = 0
+    superseded: int = 0
+    failures: list[dict[str, str]] = field(default_factory=list)
+    last_seq: int = 0
+    gaps: list[list[int]] = field(default_factory=list)  # [first, last] seqs missed
+
+    def apply(self, event: dict) -> str:
+        """Fold one event in; returns a note for the line (a gap, a failure...)."""
+        note, seq, kind, ckpt = "", event["seq"], event["event"], event["checkpointId"]
+        if seq > 0:  # seq 0: re-announced by reconciliation, outside any sequence
+            if self.last_seq and seq > self.last_seq + 1:
+                self.gaps.append([self.last_seq + 1, seq - 1])
+                note = f"  GAP: missed seq {self.last_seq + 1}..{seq - 1}"
+            elif seq <= self.last_seq:  # a new writer for this session counts from 1
+                note = f"  (seq restarted at {seq})"
+            self.last_seq = seq
+        if kind == "captured":
+            self.in_flight.add(ckpt)
+        elif kind in ("superseded", "committed", "failed"):
+            self.in_flight.discard(ckpt)
+        if kind == "committed":  # the only event that means saved
+            self.committed += 1
+            self.high_water, self.boundary = event["highWater"], event["boundary"]
+        elif kind == "superseded":
+            self.superseded += 1
+            note += f"  by {event['supersededBy']}"
+        elif kind == "failed":
+            self.failures.append({"checkpointId": ckpt, "code": event["code"]})
+            note += f"  {event['code']}: {event['reason']}"
+        return note
+
+    def summary(self) -> dict:
+        return {
+            "kv": self.kv, "highWater": self.high_water, "boundary": self.boundary,
+            "inFlight": sorted(self.in_flight), "committed": self.committed,
+            "superseded": self.superseded, "failed": self.failures,
+            "lastSeq": self.last_seq, "gaps": self.gaps,
+        }  # fmt: skip
+
+
+async def read_durable(js, session: str | None) -> dict[str, dict]:
+    """The latest ``committed`` event per session, from the KV bucket (key: the raw
+    session id; a '.' in it stays a '.', unlike in subjects)."""
+    try:
+        kv = await js.key_value(BUCKET)
+        keys = [session] if session else await kv.keys()
+    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
+        return {}
+    durable = {}
+    for key in keys:
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            durable[key] = json.loads((await kv.get(key)).value)
+    return durable
+
+
+@dataclass
+class Monitor:
+    sessions: dict[str, Session] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)  # eventIds: a re-publication is the same event
+    events: int = 0
+    duplicates: int = 0
+
+    def receive(self, data: bytes) -> None:
+        try:
+            event = json.loads(data)
+            kind, session_id, event_id = event["event"], event["sessionId"], event["eventId"]
+        except (ValueError, KeyError, TypeError):
+            print("skipped a message that is not an event")
+            return
+        if event_id in self.seen:
+            self.duplicates += 1
+            return
+        self.seen.add(event_id)
+        if kind not in ("captured", "queued", "superseded", "committed", "failed"):
+            return  # a newer kind of event: ignore it, as the schema allows
+        self.events += 1
+        state = self.sessions.setdefault(session_id, Session())
+        note = state.apply(event)
+        print(
+            f"{session_id:12} {event['seq']:5} {kind:10} {event['checkpointId']:14} "
+            f"hw={state.high_water}@{state.boundary} in-flight={len(state.in_flight)} "
+            f"committed={state.committed} superseded={state.superseded} "
+            f"failed={len(state.failures)}{note}",
+            flush=True,
+        )
+
+    def summary(self) -> str:
+        sessions = {name: state.summary() for name, state in sorted(self.sessions.items())}
+        counts = {"events": self.events, "duplicates": self.duplicates}
+        return json.dumps({"sessions": sessions, **counts})
+
+
+async def run(url: str, session: str | None, once: bool, idle: float) -> int:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    state = Monitor()
+    for key, event in (await read_durable(js, session)).items():
+        state.sessions[key] = Session(kv=event["highWater"])
+        print(f"durable  {key}: {event['highWater']} (step {event['boundary']})")
+    # A session id is one subject token: its '.' is written %2E.
+    subject = f"{PREFIX}.{session.replace('.', '%2E')}.*" if session else f"{PREFIX}.>"
+    try:  # ordered, ephemeral, in-memory consumer; delivers everything from the start
+        sub = await js.subscribe(subject, stream=STREAM, ordered_consumer=True)
+    except nats.js.errors.NotFoundError:
+        print(f"no stream {STREAM} on {url}: nothing has been published yet")
+        await nc.close()
+        return 1
+    info = await sub.consumer_info()  # nothing pending, nothing sent: no history at all
+    replayed = info.num_pending == 0 and info.delivered.consumer_seq == 0
+    announced = False
+    while True:
+        if replayed and not once and not announced:
+            print("-- history replayed; following live (Ctrl-C to stop) --", flush=True)
+            announced = True
+        try:
+            msg = await sub.next_msg(timeout=idle)
+        except nats.errors.TimeoutError:
+            if replayed and once:
+                break  # the history is replayed and nothing came for `idle` seconds
+            continue
+        state.receive(msg.data)
+        replayed = replayed or msg.metadata.num_pending == 0  # the history's last message
+    await nc.close()
+    print(state.summary())
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nats", default="nats://127.0.0.1:4222", help="server URL")
+    parser.add_argument("--session", help="follow one session (default: all)")
+    parser.add_argument("--once", action="store_true", help="replay, wait until idle, exit")
+    parser.add_argument("--idle", type=float, default=1.0, help="idle seconds for --once")
+    args = parser.parse_args()
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(run(args.nats, args.session, args.once, args.idle))
+    return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
