@@ -303,6 +303,8 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             seen: set[str] = set()
             for session in sessions:
                 for event in await bus.history(session):
+                    if event.event_id in seen:  # stored twice (outside the dedupe window)
+                        continue
                     seen.add(event.event_id)
                     state = state.apply(event)
                     show(state, event.session_id)

@@ -2,7 +2,8 @@
 
 Per checkpoint the order is always ``captured`` < ``queued`` < one terminal
 event (``superseded`` | ``committed`` | ``failed``). Every event of a session
-carries a strictly increasing ``seq``, so a subscriber can detect gaps, and an
+carries a strictly increasing ``seq``, so a subscriber can detect gaps (a new
+host run goes on from the bus's last ``seq``; see ``Bus.last_seq``), and an
 ``eventId`` derived from (session, epoch, checkpoint, event): publishing the
 same event again (say after a lost ack) carries the same id, which a bus uses
 to drop the duplicate (NATS: the ``Nats-Msg-Id`` header).

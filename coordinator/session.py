@@ -110,6 +110,7 @@ class Coordinator:
     async def __aenter__(self) -> Self:
         self._hashing = hashing_limiter()
         await self.writer.__aenter__()
+        self.writer.resume_seq(self.session_id, await self.bus.last_seq(self.session_id))
         return self
 
     async def __aexit__(

@@ -252,6 +252,11 @@ class Writer:
 
     # --- intake --------------------------------------------------------------------
 
+    def resume_seq(self, session_id: str, last: int) -> None:
+        """Continue a session's ``seq`` after ``last`` (a previous run's), so that
+        subscribers see one gap-free sequence across runs."""
+        self._seq[session_id] = max(self._seq[session_id], last)
+
     def reserve(self) -> Reservation:
         """A capture slot, taken before any participant is asked. Raises the last
         save failure first, if nobody has seen it; ``WriterBusyError`` when full."""

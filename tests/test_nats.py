@@ -336,3 +336,27 @@ async def test_a_port_held_by_someone_else_is_not_ready(tmp_path: Path) -> None:
         server = EmbeddedServer(tmp_path, port=squatter.getsockname()[1], ready_timeout=2)
         with pytest.raises(ServerError):
             await server.start()
+
+
+@pytest.mark.asyncio
+async def test_seq_continues_across_host_runs(server: EmbeddedServer, tmp_path: Path) -> None:
+    """A second run of a host on the same session goes on from the stream's last
+    seq: subscribers see one gap-free sequence, not a restart at 1."""
+    from test_session import describe, parts
+
+    from coordinator.session import Coordinator
+
+    for run in (1, 2):
+        async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+            async with Coordinator(
+                store, bus, parts(), session_id="session-1", epoch=f"epoch-{run}",
+                describe=describe,
+            ) as host:  # fmt: skip
+                for step in range(3):
+                    await host.checkpoint(step)
+            await wait_until(lambda: not bus.pending)
+    async with NatsBus(server.url) as reader:
+        seqs = [event.seq for event in await reader.history("session-1")]
+        assert await reader.last_seq("session-1") == 18
+        assert await reader.last_seq("session-2") == 0
+    assert seqs == list(range(1, 19))

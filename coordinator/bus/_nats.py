@@ -43,6 +43,7 @@ from nats.js.kv import KeyValue
 from .._errors import BusConfigError, BusUnavailableError
 from ..events import (
     DEFAULT_PREFIX,
+    EVENT_NAMES,
     Committed,
     Event,
     decode_event,
@@ -369,6 +370,28 @@ class NatsBus:
             return None
         event = decode_event(entry.value or b"")
         return event if isinstance(event, Committed) else None
+
+    async def last_seq(self, session_id: str) -> int:
+        """The highest ``seq`` the stream holds for a session: the last message of
+        each event subject, read directly. 0 if none, or if the server is away
+        (counted as ``seq_unknown``: the bus never holds a host up)."""
+        assert self._js is not None
+        last = 0
+        try:
+            with anyio.fail_after(self.publish_timeout):
+                for name in (*EVENT_NAMES, "restored"):
+                    try:
+                        message = await self._js.get_last_msg(
+                            self.stream, subject(session_id, name, prefix=self.prefix)
+                        )
+                    except NotFoundError:
+                        continue
+                    with contextlib.suppress(msgspec.MsgspecError):
+                        last = max(last, decode_event(message.data or b"").seq)
+        except (*_TRANSIENT, APIError):
+            self._counts["seq_unknown"] += 1
+            return 0
+        return last
 
     async def history(self, session_id: str | None = None) -> list[Event]:
         """Every event the stream holds for a session (or all), oldest first."""

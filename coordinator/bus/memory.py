@@ -87,11 +87,17 @@ class MemoryBus:
         self._dropped = 0
         self._closed = False
         self._committed: dict[str, Committed] = {}
+        self._last_seq: dict[str, int] = {}
 
     async def latest_committed(self, session_id: str) -> Committed | None:
         """The last ``committed`` event of a session this bus carried."""
         await anyio.lowlevel.checkpoint()
         return self._committed.get(session_id)
+
+    async def last_seq(self, session_id: str) -> int:
+        """The highest ``seq`` of a session this bus carried (0: none)."""
+        await anyio.lowlevel.checkpoint()
+        return self._last_seq.get(session_id, 0)
 
     async def publish(self, event: Event) -> None:
         await anyio.lowlevel.checkpoint()
@@ -101,6 +107,7 @@ class MemoryBus:
         if self._closed:
             raise anyio.ClosedResourceError("the bus is closed")
         self._published += 1
+        self._last_seq[event.session_id] = max(event.seq, self._last_seq.get(event.session_id, 0))
         if isinstance(event, Committed):
             self._committed[event.session_id] = event
         for subscription in list(self._subscriptions):
