@@ -11,8 +11,11 @@ import contextlib
 import errno
 import json
 import mmap
+import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -429,6 +432,12 @@ def main(
         args = _parser().parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    # SIGTERM stops a command the way Ctrl-C does: cleanly, servers and workers too.
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # started in the background
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return int(args.run(args, out, err))
     except CoordinatorError as error:
@@ -452,6 +461,13 @@ def main(
     except KeyboardInterrupt:
         print("coordinator: interrupted", file=err)
         return EXIT_INTERRUPTED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _first_coordinator_error(group: BaseExceptionGroup[BaseException]) -> CoordinatorError | None:

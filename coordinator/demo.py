@@ -1,32 +1,36 @@
 """``coordinator demo``: the whole product from one command.
 
 It starts an embedded NATS server (or uses ``--nats URL``), runs an async
-simulation host (a world and three agents with MiB-sized state) that checkpoints
-by policy, shows every save-state event as it happens, deliberately provokes a
-supersede (a writer held busy) and a failure (a simulated write error), then
-verifies the store, restores the newest generation into a new epoch, checks the
-restored world, and prints a summary.
+simulation host (a world and three agents with MiB-sized state, one of them
+served by a worker process of its own over NATS) that checkpoints by policy,
+shows every save-state event as it happens, deliberately provokes a supersede
+(a writer held busy) and a failure (a simulated write error), then verifies the
+store, restores the newest generation into a new epoch, checks the restored
+world, and prints a summary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import random
 import secrets
+import subprocess
+import sys
 import tempfile
 import threading
 from collections import Counter
-from typing import TextIO
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, TextIO
 
 import anyio
 import msgspec
 
-from ._errors import SaveFailedError
+from ._errors import RemoteWorkerError, SaveFailedError
 from ._sample import sample_body
 from .bench import percentile
-from .bus import Bus
 from .events import Committed, Event, Failed, Superseded, event_name
 from .fs import FileSystem
 from .manifest import ManifestBody
@@ -35,9 +39,13 @@ from .session import CaptureScope, Coordinator, RestoreScope
 from .store import FileStore
 from .writer import Ticket, WriterLimits
 
+if TYPE_CHECKING:
+    from .bus._nats import NatsBus
+
 __all__ = ["DemoSummary", "run_demo"]
 
 AGENTS = ["fly-a", "fly-b", "fly-c"]
+REMOTE_AGENT = "agent-fly-c"  # served by a worker process of its own
 WORLD_BYTES = 2 << 20
 AGENT_BYTES = 4 << 20
 
@@ -49,6 +57,7 @@ class DemoSummary(msgspec.Struct, frozen=True, kw_only=True):
     commit_ms_p50: float
     commit_ms_p99: float
     events: dict[str, int]
+    remote_participants: list[str]
     restored: str
     restored_epoch: str
     world_identical: bool
@@ -173,13 +182,50 @@ async def _simulate(
                 raise
 
 
-async def _host(bus: Bus, store_dir: str, steps: int, out: TextIO | None) -> DemoSummary:
+@contextlib.asynccontextmanager
+async def _remote_agent(url: str, name: str, size: int, seed: int) -> AsyncIterator[None]:
+    """The demo's remote agent in a process of its own, ready before we go on and
+    stopped (killed if need be) however the demo ends."""
+    options = {"--nats": url, "--session": "demo", "--name": name, "--size": size, "--seed": seed}
+    command = [sys.executable, "-m", "coordinator._demo_worker"]
+    command += [str(item) for pair in options.items() for item in pair]
+    process = await anyio.open_process(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        greeting = b""
+        with anyio.move_on_after(30):
+            with contextlib.suppress(anyio.EndOfStream):
+                while not greeting.endswith(b"\n"):
+                    greeting += await process.stdout.receive()
+        if greeting.strip() != b"ready":
+            with anyio.move_on_after(1), contextlib.suppress(anyio.EndOfStream):
+                greeting += await process.stderr.receive()
+            reason = greeting.decode(errors="replace").strip() or "no answer in 30 s"
+            raise RemoteWorkerError(name, "remote.no_worker", f"the worker did not start: {reason}")
+        yield
+    finally:
+        with anyio.CancelScope(shield=True):
+            process.terminate()
+            with anyio.move_on_after(5):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            await process.aclose()
+
+
+async def _host(
+    bus: NatsBus, url: str, store_dir: str, steps: int, out: TextIO | None
+) -> DemoSummary:
     # Every run gets epochs of its own, so its checkpoint and event ids never repeat
     # an earlier run's (in the same store, or on the same NATS server).
     run = f"run-{secrets.token_hex(3)}"
     disk = _DemoDisk()
     parts = [_Part("world", WORLD_BYTES, 1)]
-    parts += [_Part(f"agent-{a}", AGENT_BYTES, i + 2) for i, a in enumerate(AGENTS)]
+    parts += [_Part(f"agent-{a}", AGENT_BYTES, i + 2) for i, a in enumerate(AGENTS)
+              if f"agent-{a}" != REMOTE_AGENT]  # fmt: skip
     parts += [_Part("task-ledger", 4096, 10), _Part("prior-inspection", 4096, 11)]
     parts += [_Part(f"executor-{a}", 16 << 10, i + 20) for i, a in enumerate(AGENTS)]
     world = parts[0]
@@ -196,11 +242,18 @@ async def _host(bus: Bus, store_dir: str, steps: int, out: TextIO | None) -> Dem
             if out is not None:
                 _show(event, out)
 
-    async with FileStore(store_dir, fs=disk) as store, anyio.create_task_group() as group:
+    from .bus.remote import RemoteParticipant
+
+    remote = RemoteParticipant(bus, REMOTE_AGENT)
+    async with (
+        _remote_agent(url, REMOTE_AGENT, AGENT_BYTES, 4),
+        FileStore(store_dir, fs=disk) as store,
+        anyio.create_task_group() as group,
+    ):
         group.start_soon(watch)
         coordinator = Coordinator(
-            store, bus, parts, session_id="demo", epoch=f"{run}-1", describe=_describe,
-            limits=WriterLimits(max_outstanding=3),
+            store, bus, [*parts, remote], session_id="demo", epoch=f"{run}-1",
+            describe=_describe, limits=WriterLimits(max_outstanding=3),
         )  # fmt: skip
         async with coordinator:
             await _simulate(
@@ -237,6 +290,7 @@ async def _host(bus: Bus, store_dir: str, steps: int, out: TextIO | None) -> Dem
         commit_ms_p50=round(percentile(ordered, 0.5), 2) if ordered else 0.0,
         commit_ms_p99=round(percentile(ordered, 0.99), 2) if ordered else 0.0,
         events=dict(sorted(seen.items())),
+        remote_participants=[REMOTE_AGENT],
         restored=restored.record.checkpoint_id,
         restored_epoch=restored.epoch,
         world_identical=identical,
@@ -256,12 +310,12 @@ async def run_demo(
         _say(out, f"store {store_dir}")
     if nats_url is not None:
         async with NatsBus(nats_url) as bus:
-            return await _host(bus, store_dir, steps, out)
+            return await _host(bus, nats_url, store_dir, steps, out)
     async with EmbeddedServer() as server:
         if out is not None:
             _say(out, f"embedded nats-server at {server.url}")
         async with NatsBus(server.url) as bus:
-            return await _host(bus, store_dir, steps, out)
+            return await _host(bus, server.url, store_dir, steps, out)
 
 
 def summary_text(summary: DemoSummary) -> str:
@@ -271,6 +325,7 @@ def summary_text(summary: DemoSummary) -> str:
         f"{summary.stored_bytes / (1 << 20):.1f} MiB in {summary.store}\n"
         f"  commit latency p50 {summary.commit_ms_p50} ms, p99 {summary.commit_ms_p99} ms\n"
         f"  events: {events}\n"
+        f"  remote participants (own processes): {', '.join(summary.remote_participants)}\n"
         f"  restored {summary.restored} into {summary.restored_epoch}: world "
         f"{'identical' if summary.world_identical else 'DIFFERENT'}"
     )

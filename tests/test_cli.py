@@ -228,6 +228,26 @@ def test_demo_shows_every_event_kind_and_restores_the_world(tmp_path: Path) -> N
     assert summary["world_identical"] is True
     assert summary["generations"] >= 1
     assert run("verify", str(tmp_path / "saves"))[0] == 0
+    # The remote agent's state came from its own process, through the bus, into the file.
+    assert summary["remote_participants"] == ["agent-fly-c"]
+    assert run("restore", str(tmp_path / "saves"), "--to", str(tmp_path / "out"))[0] == 0
+    remote_state = (tmp_path / "out" / "agent-fly-c").read_bytes()
+    boundary = json.loads((tmp_path / "out" / "_manifest.json").read_bytes())["sourceScope"]["step"]
+    assert len(remote_state) == 4 << 20
+    assert remote_state[:8] == int(boundary).to_bytes(8, "little")
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that contain ``text``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            command = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # it exited meanwhile
+        if text in command:
+            found.append(command)
+    return found
 
 
 def test_ctrl_c_leaves_no_server_and_a_store_that_verifies(tmp_path: Path) -> None:
@@ -261,6 +281,7 @@ def test_ctrl_c_leaves_no_server_and_a_store_that_verifies(tmp_path: Path) -> No
     assert port is not None
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0  # the server is gone
+    assert not processes_mentioning(f"127.0.0.1:{port}")  # and the remote agent's worker
     assert run("verify", str(store))[0] == 0
 
 

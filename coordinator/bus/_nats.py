@@ -35,6 +35,7 @@ from nats.js.errors import (
     APIError,
     BucketNotFoundError,
     KeyNotFoundError,
+    NoStreamResponseError,
     NotFoundError,
     ServiceUnavailableError,
 )
@@ -69,6 +70,7 @@ _TRANSIENT = (
     nats.errors.OutboundBufferLimitError,
     nats.errors.StaleConnectionError,
     ServiceUnavailableError,
+    NoStreamResponseError,  # the stream has no leader for a moment (a cluster election)
 )
 # How many recent event ids a live subscription remembers, to drop re-publications.
 _RECENT_IDS = 4096
@@ -394,28 +396,33 @@ class NatsBus:
         return last
 
     async def history(self, session_id: str | None = None) -> list[Event]:
-        """Every event the stream holds for a session (or all), oldest first."""
+        """Every event the stream holds for a session (or all), oldest first: read
+        until the consumer has nothing pending, never "until a quiet moment", so a
+        slow server cannot cut the history short. ``BusUnavailableError`` if the
+        stream cannot be read now (the server away, a cluster electing a leader)."""
         assert self._js is not None
         subjects = f"{self.prefix}.{token(session_id)}.*" if session_id else f"{self.prefix}.>"
-        info = await self._js.stream_info(self.stream)
         events: list[Event] = []
-        if info.state.messages == 0:
-            return events
-        consumer = await self._js.pull_subscribe(subjects, stream=self.stream)
         try:
-            while True:
-                try:
-                    batch = await consumer.fetch(512, timeout=0.5)
-                except nats.errors.TimeoutError:
-                    break
-                for message in batch:
-                    try:
-                        events.append(decode_event(message.data))
-                    except msgspec.MsgspecError:  # a foreign message on our subjects
-                        self._counts["invalid"] += 1
-                    await message.ack()
-        finally:
-            await consumer.unsubscribe()
+            consumer = await self._js.pull_subscribe(subjects, stream=self.stream)
+            try:
+                pending = (await consumer.consumer_info()).num_pending or 0
+                while pending:
+                    batch = await consumer.fetch(min(pending, 512), timeout=self.publish_timeout)
+                    for message in batch:
+                        try:
+                            events.append(decode_event(message.data))
+                        except msgspec.MsgspecError:  # a foreign message on our subjects
+                            self._counts["invalid"] += 1
+                        await message.ack()
+                        pending = message.metadata.num_pending
+            finally:
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await consumer.unsubscribe()
+        except _TRANSIENT as error:
+            raise BusUnavailableError(
+                f"cannot read stream {self.stream} now ({type(error).__name__}); try again"
+            ) from None
         return events
 
     def statistics(self) -> BusStatistics:
