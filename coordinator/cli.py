@@ -371,18 +371,28 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print only a JSON summary")
     demo.set_defaults(run=_demo)
 
-    inspect = commands.add_parser("inspect", help="print an envelope's layout and manifest")
+    inspect = commands.add_parser(
+        "inspect",
+        help="print an envelope's layout and manifest",
+        description="Example: coordinator inspect ./saves/ckpt-120.flysess --json",
+    )
     inspect.add_argument("file", type=Path)
     inspect.add_argument("--json", action="store_true", help="one JSON object for machines")
     inspect.set_defaults(run=_inspect)
 
     verify = commands.add_parser(
-        "verify", help="check an envelope file or every generation of a store; exit 0 if valid"
+        "verify",
+        help="check an envelope file or every generation of a store; exit 0 if valid",
+        description="Examples: coordinator verify ./saves   coordinator verify ckpt-120.flysess",
     )
     verify.add_argument("file", type=Path, metavar="FILE|STORE")
     verify.set_defaults(run=_verify)
 
-    ls = commands.add_parser("ls", help="list a store's generations, newest first")
+    ls = commands.add_parser(
+        "ls",
+        help="list a store's generations, newest first",
+        description="Example: coordinator ls ./saves --json",
+    )
     ls.add_argument("store", type=Path)
     ls.add_argument("--json", action="store_true", help="one JSON object for machines")
     ls.set_defaults(run=_ls)
@@ -408,11 +418,19 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--replay-only", action="store_true", help="replay the history, then exit")
     watch.set_defaults(run=_watch)
 
-    schema = commands.add_parser("schema", help="print a JSON Schema (events)")
+    schema = commands.add_parser(
+        "schema",
+        help="print a JSON Schema (events)",
+        description="Example: coordinator schema events > events.schema.json",
+    )
     schema.add_argument("what", choices=["events"])
     schema.set_defaults(run=_schema)
 
-    bench = commands.add_parser("bench", help="measure against same-run baselines")
+    bench = commands.add_parser(
+        "bench",
+        help="measure against same-run baselines",
+        description="Example: coordinator bench store --json --size 256MiB",
+    )
     bench.add_argument("group", choices=[*GROUPS, "all"])
     bench.add_argument("--json", action="store_true", help="one JSON object per group")
     bench.add_argument("--size", type=_size, default=1 << 30, help="bytes to move (default 1GiB)")

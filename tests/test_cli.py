@@ -321,3 +321,15 @@ def test_demo_can_run_again_on_the_same_store(tmp_path: Path) -> None:
         code, out, err = run("demo", "--steps", "12", "--store", store, "--json")
         assert code == 0, err
         assert json.loads(out)["world_identical"]
+
+
+@pytest.mark.parametrize(
+    "command", ["demo", "watch", "restore", "inspect", "verify", "ls", "schema", "bench"]
+)
+def test_every_command_has_help_with_an_example(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, _ = run(command, "--help")  # argparse prints help to sys.stdout
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"coordinator {command}" in out and "Example" in out
