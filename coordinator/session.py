@@ -72,6 +72,22 @@ class RestoreReport(msgspec.Struct, frozen=True, kw_only=True):
     participants: tuple[str, ...]
 
 
+def _described(
+    describe: Callable[[CaptureScope], ManifestBody], scope: CaptureScope
+) -> ManifestBody:
+    """The host's manifest body for ``scope``, which must name the same checkpoint,
+    session, epoch and step: events, ids and restores all key on them."""
+    body = describe(scope)
+    named = body.source_scope
+    wanted = (scope.checkpoint_id, scope.session_id, scope.epoch, str(scope.step))
+    actual = (body.checkpoint_id, named.session_id, named.epoch, named.step)
+    if actual != wanted:
+        raise UsageError(
+            f"describe() returned (checkpoint, session, epoch, step) {actual}, not {wanted}"
+        )
+    return body
+
+
 class Coordinator:
     def __init__(
         self,
@@ -166,7 +182,7 @@ class Coordinator:
                     PayloadRecord(name=h.name, byte_length=str(h.byte_length), digest=h.digest)
                     for h in handles
                 ]
-                manifest = manifest_with_records(self.describe(scope), records)
+                manifest = manifest_with_records(_described(self.describe, scope), records)
             except BaseException:
                 for handle in handles:
                     handle.release()

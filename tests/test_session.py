@@ -15,6 +15,7 @@ from coordinator import (
     EpochFencedError,
     RestoreFailedError,
     StaleEpochError,
+    UsageError,
 )
 from coordinator._sample import sample_body
 from coordinator.bus import MemoryBus
@@ -60,7 +61,9 @@ class Part:
 
 
 def describe(scope: CaptureScope) -> ManifestBody:
-    return sample_body(scope.checkpoint_id, step=scope.step, epoch=scope.epoch)
+    return sample_body(
+        scope.checkpoint_id, step=scope.step, epoch=scope.epoch, session_id=scope.session_id
+    )
 
 
 def parts() -> list[Part]:
@@ -306,3 +309,20 @@ async def test_cancelled_restore_aborts_what_staged(tmp_path: Path) -> None:
             await c.restore(new_epoch="epoch-2")
         assert [p.aborted for p in participants] == [1, 1, 1, 0, 0]
         assert c.epoch == "epoch-1"
+
+
+@pytest.mark.asyncio
+async def test_a_description_of_another_scope_is_refused(tmp_path: Path) -> None:
+    """describe() must name the captured checkpoint, session, epoch and step: events
+    and restores key on them. A mismatch is a usage error, and nothing leaks."""
+    async with FileStore(tmp_path) as store:
+        host = Coordinator(
+            store, MemoryBus(), parts(), session_id="session-2", epoch="epoch-1",
+            describe=lambda scope: sample_body(scope.checkpoint_id, step=scope.step),
+        )  # fmt: skip
+        async with host:
+            with pytest.raises(UsageError, match="session-1"):
+                await host.capture(3)
+            assert host.ledger.statistics().live == 0
+            with pytest.raises(UsageError):  # not fenced: the participants did nothing wrong
+                await host.capture(4)

@@ -57,7 +57,10 @@ class _Bytes:
 
 
 def _describe(scope: CaptureScope) -> ManifestBody:
-    return sample_body(scope.checkpoint_id, agent_ids=AGENTS, step=scope.step, admission=True)
+    return sample_body(
+        scope.checkpoint_id, agent_ids=AGENTS, step=scope.step, admission=True,
+        epoch=scope.epoch, session_id=scope.session_id,
+    )  # fmt: skip
 
 
 async def _save_once(folder: Path, parts: Sequence[_Bytes], run: int) -> dict[str, float]:
@@ -192,7 +195,9 @@ def _small(folder: Path, runs: int) -> Result:
     parts = [_Bytes(name, os.urandom(4096)) for name in names]
 
     def describe(scope: CaptureScope) -> ManifestBody:
-        return sample_body(scope.checkpoint_id, step=scope.step)
+        return sample_body(
+            scope.checkpoint_id, step=scope.step, epoch=scope.epoch, session_id=scope.session_id
+        )
 
     async def pipeline(run: int) -> float:
         async with FileStore(folder / f"pipe-{run}") as store:
