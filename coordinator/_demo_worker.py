@@ -1,7 +1,8 @@
 """The demo's remote agent: one participant served from its own process.
 
-``coordinator demo`` runs ``python -m coordinator._demo_worker --nats URL
---session S --name N --size BYTES --seed K`` and waits for its ``ready`` line.
+``coordinator demo`` runs ``python -m coordinator._demo_worker --session S
+--name N --size BYTES --seed K`` with the server URL in ``COORDINATOR_NATS_URL``
+(credentials stay out of ``ps``) and waits for its ``ready`` line.
 The agent's state is the demo's (``demo._Part``); as it lives in another
 process, it is not stepped with the host: at each capture it catches up to the
 boundary, which gives the same bytes. SIGINT or SIGTERM stops it.
@@ -33,7 +34,10 @@ async def _serve(args: argparse.Namespace) -> None:
     async with anyio.create_task_group() as group:
         await group.start(
             lambda task_status: serve_participant(
-                args.nats, part, session_id=args.session, task_status=task_status
+                os.environ["COORDINATOR_NATS_URL"],
+                part,
+                session_id=args.session,
+                task_status=task_status,
             )
         )
         print("ready", flush=True)
@@ -52,7 +56,6 @@ def _stop_with_parent() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m coordinator._demo_worker")
-    parser.add_argument("--nats", required=True)
     parser.add_argument("--session", required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--size", type=int, required=True)

@@ -186,11 +186,16 @@ async def _simulate(
 async def _remote_agent(url: str, name: str, size: int, seed: int) -> AsyncIterator[None]:
     """The demo's remote agent in a process of its own, ready before we go on and
     stopped (killed if need be) however the demo ends."""
-    options = {"--nats": url, "--session": "demo", "--name": name, "--size": size, "--seed": seed}
+    options = {"--session": "demo", "--name": name, "--size": size, "--seed": seed}
     command = [sys.executable, "-m", "coordinator._demo_worker"]
     command += [str(item) for pair in options.items() for item in pair]
     process = await anyio.open_process(
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "COORDINATOR_NATS_URL": url},  # not in argv: `ps` shows argv
+        start_new_session=True,  # Ctrl-C reaches the demo, which stops it in order
     )
     try:
         assert process.stdout is not None and process.stderr is not None

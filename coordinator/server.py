@@ -104,6 +104,9 @@ class EmbeddedServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=_parent_death_signal(),  # noqa: PLW1509 (one call, no locks)
+            # Not in the terminal's process group: Ctrl-C reaches the host, which stops
+            # the server last, after the bus has flushed, instead of killing it first.
+            start_new_session=True,
         )
         try:
             await self._wait_ready()

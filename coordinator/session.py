@@ -47,6 +47,7 @@ from ._errors import (
     RestoreFailedError,
     StaleEpochError,
     UsageError,
+    release_frames,
 )
 from .artifacts import ArtifactHandle, ArtifactLedger, capture, hashing_limiter
 from .bus import Bus
@@ -310,6 +311,9 @@ class Coordinator:
                     if not isinstance(error, Exception):
                         raise
                     raise self._fenced from error
+        except BaseException as error:
+            release_frames(error)  # their locals may hold views of the mapped file
+            raise
         finally:
             stored.close()
         self.epoch = new_epoch

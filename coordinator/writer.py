@@ -35,6 +35,7 @@ import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._errors import (
+    ArtifactUnavailableError,
     CommitError,
     CoordinatorError,
     SaveFailedError,
@@ -428,12 +429,16 @@ class Writer:
                 await handle.load()
         except BaseException as error:
             self._release(job)
-            if not isinstance(error, CoordinatorError):
+            if not isinstance(error, Exception):  # torn down (cancelled): answer, go
                 self._fail(job, WriterClosedError.code, f"writer stopped: {error!r}", 0)
                 raise
+            # Whatever a handle raised, the payload is not here: this save fails,
+            # the writer goes on.
+            fallback = ArtifactUnavailableError.code
+            code = error.code if isinstance(error, CoordinatorError) else fallback
             if self._failure is None:
-                self._failure = SaveFailedError(job.checkpoint_id, error.code, str(error))
-            self._fail(job, error.code, str(error), 1)
+                self._failure = SaveFailedError(job.checkpoint_id, code, str(error))
+            self._fail(job, code, f"{error}" or repr(error), 1)
             return False
         job.timings["fetch_ms"] = (self._clock() - started) * 1000
         return True

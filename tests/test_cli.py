@@ -238,15 +238,16 @@ def test_demo_shows_every_event_kind_and_restores_the_world(tmp_path: Path) -> N
 
 
 def processes_mentioning(text: str) -> list[str]:
-    """Command lines of live processes that contain ``text``."""
+    """Command lines of live processes whose command line or environment holds ``text``."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for process in Path("/proc").glob("[0-9]*"):
         try:
-            command = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            command = (process / "cmdline").read_bytes().replace(b"\0", b" ")
+            environment = (process / "environ").read_bytes()
         except OSError:
             continue  # it exited meanwhile
-        if text in command:
-            found.append(command)
+        if text.encode() in command + environment:
+            found.append(command.decode(errors="replace"))
     return found
 
 
@@ -281,7 +282,7 @@ def test_ctrl_c_leaves_no_server_and_a_store_that_verifies(tmp_path: Path) -> No
     assert port is not None
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0  # the server is gone
-    assert not processes_mentioning(f"127.0.0.1:{port}")  # and the remote agent's worker
+    assert not processes_mentioning(f"127.0.0.1:{port}")  # nor the remote agent's worker
     assert run("verify", str(store))[0] == 0
 
 

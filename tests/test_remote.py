@@ -22,10 +22,15 @@ import pytest_asyncio
 from test_session import Part, describe
 from test_writer import NAMES, wait_until
 
-from coordinator import ArtifactCorruptError, CaptureFailedError
+from coordinator import (
+    ArtifactCorruptError,
+    CaptureFailedError,
+    RemoteWorkerError,
+    RestoreFailedError,
+)
 from coordinator._sample import sample_body
 from coordinator.artifacts import ArtifactLedger, capture
-from coordinator.bus import NatsBus, RemoteParticipant
+from coordinator.bus import NatsBus, RemoteParticipant, serve_participant
 from coordinator.bus._objects import ObjectArtifact
 from coordinator.events import Committed, Failed
 from coordinator.manifest import PayloadRecord, manifest_with_records
@@ -229,3 +234,52 @@ async def test_an_unreadable_object_fails_the_save_and_keeps_the_store(
                     writer.reserve().cancel()  # the failure is raised once, here
         assert store.core.high_water is None
         assert not [p for p in (tmp_path / "store").iterdir() if p.suffix == ".flysess"]
+
+
+@pytest.mark.asyncio
+async def test_a_second_worker_for_the_same_participant_is_refused(
+    server: EmbeddedServer,
+) -> None:
+    """Two workers would both capture and stage: the second one does not start."""
+    async with anyio.create_task_group() as group:
+        await group.start(
+            lambda task_status: serve_participant(
+                server.url, Part("agent-fly-a"), session_id=SESSION, task_status=task_status
+            )
+        )
+        with pytest.raises(RemoteWorkerError, match=r"remote\.duplicate"):
+            await serve_participant(server.url, Part("agent-fly-a"), session_id=SESSION)
+        group.cancel_scope.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_stage_that_times_out_is_aborted_in_the_worker(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The host gave up on a slow stage: the worker is told to abort, so it does not
+    hold the staged state forever, and nothing is activated anywhere."""
+    agent = Part("agent-fly-a")
+    release = anyio.Event()
+    original_stage = agent.stage_restore
+
+    async def slow_stage(payload: memoryview, scope: Any) -> bytes:
+        await release.wait()
+        return await original_stage(payload, scope)
+
+    async with anyio.create_task_group() as group:
+        await group.start(
+            lambda task_status: serve_participant(
+                server.url, agent, session_id=SESSION, task_status=task_status
+            )
+        )
+        async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+            remote = RemoteParticipant(bus, "agent-fly-a", timeout=1)
+            async with coordinator(store, bus, remote) as host:
+                assert isinstance(await host.checkpoint(1), Committed)
+                agent.stage_restore = slow_stage  # type: ignore[method-assign]
+                with pytest.raises(RestoreFailedError, match=r"remote\.timeout"):
+                    await host.restore(new_epoch="epoch-2")
+                release.set()  # the stage finishes late; the abort queued behind it runs
+                await wait_until(lambda: agent.aborted == 1)
+                assert agent.state == b"agent-fly-a@0"  # never activated
+        group.cancel_scope.cancel()

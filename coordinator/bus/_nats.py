@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import mmap
 import re
 from collections.abc import Sequence
 from types import TracebackType
@@ -107,7 +108,7 @@ class NatsBus:
         self.object_ttl = object_ttl  # what outlives its owner (a killed worker) goes after it
         self._options = connect_options
         self._objects: ObjectBucket | None = None
-        self._deletions: collections.deque[str] = collections.deque()
+        self._deletions: collections.deque[tuple[str, mmap.mmap | None]] = collections.deque()
         self._deletions_wake = anyio.Event()
         self._outbox: collections.deque[Event] = collections.deque()
         self._wake = anyio.Event()
@@ -288,9 +289,11 @@ class NatsBus:
             )
         return self._objects
 
-    def delete_object_soon(self, name: str) -> None:
-        """Delete a released object in the background; the TTL covers any failure."""
-        self._deletions.append(name)
+    def delete_object_soon(self, name: str, local_copy: mmap.mmap | None = None) -> None:
+        """Delete a released object in the background (the TTL covers any failure),
+        unmapping its ``local_copy`` in a worker thread first: freeing a large
+        map's pages takes tens of milliseconds the event loop should not wait."""
+        self._deletions.append((name, local_copy))
         self._deletions_wake.set()
 
     async def _run_deletions(self) -> None:
@@ -305,7 +308,11 @@ class NatsBus:
                 self._counts["objects_left_to_ttl"] += len(self._deletions)
                 self._deletions.clear()
                 return
-            name = self._deletions[0]
+            name, local_copy = self._deletions[0]
+            if local_copy is not None:
+                self._deletions[0] = (name, None)
+                if not await anyio.to_thread.run_sync(_unmap, local_copy):
+                    self._counts["maps_held_by_views"] += 1  # freed when the views go
             try:
                 with anyio.fail_after(self.publish_timeout):
                     deleted = await (await self.objects()).delete(name)
@@ -462,6 +469,14 @@ async def connect(
         raise BusUnavailableError(
             f"cannot reach NATS at {_redacted(servers)} ({type(error).__name__})"
         ) from None
+
+
+def _unmap(mapped: mmap.mmap) -> bool:
+    try:
+        mapped.close()
+    except BufferError:  # a view of it is still alive somewhere
+        return False
+    return True
 
 
 def _redacted(servers: Sequence[str]) -> str:

@@ -28,6 +28,7 @@ import math
 import mmap
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -37,7 +38,12 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
-from .._errors import ArtifactCorruptError, ArtifactReleasedError, ArtifactUnavailableError
+from .._errors import (
+    ArtifactCorruptError,
+    ArtifactReleasedError,
+    ArtifactUnavailableError,
+    CoordinatorError,
+)
 from ..artifacts import ArtifactLedger, BaseHandle
 
 __all__ = ["DEFAULT_OBJECT_BUCKET", "ObjectArtifact", "ObjectBucket"]
@@ -46,7 +52,7 @@ DEFAULT_OBJECT_BUCKET = "CKPT_OBJECTS"
 _CHUNK = 512 << 10  # bigger chunks read ~1.6x faster than nats-py's 128 KiB here
 _WINDOW = 16  # chunk publishes in flight
 _HASH_STEP = 16 << 20  # received bytes handed to the hashing thread at a time
-_READ_TIMEOUT = 10.0  # seconds without a chunk before a read gives up
+_STALL_TIMEOUT = 10.0  # seconds without a chunk (read) or an ack (put) before giving up
 
 
 def object_digest(digest_hex: str) -> str:
@@ -88,7 +94,9 @@ class ObjectBucket:
         return cls(js, store, name)
 
     async def put(self, name: str, data: memoryview, digest_hex: str) -> None:
-        """Store ``data`` (whose SHA-256 is ``digest_hex``) as object ``name``."""
+        """Store ``data`` (whose SHA-256 is ``digest_hex``) as object ``name``.
+        ``ArtifactUnavailableError`` if the server stops acknowledging for
+        ``_STALL_TIMEOUT`` (nats-py's own acks would wait forever)."""
         nuid = self._js._nc._nuid.next().decode()
         chunks_subject = f"$O.{self.name}.C.{nuid}"
         chunk = max(1, min(_CHUNK, self._js._nc.max_payload - 1024))
@@ -96,13 +104,16 @@ class ObjectBucket:
         sent = 0
         try:
             for start in range(0, len(data), chunk):
-                piece = data[start : start + chunk]
-                in_flight.append(await self._js.publish_async(chunks_subject, bytes(piece)))
+                with data[start : start + chunk] as piece:  # no view outlives the call
+                    copy = bytes(piece)
+                in_flight.append(await self._js.publish_async(chunks_subject, copy))
                 sent += 1
                 if len(in_flight) >= _WINDOW:
-                    await in_flight.pop(0)
-            for ack in in_flight:
-                await ack
+                    with anyio.fail_after(_STALL_TIMEOUT):
+                        await in_flight.pop(0)
+            with anyio.fail_after(_STALL_TIMEOUT):
+                for ack in in_flight:
+                    await ack
             info = api.ObjectInfo(
                 name=name,
                 bucket=self.name,
@@ -118,7 +129,7 @@ class ObjectBucket:
                 json.dumps(info.as_dict()).encode(),
                 headers={api.Header.ROLLUP: "sub"},
             )
-        except BaseException:
+        except BaseException as error:
             for ack in in_flight:
                 ack.cancel()
             # Shielded, bounded, best effort: the bucket's TTL removes them otherwise.
@@ -128,6 +139,10 @@ class ObjectBucket:
                 contextlib.suppress(Exception),
             ):
                 await self._js.purge_stream(self._store._stream, subject=chunks_subject)
+            if isinstance(error, Exception) and not isinstance(error, CoordinatorError):
+                raise ArtifactUnavailableError(
+                    f"cannot put object {name!r} ({type(error).__name__}: {error})"
+                ) from None
             raise
 
     def _meta_subject(self, name: str) -> str:
@@ -151,17 +166,24 @@ class ObjectBucket:
             )
         if byte_length == 0:
             return b""
+        if not info.nuid:
+            raise ArtifactCorruptError(f"object {name!r} has no chunks subject")
         # Received into a shared writable map of an anonymous file, then handed
         # out as a read-only map of the same pages: immutable, and no copy.
-        fd = _anonymous_file(byte_length)
         try:
-            with mmap.mmap(fd, byte_length) as writable, memoryview(writable) as view:
-                actual = await self._receive(info.nuid or "", view, name)
-            if actual != digest_hex:
-                raise ArtifactCorruptError(f"object {name!r} fails its digest ({actual})")
-            return mmap.mmap(fd, byte_length, access=mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
+            fd = _anonymous_file(byte_length)
+            try:
+                with mmap.mmap(fd, byte_length) as writable, memoryview(writable) as view:
+                    actual = await self._receive(info.nuid, view, name)
+                if actual != digest_hex:
+                    raise ArtifactCorruptError(f"object {name!r} fails its digest ({actual})")
+                return mmap.mmap(fd, byte_length, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)
+        except (nats.errors.Error, OSError) as error:  # the server, or memory, let us down
+            raise ArtifactUnavailableError(
+                f"cannot read object {name!r} ({type(error).__name__}: {error})"
+            ) from None
 
     async def _receive(self, nuid: str, view: memoryview, name: str) -> str:
         """Chunks into ``view`` in order; a second task hashes what has arrived."""
@@ -190,12 +212,14 @@ class ObjectBucket:
         return hasher.hexdigest()
 
     async def _pull(self, nuid: str, view: memoryview, progress: Any, name: str) -> int:
-        subscription = await self._js.subscribe(f"$O.{self.name}.C.{nuid}", ordered_consumer=True)
+        subscription = await self._js.subscribe(
+            f"$O.{self.name}.C.{nuid}", stream=self._store._stream, ordered_consumer=True
+        )
         received = handed = 0
         try:
             while received < len(view):
                 try:
-                    message = await subscription.next_msg(timeout=_READ_TIMEOUT)
+                    message = await subscription.next_msg(timeout=_STALL_TIMEOUT)
                 except (nats.errors.TimeoutError, TimeoutError):
                     raise ArtifactUnavailableError(
                         f"object {name!r} stopped arriving after {received} bytes"
@@ -206,7 +230,7 @@ class ObjectBucket:
                 view[received : received + len(data)] = data
                 received += len(data)
                 if received - handed >= _HASH_STEP or received == len(view):
-                    progress.send_nowait(received)
+                    await progress.send(received)  # a cancel is delivered here, as is
                     handed = received
         finally:
             # The connection may be gone: then there is nothing to undo.
@@ -246,7 +270,7 @@ class ObjectArtifact(BaseHandle):
         *,
         bucket: ObjectBucket,
         object_name: str,
-        on_release: Any,
+        on_release: Callable[[str, mmap.mmap | None], None],
     ) -> None:
         super().__init__(name, byte_length, digest, ledger)
         self._bucket = bucket
@@ -268,8 +292,9 @@ class ObjectArtifact(BaseHandle):
         return memoryview(self._map)
 
     def release(self) -> None:
-        if isinstance(self._map, mmap.mmap) and not self.released:
-            self._map.close()  # BufferError while a view is held: the handle stays live
-        self._map = None
         self._release()
-        self._on_release(self.object_name)
+        local_copy, self._map = self._map, None
+        # The bus unmaps it in a worker thread, then deletes the object.
+        self._on_release(
+            self.object_name, local_copy if isinstance(local_copy, mmap.mmap) else None
+        )

@@ -77,7 +77,9 @@ class RemoteParticipant:
 
     ``timeout`` bounds each request: a worker that died mid-capture is a
     ``RemoteWorkerError`` after it (the coordinator's capture then fails and
-    fences the epoch, as for any participant).
+    fences the epoch, as for any participant). Keep it below the coordinator's
+    ``capture_timeout`` (30 s by default), or a dead worker surfaces as that
+    deadline instead of as ``remote.timeout``.
     """
 
     def __init__(
@@ -86,7 +88,7 @@ class RemoteParticipant:
         name: str,
         *,
         rpc_prefix: str = DEFAULT_RPC_PREFIX,
-        timeout: float = 30.0,
+        timeout: float = 20.0,
     ) -> None:
         self.name = check_id(name)
         self.bus = bus
@@ -95,7 +97,7 @@ class RemoteParticipant:
 
     async def capture_artifact(self, scope: CaptureScope, ledger: ArtifactLedger) -> ArtifactHandle:
         """The worker's capture, as a handle on the object it put in the bucket."""
-        object_name = f"{scope.session_id}.{scope.checkpoint_id}.{self.name}"
+        object_name = f"{scope.session_id}/{scope.checkpoint_id}/{self.name}"  # '/' is no Id's
         request = Request(
             session_id=scope.session_id,
             epoch=scope.epoch,
@@ -104,6 +106,7 @@ class RemoteParticipant:
             object=object_name,
         )
         try:
+            bucket = await self.bus.objects()
             reply = await self._request("capture", request)
         except BaseException:
             # A late worker may still finish its put: delete what it may leave
@@ -115,7 +118,7 @@ class RemoteParticipant:
             reply.byte_length,
             reply.digest,
             ledger,
-            bucket=await self.bus.objects(),
+            bucket=bucket,
             object_name=object_name,
             on_release=self.bus.delete_object_soon,
         )
@@ -132,7 +135,7 @@ class RemoteParticipant:
 
     async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Request:
         bucket = await self.bus.objects()
-        object_name = f"{scope.session_id}.restore.{scope.epoch}.{self.name}"
+        object_name = f"{scope.session_id}/restore/{scope.epoch}/{self.name}"
         digest = await anyio.to_thread.run_sync(sha256_hex, payload)
         request = Request(
             session_id=scope.session_id,
@@ -146,6 +149,16 @@ class RemoteParticipant:
         try:
             await bucket.put(object_name, payload, digest)
             await self._request("stage", request)
+        except BaseException:
+            # The worker may have staged after all (a late answer): have it abort,
+            # bounded and best effort, so it does not hold the state forever.
+            with (
+                anyio.CancelScope(shield=True),
+                anyio.move_on_after(self.timeout),
+                contextlib.suppress(Exception),
+            ):
+                await self._request("abort", request)
+            raise
         finally:
             self.bus.delete_object_soon(object_name)
         return request
@@ -210,6 +223,12 @@ async def serve_participant(
         bucket = await ObjectBucket.open(
             client.jetstream(), object_bucket, ttl=object_ttl, replicas=replicas
         )
+        ping = _subject(rpc_prefix, session_id, participant.name, "ping")
+        with contextlib.suppress(nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            await client.request(ping, b"", timeout=1)
+            raise RemoteWorkerError(
+                participant.name, "remote.duplicate", f"another worker already serves {ping}"
+            )
         worker = _Worker(participant, bucket)
         await client.subscribe(
             _subject(rpc_prefix, session_id, participant.name, "*"), cb=worker.answer
@@ -220,6 +239,13 @@ async def serve_participant(
     finally:
         with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
             await client.close()
+
+
+def _decode_request(data: bytes) -> Request:
+    try:
+        return msgspec.json.decode(data, type=Request)
+    except msgspec.MsgspecError as error:
+        raise RemoteWorkerError("?", "remote.protocol", f"a bad request: {error}") from None
 
 
 async def _ignore(error: Exception) -> None:
@@ -235,8 +261,10 @@ class _Worker:
     async def answer(self, message: Msg) -> None:
         op = message.subject.rsplit(".", 1)[-1]
         try:
-            request = msgspec.json.decode(message.data, type=Request)
-            reply = await self._do(op, request)
+            if op == "ping":  # another worker asking whether this participant is served
+                reply = Reply(ok=True)
+            else:
+                reply = await self._do(op, _decode_request(message.data))
         except CoordinatorError as error:
             reply = Reply(ok=False, code=error.code, reason=str(error))
         except Exception as error:  # the participant's own failure, reported as is
@@ -279,6 +307,9 @@ class _Worker:
                 if isinstance(held, mmap.mmap):
                     with contextlib.suppress(BufferError):  # a view kept: it goes with it
                         held.close()
+            replaced = self.staged.pop(key, None)
+            if replaced is not None:  # staged twice: the first one is given up
+                await self.participant.abort_restore(replaced)
             self.staged[key] = token
             return Reply(ok=True)
         if op in ("activate", "abort"):
