@@ -7,7 +7,8 @@ Two bounds keep it from growing without limit:
   job (or it is superseded or refused). With no slot free, ``reserve()`` raises
   ``WriterBusyError``: the host keeps stepping and tries again later;
 - **queued payload bytes** (default 64 MiB), checked by ``submit()``, counting
-  the bytes a supersede would free.
+  the bytes a supersede would free. A capture larger than the whole budget is
+  taken when it would wait alone (it could never fit otherwise).
 
 A newer *replaceable* capture supersedes the oldest replaceable one still in
 the queue; a non-replaceable (durable) capture is never superseded, and a job
@@ -305,7 +306,10 @@ class Writer:
         )
         victim = next((j for j in self._queue if j.replaceable), None) if replaceable else None
         freed = victim.byte_length if victim is not None else 0
-        if self._queued_bytes - freed + job.byte_length > self.limits.max_queued_bytes:
+        # A capture larger than the whole budget is taken when nothing else would
+        # wait beside it: its bytes are captured already, and it could never fit.
+        others = self._queued_bytes - freed
+        if others and others + job.byte_length > self.limits.max_queued_bytes:
             self._outstanding -= 1
             self._release(job)
             self._counts["rejected"] += 1

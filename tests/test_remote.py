@@ -24,6 +24,7 @@ from test_writer import NAMES, wait_until
 
 from coordinator import (
     ArtifactCorruptError,
+    BusConfigError,
     CaptureFailedError,
     RemoteWorkerError,
     RestoreFailedError,
@@ -283,3 +284,15 @@ async def test_a_stage_that_times_out_is_aborted_in_the_worker(
                 await wait_until(lambda: agent.aborted == 1)
                 assert agent.state == b"agent-fly-a@0"  # never activated
         group.cancel_scope.cancel()
+
+
+@pytest.mark.asyncio
+async def test_an_object_bucket_without_a_ttl_is_refused(server: EmbeddedServer) -> None:
+    """Objects of killed workers must expire: a bucket without a TTL is not used,
+    and not changed."""
+    async with NatsBus(server.url, object_bucket="FOREVER") as bus:
+        await bus.client.jetstream().create_object_store(bucket="FOREVER")
+        with pytest.raises(BusConfigError, match="no TTL"):
+            await bus.objects()
+        info = await bus.client.jetstream().stream_info("OBJ_FOREVER")
+        assert not info.config.max_age

@@ -164,6 +164,24 @@ async def test_byte_budget_counts_what_a_supersede_frees(tmp_path: Path) -> None
 
 
 @pytest.mark.asyncio
+async def test_a_capture_larger_than_the_budget_is_taken_alone(tmp_path: Path) -> None:
+    """It could never fit: with nothing else waiting it is queued and committed;
+    beside a queued capture it is refused like any other."""
+    fs = GateFS()
+    limits = WriterLimits(max_outstanding=3, max_queued_bytes=300)
+    async with FileStore(tmp_path, fs=fs) as store:
+        async with Writer(store, MemoryBus(), limits=limits) as writer:
+            big = await submit(writer, 1)  # 500 bytes > 300, the queue empty: taken
+            await anyio.to_thread.run_sync(fs.waiting.wait)
+            await submit(writer, 2, replaceable=False)  # 500 again, waits alone: taken
+            with pytest.raises(WriterBusyError, match="budget"):
+                await submit(writer, 3, replaceable=False)  # would wait beside ckpt-2
+            fs.open_all()
+            assert isinstance(await big.wait(), Committed)
+        assert writer.statistics().committed == 2
+
+
+@pytest.mark.asyncio
 async def test_failed_commit_releases_publishes_and_raises_next_time(tmp_path: Path) -> None:
     """A store fault: handles released, failed published with its code, no false
     durability, and the next reserve() raises the failure once."""

@@ -42,6 +42,7 @@ from .._errors import (
     ArtifactCorruptError,
     ArtifactReleasedError,
     ArtifactUnavailableError,
+    BusConfigError,
     CoordinatorError,
 )
 from ..artifacts import ArtifactLedger, BaseHandle
@@ -91,6 +92,13 @@ class ObjectBucket:
             store = await js.object_store(name)
         except (BucketNotFoundError, NotFoundError):
             store = await js.create_object_store(bucket=name, ttl=ttl, replicas=replicas)
+        else:  # an operator's bucket: it must expire what a dead worker leaves
+            info = await js.stream_info(store._stream)
+            if not info.config.max_age:
+                raise BusConfigError(
+                    f"object bucket {name} has no TTL: what a killed worker leaves would "
+                    "stay forever; create it with one (ttl=...), it is left as it is"
+                )
         return cls(js, store, name)
 
     async def put(self, name: str, data: memoryview, digest_hex: str) -> None:
