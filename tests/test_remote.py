@@ -32,7 +32,7 @@ from coordinator import (
 from coordinator._sample import sample_body
 from coordinator.artifacts import ArtifactLedger, capture
 from coordinator.bus import NatsBus, RemoteParticipant, serve_participant
-from coordinator.bus._objects import ObjectArtifact
+from coordinator.bus._objects import ObjectArtifact, object_digest
 from coordinator.events import Committed, Failed
 from coordinator.manifest import PayloadRecord, manifest_with_records
 from coordinator.server import EmbeddedServer
@@ -183,7 +183,16 @@ async def test_orphaned_chunks_go_with_the_bucket_ttl(server: EmbeddedServer) ->
 async def handle_for(bus: NatsBus, stored: bytes, declared: bytes) -> ObjectArtifact:
     """An object holding ``stored`` whose handle declares ``declared``'s length and digest."""
     bucket = await bus.objects()
-    await bucket.put("obj-1", memoryview(stored), hashlib.sha256(declared).hexdigest())
+    await bucket.put("obj-1", memoryview(stored))
+    # Forge the meta message as a lying writer would: the declared digest, other bytes.
+    info = await bus.client.jetstream().get_last_msg(
+        f"OBJ_{bucket.name}", bucket._meta_subject("obj-1")
+    )
+    meta = json.loads(info.data or b"")
+    meta["digest"] = object_digest(hashlib.sha256(declared).hexdigest())
+    await bus.client.jetstream().publish(
+        bucket._meta_subject("obj-1"), json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"}
+    )
     return ObjectArtifact(
         "world",
         len(declared),

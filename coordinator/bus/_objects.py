@@ -28,7 +28,7 @@ import math
 import mmap
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -45,7 +45,7 @@ from .._errors import (
     BusConfigError,
     CoordinatorError,
 )
-from ..artifacts import ArtifactLedger, BaseHandle
+from ..artifacts import ArtifactLedger, BaseHandle, sha256_hex
 
 __all__ = ["DEFAULT_OBJECT_BUCKET", "ObjectArtifact", "ObjectBucket"]
 
@@ -59,6 +59,16 @@ _STALL_TIMEOUT = 10.0  # seconds without a chunk (read) or an ack (put) before g
 def object_digest(digest_hex: str) -> str:
     """Our hex SHA-256 in the object store's notation."""
     return "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(digest_hex)).decode()
+
+
+@contextlib.contextmanager
+def _host_error() -> Iterator[None]:
+    """Around a task group whose helper task (hashing) cannot fail: the host's own
+    error comes out as it is, not wrapped in an exception group."""
+    try:
+        yield
+    except BaseExceptionGroup as errors:
+        raise errors.exceptions[0] from None
 
 
 def _anonymous_file(size: int) -> int:
@@ -101,34 +111,32 @@ class ObjectBucket:
                 )
         return cls(js, store, name)
 
-    async def put(self, name: str, data: memoryview, digest_hex: str) -> None:
-        """Store ``data`` (whose SHA-256 is ``digest_hex``) as object ``name``.
-        ``ArtifactUnavailableError`` if the server stops acknowledging for
-        ``_STALL_TIMEOUT`` (nats-py's own acks would wait forever)."""
+    async def put(self, name: str, data: memoryview) -> str:
+        """Store ``data`` as object ``name``; returns its SHA-256 (hex), computed in
+        a worker thread while the chunks go out. ``ArtifactUnavailableError`` if
+        the server stops acknowledging for ``_STALL_TIMEOUT`` (nats-py's own acks
+        would wait forever)."""
         nuid = self._js._nc._nuid.next().decode()
         chunks_subject = f"$O.{self.name}.C.{nuid}"
         chunk = max(1, min(_CHUNK, self._js._nc.max_payload - 1024))
-        in_flight: list[Any] = []
-        sent = 0
+        digest: list[str] = []
+
+        async def hash_all() -> None:
+            with data[:] as whole:  # released here, wherever the thread keeps it
+                digest.append(await anyio.to_thread.run_sync(sha256_hex, whole))
+
         try:
-            for start in range(0, len(data), chunk):
-                with data[start : start + chunk] as piece:  # no view outlives the call
-                    copy = bytes(piece)
-                in_flight.append(await self._js.publish_async(chunks_subject, copy))
-                sent += 1
-                if len(in_flight) >= _WINDOW:
-                    with anyio.fail_after(_STALL_TIMEOUT):
-                        await in_flight.pop(0)
-            with anyio.fail_after(_STALL_TIMEOUT):
-                for ack in in_flight:
-                    await ack
+            with _host_error():
+                async with anyio.create_task_group() as group:
+                    group.start_soon(hash_all)
+                    sent = await self._send(chunks_subject, data, chunk)
             info = api.ObjectInfo(
                 name=name,
                 bucket=self.name,
                 nuid=nuid,
                 size=len(data),
                 chunks=sent,
-                digest=object_digest(digest_hex),
+                digest=object_digest(digest[0]),
                 mtime=datetime.datetime.now(datetime.UTC).isoformat(),
                 options=api.ObjectMetaOptions(max_chunk_size=chunk),
             )
@@ -138,8 +146,6 @@ class ObjectBucket:
                 headers={api.Header.ROLLUP: "sub"},
             )
         except BaseException as error:
-            for ack in in_flight:
-                ack.cancel()
             # Shielded, bounded, best effort: the bucket's TTL removes them otherwise.
             with (
                 anyio.CancelScope(shield=True),
@@ -152,6 +158,28 @@ class ObjectBucket:
                     f"cannot put object {name!r} ({type(error).__name__}: {error})"
                 ) from None
             raise
+        return digest[0]
+
+    async def _send(self, subject: str, data: memoryview, chunk: int) -> int:
+        """The chunks, ``_WINDOW`` of them awaiting their acks at a time."""
+        in_flight: list[Any] = []
+        sent = 0
+        try:
+            for start in range(0, len(data), chunk):
+                with data[start : start + chunk] as piece:  # no view outlives the call
+                    copy = bytes(piece)
+                in_flight.append(await self._js.publish_async(subject, copy))
+                sent += 1
+                if len(in_flight) >= _WINDOW:
+                    with anyio.fail_after(_STALL_TIMEOUT):
+                        await in_flight.pop(0)
+            with anyio.fail_after(_STALL_TIMEOUT):
+                for ack in in_flight:
+                    await ack
+        finally:
+            for ack in in_flight:
+                ack.cancel()
+        return sent
 
     def _meta_subject(self, name: str) -> str:
         return f"$O.{self.name}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
@@ -207,14 +235,12 @@ class ObjectBucket:
                     done = upto
 
         received = 0
-        try:
+        with _host_error():
             async with anyio.create_task_group() as group:
                 group.start_soon(hash_behind)
                 async with send:
                     if len(view):
                         received = await self._pull(nuid, view, send, name)
-        except BaseExceptionGroup as errors:  # only the reader can fail: its error, as is
-            raise errors.exceptions[0] from None
         if received != len(view):
             raise ArtifactCorruptError(f"object {name!r} ended after {received} bytes")
         return hasher.hexdigest()

@@ -36,7 +36,7 @@ from nats.aio.msg import Msg
 
 from .._errors import CoordinatorError, MutableCaptureError, RemoteWorkerError
 from .._types import is_immutable
-from ..artifacts import HASH_IN_THREAD_BYTES, ArtifactHandle, ArtifactLedger, sha256_hex
+from ..artifacts import ArtifactHandle, ArtifactLedger
 from ..events import subject_token
 from ..ids import check_id, is_digest
 from ..participant import CaptureScope, Participant, RestoreScope
@@ -136,7 +136,6 @@ class RemoteParticipant:
     async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Request:
         bucket = await self.bus.objects()
         object_name = f"{scope.session_id}/restore/{scope.epoch}/{self.name}"
-        digest = await anyio.to_thread.run_sync(sha256_hex, payload)
         request = Request(
             session_id=scope.session_id,
             epoch=scope.epoch,
@@ -144,10 +143,10 @@ class RemoteParticipant:
             step=scope.step,
             object=object_name,
             byte_length=payload.nbytes,
-            digest=digest,
         )
         try:
-            await bucket.put(object_name, payload, digest)
+            digest = await bucket.put(object_name, payload)
+            request = msgspec.structs.replace(request, digest=digest)
             await self._request("stage", request)
         except BaseException:
             # The worker may have staged after all (a late answer): have it abort,
@@ -286,11 +285,7 @@ class _Worker:
                 raise MutableCaptureError(f"capture is a {type(data).__name__}: pass bytes")
             with memoryview(data) as view:
                 flat = view.cast("B") if view.format != "B" else view
-                if flat.nbytes >= HASH_IN_THREAD_BYTES:
-                    digest = await anyio.to_thread.run_sync(sha256_hex, flat)
-                else:
-                    digest = sha256_hex(flat)
-                await self.bucket.put(request.object, flat, digest)
+                digest = await self.bucket.put(request.object, flat)
                 return Reply(ok=True, byte_length=flat.nbytes, digest=digest)
         if op == "stage":
             restore = RestoreScope(
