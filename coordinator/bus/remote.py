@@ -59,6 +59,16 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     byte_length: int = 0  # stage: what the object must hold
     digest: str = ""
 
+    @classmethod
+    def at(cls, scope: CaptureScope | RestoreScope, **fields: Any) -> Request:
+        return cls(
+            session_id=scope.session_id,
+            epoch=scope.epoch,
+            checkpoint_id=scope.checkpoint_id,
+            step=scope.step,
+            **fields,
+        )
+
 
 class Reply(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
     ok: bool
@@ -98,13 +108,7 @@ class RemoteParticipant:
     async def capture_artifact(self, scope: CaptureScope, ledger: ArtifactLedger) -> ArtifactHandle:
         """The worker's capture, as a handle on the object it put in the bucket."""
         object_name = f"{scope.session_id}/{scope.checkpoint_id}/{self.name}"  # '/' is no Id's
-        request = Request(
-            session_id=scope.session_id,
-            epoch=scope.epoch,
-            checkpoint_id=scope.checkpoint_id,
-            step=scope.step,
-            object=object_name,
-        )
+        request = Request.at(scope, object=object_name)
         try:
             bucket = await self.bus.objects()
             reply = await self._request("capture", request)
@@ -136,14 +140,7 @@ class RemoteParticipant:
     async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Request:
         bucket = await self.bus.objects()
         object_name = f"{scope.session_id}/restore/{scope.epoch}/{self.name}"
-        request = Request(
-            session_id=scope.session_id,
-            epoch=scope.epoch,
-            checkpoint_id=scope.checkpoint_id,
-            step=scope.step,
-            object=object_name,
-            byte_length=payload.nbytes,
-        )
+        request = Request.at(scope, object=object_name, byte_length=payload.nbytes)
         try:
             digest = await bucket.put(object_name, payload)
             request = msgspec.structs.replace(request, digest=digest)
