@@ -183,10 +183,12 @@ async def _simulate(
 
 
 @contextlib.asynccontextmanager
-async def _remote_agent(url: str, name: str, size: int, seed: int) -> AsyncIterator[None]:
+async def _remote_agent(
+    url: str, name: str, size: int, seed: int, *, session: str = "demo"
+) -> AsyncIterator[None]:
     """The demo's remote agent in a process of its own, ready before we go on and
     stopped (killed if need be) however the demo ends."""
-    options = {"--session": "demo", "--name": name, "--size": size, "--seed": seed}
+    options = {"--session": session, "--name": name, "--size": size, "--seed": seed}
     command = [sys.executable, "-m", "coordinator._demo_worker"]
     command += [str(item) for pair in options.items() for item in pair]
     process = await anyio.open_process(

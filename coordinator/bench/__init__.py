@@ -29,6 +29,7 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
     better: Literal["higher", "lower"]
     target: float
     met: bool
+    target_on: Literal["ratio", "ours"]  # what ``target`` is compared with
     detail: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
@@ -42,10 +43,14 @@ def result(
     target: float,
     unit: str = "ratio",
     detail: dict[str, Any] | None = None,
+    target_on: Literal["ratio", "ours"] | None = None,
 ) -> Result:
-    """A result whose ratio and verdict are derived, never typed in."""
+    """A result whose ratio and verdict are derived, never typed in. The target
+    applies to the ratio when there is a baseline, unless ``target_on="ours"``
+    (a latency target in ms, shown beside a same-run baseline)."""
     ratio = None if baseline is None else ours / baseline
-    judged = ours if ratio is None else ratio
+    on: Literal["ratio", "ours"] = "ours" if ratio is None else (target_on or "ratio")
+    judged = ratio if on == "ratio" and ratio is not None else ours
     met = judged >= target if better == "higher" else judged <= target
     return Result(
         metric=metric,
@@ -57,6 +62,7 @@ def result(
         better=better,
         target=target,
         met=met,
+        target_on=on,
         detail=detail or {},
     )
 
@@ -99,7 +105,8 @@ def render(document: dict[str, Any]) -> str:
                 f"{item['ours']:.4g} {unit}",
                 baseline,
                 ratio,
-                f"{sign} {item['target']}",
+                f"{sign} {item['target']}"
+                + (" (ours)" if item["ratio"] is not None and item["target_on"] == "ours" else ""),
                 "yes" if item["met"] else "NO",
             )
         )
@@ -132,8 +139,15 @@ def _runtime(size: int, runs: int) -> list[Result]:
     return run(size=size, runs=runs)
 
 
+def _bus(size: int, runs: int) -> list[Result]:
+    from .bus import run
+
+    return run(size=size, runs=runs)
+
+
 GROUPS: dict[str, Callable[[int, int], list[Result]]] = {
     "envelope": _envelope,
     "store": _store,
     "runtime": _runtime,
+    "bus": _bus,
 }

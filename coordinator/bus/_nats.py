@@ -16,8 +16,10 @@ in a KV bucket. The only module that imports ``nats``.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import itertools
 import mmap
 import re
 from collections.abc import Sequence
@@ -92,6 +94,7 @@ class NatsBus:
         publish_timeout: float = 2.0,
         connect_timeout: float = 5.0,
         replicas: int = 1,
+        publish_window: int = 256,
         object_bucket: str = DEFAULT_OBJECT_BUCKET,
         object_ttl: float = 3600.0,
         **connect_options: Any,
@@ -103,6 +106,7 @@ class NatsBus:
         self.outbox_limit = outbox_limit
         self.publish_timeout = publish_timeout
         self.connect_timeout = connect_timeout
+        self.publish_window = publish_window  # events whose acks are awaited together
         self.replicas = replicas  # for a stream or bucket this bus creates (R3 on a cluster)
         self.object_bucket = object_bucket
         self.object_ttl = object_ttl  # what outlives its owner (a killed worker) goes after it
@@ -245,31 +249,53 @@ class NatsBus:
                 self._counts["dropped"] += len(self._outbox)  # given up on: counted
                 self._outbox.clear()
                 return
-            event = self._outbox[0]
+            window = list(itertools.islice(self._outbox, self.publish_window))
             try:
-                await self._send(event)
-            except _TRANSIENT:  # away, or no ack in time: retry the same event, same id
+                await self._send(window)
+            except _TRANSIENT:  # away, or an ack lost: the same window again, same ids
                 self._counts["retries"] += 1
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
-            except Exception:  # the server refused it: retrying would block the rest
-                self._counts["dropped"] += 1
             backoff = 0.05
-            self._outbox.popleft()
+            for _ in window:
+                self._outbox.popleft()
 
-    async def _send(self, event: Event) -> None:
+    async def _send(self, window: list[Event]) -> None:
+        """Publish ``window`` in order, its acks awaited together (one at a time
+        would cap the bus at ~1.5k events/s here), then the newest ``committed``
+        of each session goes to the KV bucket. A transient error anywhere raises,
+        and the caller sends the whole window again: what was stored already
+        comes back as a duplicate, by its ``Nats-Msg-Id``."""
         assert self._js is not None and self._kv is not None
-        data = encode_event(event)
-        ack = await self._js.publish(
-            subject(event.session_id, event_name(event), prefix=self.prefix),
-            data,
-            timeout=self.publish_timeout,
-            headers={"Nats-Msg-Id": event.event_id},
-        )
-        self._counts["duplicates" if ack.duplicate else "published"] += 1
-        if isinstance(event, Committed):
-            await self._kv.put(event.session_id, data)  # Ids are valid KV keys as they are
+        acks: list[asyncio.Future[Any]] = []
+        try:
+            for event in window:
+                acks.append(
+                    await self._js.publish_async(
+                        subject(event.session_id, event_name(event), prefix=self.prefix),
+                        encode_event(event),
+                        headers={"Nats-Msg-Id": event.event_id},
+                    )
+                )
+            with anyio.fail_after(self.publish_timeout):
+                outcomes = await asyncio.gather(*acks, return_exceptions=True)
+        finally:
+            for ack in acks:
+                ack.cancel()
+        if failure := next((o for o in outcomes if isinstance(o, _TRANSIENT)), None):
+            raise failure
+        newest: dict[str, Committed] = {}
+        for event, outcome in zip(window, outcomes, strict=True):
+            if isinstance(outcome, BaseException):  # refused: retrying would block the rest
+                self._counts["dropped"] += 1
+                continue
+            self._counts["duplicates" if outcome.duplicate else "published"] += 1
+            if isinstance(event, Committed):
+                newest[event.session_id] = event
+        for session_id, committed in newest.items():  # Ids are valid KV keys as they are
+            with anyio.fail_after(self.publish_timeout):
+                await self._kv.put(session_id, encode_event(committed))
 
     # --- remote participants' objects ------------------------------------------
 
