@@ -69,7 +69,10 @@ class _Part:
 
     def __init__(self, name: str, size: int, seed: int) -> None:
         self.name = name
-        self.state = random.Random(seed).randbytes(size)
+        rng = random.Random(seed)  # randbytes() takes at most 2**31 bits at a time
+        self.state = b"".join(
+            rng.randbytes(min(1 << 20, size - at)) for at in range(0, size, 1 << 20)
+        )
 
     def step(self, step: int) -> None:
         head = step.to_bytes(8, "little")  # a new bytes object: captures stay immutable

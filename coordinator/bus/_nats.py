@@ -94,7 +94,7 @@ class NatsBus:
         publish_timeout: float = 2.0,
         connect_timeout: float = 5.0,
         replicas: int = 1,
-        publish_window: int = 256,
+        publish_window: int = 1024,
         object_bucket: str = DEFAULT_OBJECT_BUCKET,
         object_ttl: float = 3600.0,
         **connect_options: Any,
