@@ -24,9 +24,17 @@ from .participant import CaptureScope
 
 
 class _RemotePart(_Part):
+    at: int | None = None
+
     async def capture(self, scope: CaptureScope) -> bytes:
-        self.step(scope.step)
+        if scope.step != self.at:  # already there: no copy of the state to make
+            self.step(scope.step)
+            self.at = scope.step
         return self.state
+
+    async def activate_restore(self, token: bytes) -> None:
+        await super().activate_restore(token)
+        self.at = None  # the restored state is another step's
 
 
 async def _serve(args: argparse.Namespace) -> None:

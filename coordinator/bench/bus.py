@@ -414,8 +414,10 @@ async def object_transfer(url: str, *, runs: int, size: int) -> list[Result]:
         remote = RemoteParticipant(bus, "agent-bench", timeout=120)
         plain = await client.jetstream().create_object_store(bucket="BENCH_PLAIN")
         for run in range(runs):
+            # One step for every run: the worker's state is ready, so the put leg is
+            # the transfer, not the agent rewriting 256 MiB for a new step.
             scope = CaptureScope(
-                session_id="bench-objects", epoch=EPOCH, step=run, checkpoint_id=f"obj-{run}"
+                session_id="bench-objects", epoch=EPOCH, step=0, checkpoint_id=f"obj-{run}"
             )
             started = time.perf_counter()
             handle = await remote.capture_artifact(scope, ArtifactLedger())
