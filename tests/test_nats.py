@@ -360,3 +360,54 @@ async def test_seq_continues_across_host_runs(server: EmbeddedServer, tmp_path: 
         assert await reader.last_seq("session-1") == 18
         assert await reader.last_seq("session-2") == 0
     assert seqs == list(range(1, 19))
+
+
+@pytest.mark.asyncio
+async def test_a_host_killed_between_commit_and_publish_is_reconciled(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A real crash: a host process commits while its bus cannot deliver, and is
+    SIGKILLed with the events in its outbox. On the next open, reconciliation
+    announces the durable generation, once, however often it runs."""
+    import signal
+    import subprocess
+    import sys
+
+    from coordinator.reconcile import reconcile
+
+    host = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "crash_host.py"), server.url,
+         str(tmp_path / "store")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert host.stdin is not None and host.stdout is not None
+    try:
+        assert host.stdout.readline().strip() == "ready"
+        host.stdin.write("\n")  # ckpt-0 commits and is announced
+        host.stdin.flush()
+        assert host.stdout.readline().split() == ["ckpt-0", "Committed"]
+        async with NatsBus(server.url) as observer:  # ckpt-0 is announced before the kill
+            with anyio.fail_after(10):
+                while await observer.latest_committed("session-1") is None:
+                    await anyio.sleep(0.01)
+        await server.kill()  # the bus cannot deliver from here on
+        host.stdin.write("\n")
+        host.stdin.flush()
+        assert host.stdout.readline().split() == ["ckpt-1", "Committed"]  # durable
+        host.send_signal(signal.SIGKILL)  # ckpt-1's events die in the outbox
+    finally:
+        host.kill()
+        host.wait()
+        host.stdin.close()
+        host.stdout.close()
+    await server.start()
+    async with FileStore(tmp_path / "store") as store, NatsBus(server.url) as bus:
+        assert store.core.high_water == "ckpt-1"
+        assert await reconcile(store, bus) == ("ckpt-1",)
+        await wait_until(lambda: not bus.pending)
+        assert await reconcile(store, bus) == ()
+        latest = await bus.latest_committed("session-1")
+        committed = [e.checkpoint_id for e in await bus.history("session-1")
+                     if isinstance(e, Committed)]  # fmt: skip
+    assert latest is not None and latest.checkpoint_id == "ckpt-1"
+    assert committed == ["ckpt-0", "ckpt-1"]  # each announced once
