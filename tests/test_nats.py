@@ -411,3 +411,52 @@ async def test_a_host_killed_between_commit_and_publish_is_reconciled(
                      if isinstance(e, Committed)]  # fmt: skip
     assert latest is not None and latest.checkpoint_id == "ckpt-1"
     assert committed == ["ckpt-0", "ckpt-1"]  # each announced once
+
+
+def test_watch_follows_a_running_demo_live(server: EmbeddedServer, tmp_path: Path) -> None:
+    """`watch --json`, started before the demo, follows it live (no replay of a
+    finished run) and ends on the high water `ls` shows; then SIGTERM stops it."""
+    import io
+    import json
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from coordinator.cli import main
+
+    cli = [sys.executable, "-m", "coordinator"]
+    watch = subprocess.Popen(
+        [*cli, "watch", "--nats", server.url, "--session", "demo", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    states: list[dict[str, object]] = []
+    assert watch.stdout is not None
+    reader = threading.Thread(
+        target=lambda: states.extend(json.loads(line) for line in watch.stdout or ()),
+        daemon=True,
+    )
+    reader.start()
+    try:
+        # Let watch connect first, so it follows the run live. Its result does not
+        # hang on this: watch subscribes before it replays, so nothing falls between.
+        time.sleep(1.0)
+        store = str(tmp_path / "saves")
+        demo = subprocess.run(
+            [*cli, "demo", "--steps", "25", "--store", store, "--nats", server.url, "--json"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert demo.returncode == 0, demo.stderr
+        out = io.StringIO()
+        assert main(["ls", "--json", store], out=out, err=io.StringIO()) == 0
+        high_water = json.loads(out.getvalue())["highWater"]
+        deadline = time.monotonic() + 20
+        while not (states and states[-1]["highWater"] == high_water):
+            assert time.monotonic() < deadline, states[-1:] or "no state line"
+            time.sleep(0.05)
+        assert len(states) > 10 and states[-1]["inFlight"] == []
+    finally:
+        watch.send_signal(signal.SIGTERM)
+        _, stderr = watch.communicate(timeout=20)
+    assert watch.returncode == 130 and "Traceback" not in stderr
