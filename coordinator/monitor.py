@@ -49,15 +49,22 @@ class SaveState(msgspec.Struct, frozen=True, kw_only=True):
 
 def _fold(state: SessionState, event: Event) -> SessionState:
     changes: dict[str, object] = {}
-    if event.seq > 0:  # seq 0: a reconciliation, outside any sequence
+    # Late: behind one already seen (the stream may hold a few events out of order
+    # after a connection drop). It fills a gap counted when the jump was seen.
+    late = 0 < event.seq < state.last_seq
+    if late:
+        changes["gaps"] = max(0, state.gaps - 1)
+    elif event.seq > 0:  # seq 0: a reconciliation, outside any sequence
         if state.last_seq and event.seq > state.last_seq + 1:
             changes["gaps"] = state.gaps + (event.seq - state.last_seq - 1)
-        changes["last_seq"] = max(state.last_seq, event.seq)
+        changes["last_seq"] = event.seq
     open_ids = set(state.in_flight)
     if isinstance(event, Captured):
-        open_ids.add(event.checkpoint_id)
+        if not late:  # a late one may already be over
+            open_ids.add(event.checkpoint_id)
     elif isinstance(event, Queued):
-        changes["queue_depth"] = event.queue_depth
+        if not late:
+            changes["queue_depth"] = event.queue_depth
     else:
         open_ids.discard(event.checkpoint_id)
         if isinstance(event, Committed):

@@ -42,3 +42,17 @@ def test_reconciled_events_do_not_count_as_gaps() -> None:
     state = state.apply(msgspec.structs.replace(make("committed", 1), seq=0))
     assert state.sessions["session-1"].gaps == 0
     assert state.sessions["session-1"].last_seq == 5
+
+
+def test_events_stored_out_of_order_fill_their_gap() -> None:
+    """After a connection drop the stream can hold an event ahead of a few earlier
+    ones: those arrive late and fill the gap; a late captured is not in flight."""
+    state = SaveState()
+    for kind, seq in (("captured", 1), ("committed", 4)):  # 2 and 3 come later
+        state = state.apply(make(kind, seq))
+    assert state.sessions["session-1"].gaps == 2
+    for kind, seq in (("captured", 2), ("queued", 3)):
+        state = state.apply(make(kind, seq))
+    session = state.sessions["session-1"]
+    assert session.gaps == 0 and session.last_seq == 4
+    assert session.in_flight == frozenset()  # ckpt-7 committed at seq 4

@@ -41,6 +41,7 @@ from nats.js.errors import (
     NoStreamResponseError,
     NotFoundError,
     ServiceUnavailableError,
+    TooManyStalledMsgsError,
 )
 from nats.js.kv import KeyValue
 
@@ -74,6 +75,7 @@ _TRANSIENT = (
     nats.errors.StaleConnectionError,
     ServiceUnavailableError,
     NoStreamResponseError,  # the stream has no leader for a moment (a cluster election)
+    TooManyStalledMsgsError,  # nats-py's in-flight publishes are all waiting for acks
 )
 # How many recent event ids a live subscription remembers, to drop re-publications.
 _RECENT_IDS = 4096
@@ -94,7 +96,7 @@ class NatsBus:
         publish_timeout: float = 2.0,
         connect_timeout: float = 5.0,
         replicas: int = 1,
-        publish_window: int = 1024,
+        publish_window: int = 256,
         object_bucket: str = DEFAULT_OBJECT_BUCKET,
         object_ttl: float = 3600.0,
         **connect_options: Any,
@@ -128,8 +130,19 @@ class NatsBus:
     # --- lifecycle -----------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        theirs = self._options.pop("disconnected_cb", None)
+
+        async def on_disconnect() -> None:
+            self._forget_buffered()
+            if theirs is not None:
+                await theirs()
+
         self._nc = await connect(
-            self.servers, self.connect_timeout, error_cb=self._on_error, **self._options
+            self.servers,
+            self.connect_timeout,
+            error_cb=self._on_error,
+            disconnected_cb=on_disconnect,
+            **self._options,
         )
         self._js = self._nc.jetstream()
         try:
@@ -266,23 +279,44 @@ class NatsBus:
         would cap the bus at ~1.5k events/s here), then the newest ``committed``
         of each session goes to the KV bucket. A transient error anywhere raises,
         and the caller sends the whole window again: what was stored already
-        comes back as a duplicate, by its ``Nats-Msg-Id``."""
-        assert self._js is not None and self._kv is not None
-        acks: list[asyncio.Future[Any]] = []
+        comes back as a duplicate, by its ``Nats-Msg-Id``. Nothing is handed to
+        nats-py while it is disconnected (it would buffer it and send it after a
+        reconnect, ahead of the retried window: out of order)."""
+        assert self._nc is not None and self._js is not None and self._kv is not None
+        acks: list[asyncio.Future[Any] | Exception] = []
         try:
-            for event in window:
-                acks.append(
-                    await self._js.publish_async(
-                        subject(event.session_id, event_name(event), prefix=self.prefix),
-                        encode_event(event),
-                        headers={"Nats-Msg-Id": event.event_id},
-                    )
-                )
             with anyio.fail_after(self.publish_timeout):
-                outcomes = await asyncio.gather(*acks, return_exceptions=True)
+                for index, event in enumerate(window):
+                    if not self._nc.is_connected:
+                        raise nats.errors.ConnectionReconnectingError
+                    try:
+                        acks.append(
+                            await self._js.publish_async(
+                                subject(event.session_id, event_name(event), prefix=self.prefix),
+                                encode_event(event),
+                                headers={"Nats-Msg-Id": event.event_id},
+                                wait_stall=self.publish_timeout,
+                            )
+                        )
+                    except _TRANSIENT:
+                        raise
+                    except Exception as refused:  # too large, a bad subject...: this one
+                        acks.append(refused)
+                    if index % 64 == 63:  # let the host's loop run: ~0.05 ms per publish
+                        await anyio.lowlevel.checkpoint()
+                # asyncio.wait, not gather: a timeout must stay a timeout, and
+                # leave the acks uncancelled until ``finally``.
+                if pending := [ack for ack in acks if isinstance(ack, asyncio.Future)]:
+                    await asyncio.wait(pending)
         finally:
             for ack in acks:
-                ack.cancel()
+                if isinstance(ack, asyncio.Future):
+                    if ack.done() and not ack.cancelled():
+                        ack.exception()  # read: never "exception was never retrieved"
+                    ack.cancel()
+        outcomes = [
+            ack if isinstance(ack, Exception) else ack.exception() or ack.result() for ack in acks
+        ]
         if failure := next((o for o in outcomes if isinstance(o, _TRANSIENT)), None):
             raise failure
         newest: dict[str, Committed] = {}
@@ -294,8 +328,20 @@ class NatsBus:
             if isinstance(event, Committed):
                 newest[event.session_id] = event
         for session_id, committed in newest.items():  # Ids are valid KV keys as they are
-            with anyio.fail_after(self.publish_timeout):
-                await self._kv.put(session_id, encode_event(committed))
+            try:
+                with anyio.fail_after(self.publish_timeout):
+                    await self._kv.put(session_id, encode_event(committed))
+            except _TRANSIENT:
+                raise
+            except Exception:  # the bucket refused it: counted; reconcile() repairs it
+                self._counts["kv_refused"] += 1
+
+    def _forget_buffered(self) -> None:
+        """At a disconnect: drop what nats-py holds to send after the reconnect. The
+        outbox sends it again itself, in order (the window failed)."""
+        if self._nc is not None:
+            self._nc._pending = []
+            self._nc._pending_data_size = 0
 
     # --- remote participants' objects ------------------------------------------
 
