@@ -96,7 +96,7 @@ class NatsBus:
         publish_timeout: float = 2.0,
         connect_timeout: float = 5.0,
         replicas: int = 1,
-        publish_window: int = 256,
+        publish_window: int = 512,
         object_bucket: str = DEFAULT_OBJECT_BUCKET,
         object_ttl: float = 3600.0,
         **connect_options: Any,
@@ -295,7 +295,6 @@ class NatsBus:
                                 subject(event.session_id, event_name(event), prefix=self.prefix),
                                 encode_event(event),
                                 headers={"Nats-Msg-Id": event.event_id},
-                                wait_stall=self.publish_timeout,
                             )
                         )
                     except _TRANSIENT:
