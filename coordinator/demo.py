@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, TextIO
 import anyio
 import msgspec
 
-from ._errors import RemoteWorkerError, SaveFailedError
+from ._errors import RemoteWorkerError, SaveFailedError, WriterBusyError
 from ._sample import sample_body
 from .bench import percentile
 from .events import Committed, Event, Failed, Superseded, event_name
@@ -37,7 +37,7 @@ from .manifest import ManifestBody
 from .server import EmbeddedServer
 from .session import CaptureScope, Coordinator, RestoreScope
 from .store import FileStore
-from .writer import Ticket, WriterLimits
+from .writer import Outcome, Ticket, WriterLimits
 
 if TYPE_CHECKING:
     from .bus._nats import NatsBus
@@ -226,6 +226,22 @@ async def _remote_agent(
             await process.aclose()
 
 
+async def _final_checkpoint(
+    coordinator: Coordinator, step: int, checkpoint_id: str, out: TextIO | None
+) -> Outcome:
+    """The last checkpoint, durably: as a host would, it waits for a free writer
+    slot (busy is "try later") and notes an earlier failure raised to it once."""
+    with anyio.fail_after(60):
+        while True:
+            try:
+                return await coordinator.checkpoint(step, checkpoint_id=checkpoint_id)
+            except WriterBusyError:
+                await anyio.sleep(0.01)
+            except SaveFailedError as error:
+                if out is not None:
+                    _say(out, f"  host: an earlier save failed [{error.error_code}]")
+
+
 async def _host(
     bus: NatsBus, url: str, store_dir: str, steps: int, out: TextIO | None
 ) -> DemoSummary:
@@ -269,16 +285,7 @@ async def _host(
             await _simulate(
                 coordinator, parts=parts, disk=disk, steps=steps, worlds=worlds, out=out
             )
-            try:
-                final = await coordinator.checkpoint(
-                    steps, durability_timeout=60, checkpoint_id=f"{run}-final-{steps}"
-                )
-            except SaveFailedError as error:  # an earlier failure, raised once: seen, go on
-                if out is not None:
-                    _say(out, f"  host: an earlier save failed [{error.error_code}]")
-                final = await coordinator.checkpoint(
-                    steps, durability_timeout=60, checkpoint_id=f"{run}-final-{steps}"
-                )
+            final = await _final_checkpoint(coordinator, steps, f"{run}-final-{steps}", out)
             if not isinstance(final, Committed):
                 raise RuntimeError(f"the final checkpoint did not commit: {final}")
             report = await store.verify()
