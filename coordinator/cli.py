@@ -213,6 +213,29 @@ def _ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
+def _demo_agent(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Not for users: the demo's remote agent, in the process the demo starts. It
+    says ``ready`` on stdout, and stops with SIGTERM or when its stdin closes."""
+    import anyio
+
+    from .demo import serve_agent
+
+    def ready() -> None:
+        print("ready", file=out, flush=True)
+        threading.Thread(target=_stop_when_stdin_closes, daemon=True).start()
+
+    options = {"session": args.session, "name": args.name, "size": args.size, "seed": args.seed}
+    url = os.environ["COORDINATOR_NATS_URL"]  # not in argv: `ps` shows argv
+    anyio.run(lambda: serve_agent(url, ready=ready, **options))
+    return EXIT_OK
+
+
+def _stop_when_stdin_closes() -> None:
+    """The demo holds our stdin: when it closes (the demo ended, however), stop."""
+    sys.stdin.buffer.read()
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import anyio
 
@@ -371,6 +394,13 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print only a JSON summary")
     demo.set_defaults(run=_demo)
 
+    agent = commands.add_parser("demo-agent")  # the demo's worker: no help, not listed
+    agent.add_argument("--session", required=True)
+    agent.add_argument("--name", required=True)
+    agent.add_argument("--size", type=int, required=True)
+    agent.add_argument("--seed", type=int, required=True)
+    agent.set_defaults(run=_demo_agent)
+
     inspect = commands.add_parser(
         "inspect",
         help="print an envelope's layout and manifest",
@@ -438,6 +468,7 @@ def _parser() -> argparse.ArgumentParser:
         "--runs", type=_positive, default=5, help="repetitions; the median is reported"
     )
     bench.set_defaults(run=_bench)
+    commands.metavar = "{" + ",".join(c for c in commands.choices if c != "demo-agent") + "}"
     return parser
 
 

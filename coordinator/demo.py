@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, TextIO
 
 import anyio
@@ -185,6 +185,40 @@ async def _simulate(
                 raise
 
 
+class _RemotePart(_Part):
+    """The remote agent's side: it lives in another process, so it is not stepped
+    with the host; at each capture it catches up to the boundary, which gives
+    the same bytes."""
+
+    at: int | None = None
+
+    async def capture(self, scope: CaptureScope) -> bytes:
+        if scope.step != self.at:  # already there: no copy of the state to make
+            self.step(scope.step)
+            self.at = scope.step
+        return self.state
+
+    async def activate_restore(self, token: bytes) -> None:
+        await super().activate_restore(token)
+        self.at = None  # the restored state is another step's
+
+
+async def serve_agent(
+    url: str, *, session: str, name: str, size: int, seed: int, ready: Callable[[], None]
+) -> None:
+    """Serve the demo's remote agent until cancelled (``coordinator demo-agent``,
+    in the process ``_remote_agent`` starts); ``ready()`` once it answers."""
+    from .bus.remote import serve_participant
+
+    async with anyio.create_task_group() as group:
+        await group.start(
+            lambda task_status: serve_participant(
+                url, _RemotePart(name, size, seed), session_id=session, task_status=task_status
+            )
+        )
+        ready()
+
+
 @contextlib.asynccontextmanager
 async def _remote_agent(
     url: str, name: str, size: int, seed: int, *, session: str = "demo"
@@ -192,7 +226,7 @@ async def _remote_agent(
     """The demo's remote agent in a process of its own, ready before we go on and
     stopped (killed if need be) however the demo ends."""
     options = {"--session": session, "--name": name, "--size": size, "--seed": seed}
-    command = [sys.executable, "-m", "coordinator._demo_worker"]
+    command = [sys.executable, "-m", "coordinator", "demo-agent"]
     command += [str(item) for pair in options.items() for item in pair]
     process = await anyio.open_process(
         command,
