@@ -24,7 +24,7 @@ import mmap
 import re
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Generic, Self, TypeVar
 
 import anyio
 import msgspec
@@ -62,6 +62,8 @@ from ._objects import DEFAULT_OBJECT_BUCKET, ObjectBucket
 from .memory import Subscription
 
 __all__ = ["NatsBus"]
+
+T = TypeVar("T")
 
 # Errors a later retry can get past (the server is away or slow); others are final.
 _TRANSIENT = (
@@ -114,10 +116,8 @@ class NatsBus:
         self.object_ttl = object_ttl  # what outlives its owner (a killed worker) goes after it
         self._options = connect_options
         self._objects: ObjectBucket | None = None
-        self._deletions: collections.deque[tuple[str, mmap.mmap | None]] = collections.deque()
-        self._deletions_wake = anyio.Event()
-        self._outbox: collections.deque[Event] = collections.deque()
-        self._wake = anyio.Event()
+        self._deletions = _Backlog[tuple[str, mmap.mmap | None]]()
+        self._outbox = _Backlog[Event]()
         self._closing = False
         self._flush_deadline = 0.0
         self._nc: Client | None = None
@@ -181,14 +181,14 @@ class NatsBus:
             return
         self._closing = True
         self._flush_deadline = anyio.current_time() + flush_timeout
-        self._wake.set()
-        self._deletions_wake.set()
+        self._outbox.wake()
+        self._deletions.wake()
         try:
             if self._group is not None:
                 await self._group.__aexit__(None, None, None)
         finally:
-            self._counts["dropped"] += len(self._outbox)  # unsent: counted, never silent
-            self._outbox.clear()
+            self._counts["dropped"] += len(self._outbox.items)  # unsent: counted, never silent
+            self._outbox.items.clear()
             for subscription in list(self._subscriptions):
                 await subscription._send.aclose()
             self._subscriptions.clear()
@@ -240,29 +240,18 @@ class NatsBus:
         self.publish_nowait(event)
 
     def publish_nowait(self, event: Event) -> None:
-        if len(self._outbox) >= self.outbox_limit:
+        if len(self._outbox.items) >= self.outbox_limit:
             self._counts["dropped"] += 1  # the outbox is full: counted, not silent
             return
         self._outbox.append(event)
-        self._wake.set()
 
     async def _run_outbox(
         self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         task_status.started()
         backoff = 0.05
-        while True:
-            if not self._outbox:
-                if self._closing:
-                    return
-                await self._wake.wait()
-                self._wake = anyio.Event()
-                continue
-            if self._closing and anyio.current_time() > self._flush_deadline:
-                self._counts["dropped"] += len(self._outbox)  # given up on: counted
-                self._outbox.clear()
-                return
-            window = list(itertools.islice(self._outbox, self.publish_window))
+        while await self._outbox.ready(self, "dropped"):
+            window = list(itertools.islice(self._outbox.items, self.publish_window))
             try:
                 await self._send(window)
             except _TRANSIENT:  # away, or an ack lost: the same window again, same ids
@@ -272,7 +261,7 @@ class NatsBus:
                 continue
             backoff = 0.05
             for _ in window:
-                self._outbox.popleft()
+                self._outbox.items.popleft()
 
     async def _send(self, window: list[Event]) -> None:
         """Publish ``window`` in order, its acks awaited together (one at a time
@@ -365,23 +354,12 @@ class NatsBus:
         unmapping its ``local_copy`` in a worker thread first: freeing a large
         map's pages takes tens of milliseconds the event loop should not wait."""
         self._deletions.append((name, local_copy))
-        self._deletions_wake.set()
 
     async def _run_deletions(self) -> None:
-        while True:
-            if not self._deletions:
-                if self._closing:
-                    return
-                await self._deletions_wake.wait()
-                self._deletions_wake = anyio.Event()
-                continue
-            if self._closing and anyio.current_time() > self._flush_deadline:
-                self._counts["objects_left_to_ttl"] += len(self._deletions)
-                self._deletions.clear()
-                return
-            name, local_copy = self._deletions[0]
+        while await self._deletions.ready(self, "objects_left_to_ttl"):
+            name, local_copy = self._deletions.items[0]
             if local_copy is not None:
-                self._deletions[0] = (name, None)
+                self._deletions.items[0] = (name, None)
                 if not await anyio.to_thread.run_sync(_unmap, local_copy):
                     self._counts["maps_held_by_views"] += 1  # freed when the views go
             try:
@@ -395,7 +373,7 @@ class NatsBus:
                 self._counts["objects_left_to_ttl"] += 1
             else:
                 self._counts["objects_deleted" if deleted else "objects_missing"] += 1
-            self._deletions.popleft()
+            self._deletions.items.popleft()
 
     # --- reading -------------------------------------------------------------------
 
@@ -518,7 +496,7 @@ class NatsBus:
     @property
     def pending(self) -> int:
         """Events waiting in the outbox (the server is away, or slow)."""
-        return len(self._outbox)
+        return len(self._outbox.items)
 
 
 async def connect(
@@ -540,6 +518,36 @@ async def connect(
         raise BusUnavailableError(
             f"cannot reach NATS at {_redacted(servers)} ({type(error).__name__})"
         ) from None
+
+
+class _Backlog(Generic[T]):
+    """Work one task takes in order: appended without waiting, and taken until
+    the bus closes, then until its flush deadline."""
+
+    def __init__(self) -> None:
+        self.items: collections.deque[T] = collections.deque()
+        self._wake = anyio.Event()
+
+    def append(self, item: T) -> None:
+        self.items.append(item)
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def ready(self, bus: NatsBus, unfinished: str) -> bool:
+        """True when there is work; False once the bus closes with none left, or
+        its flush deadline passes (what is left is counted as ``unfinished``)."""
+        while not self.items:
+            if bus._closing:
+                return False
+            await self._wake.wait()
+            self._wake = anyio.Event()
+        if bus._closing and anyio.current_time() > bus._flush_deadline:
+            bus._counts[unfinished] += len(self.items)  # given up on: counted
+            self.items.clear()
+            return False
+        return True
 
 
 def _unmap(mapped: mmap.mmap) -> bool:
