@@ -22,6 +22,7 @@ import hashlib
 import mmap
 import os
 import tempfile
+from collections.abc import Iterable
 from typing import Protocol
 
 import anyio.lowlevel
@@ -42,6 +43,7 @@ __all__ = [
     "SpoolArtifact",
     "capture",
     "hashing_limiter",
+    "release_all",
     "sha256_hex",
 ]
 
@@ -208,6 +210,13 @@ class SpoolArtifact(BaseHandle):
             self._map.close()  # BufferError while a view is held: the handle stays live
             self._map = None
         self._release()
+
+
+def release_all(handles: Iterable[ArtifactHandle]) -> None:
+    """Release what is still held (a handle is released exactly once)."""
+    for handle in handles:
+        if not handle.released:
+            handle.release()
 
 
 def sha256_hex(data: BytesLike) -> str:

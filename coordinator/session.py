@@ -49,7 +49,7 @@ from ._errors import (
     UsageError,
     release_frames,
 )
-from .artifacts import ArtifactHandle, ArtifactLedger, capture, hashing_limiter
+from .artifacts import ArtifactHandle, ArtifactLedger, capture, hashing_limiter, release_all
 from .bus import Bus
 from .ids import check_id
 from .manifest import ManifestBody, PayloadRecord, manifest_with_records
@@ -185,8 +185,7 @@ class Coordinator:
                 ]
                 manifest = manifest_with_records(_described(self.describe, scope), records)
             except BaseException:
-                for handle in handles:
-                    handle.release()
+                release_all(handles)
                 raise
             ticket = self.writer.submit(
                 reservation,
@@ -231,8 +230,7 @@ class Coordinator:
                     for participant in self.participants:
                         group.start_soon(one, participant)
         except BaseException as error:
-            for handle in captured.values():
-                handle.release()
+            release_all(captured.values())
             if isinstance(error, TimeoutError):
                 self._fenced = CaptureFailedError("(all)", "capture deadline expired")
                 raise DeadlineExpiredError(scope.checkpoint_id, "capture") from None

@@ -44,7 +44,7 @@ from ._errors import (
     WriterClosedError,
     release_frames,
 )
-from .artifacts import ArtifactHandle, ArtifactLedger
+from .artifacts import ArtifactHandle, ArtifactLedger, release_all
 from .bus import Bus
 from .events import (
     Captured,
@@ -157,7 +157,6 @@ class _Job:
     replaceable: bool
     ticket: Ticket
     byte_length: int
-    capture_ms: float | None
     captured_at: float
     queued_at: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
@@ -241,13 +240,7 @@ class Writer:
         """Publish what teardown emitted after the outbox task stopped (bounded)."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             while self._outbox:
-                event = self._outbox.popleft()
-                try:
-                    await self.bus.publish(event)
-                except Exception:
-                    self._counts["events_dropped"] += 1
-                else:
-                    self._counts["events_published"] += 1
+                await self._publish(self._outbox.popleft())
 
     async def aclose(self) -> None:
         await self.__aexit__(None, None, None)
@@ -291,9 +284,7 @@ class Writer:
         reservation._claim()
         if self._closing:  # the writer task may be gone: never leave a ticket hanging
             self._outstanding -= 1
-            for handle in handles:
-                if not handle.released:
-                    handle.release()
+            release_all(handles)
             raise WriterClosedError("the writer is closing; this capture was not queued")
         job = _Job(
             manifest=manifest,
@@ -301,7 +292,6 @@ class Writer:
             replaceable=replaceable,
             ticket=Ticket(manifest.checkpoint_id),
             byte_length=sum(handle.byte_length for handle in handles),
-            capture_ms=capture_ms,
             captured_at=self._clock(),
         )
         victim = next((j for j in self._queue if j.replaceable), None) if replaceable else None
@@ -311,7 +301,7 @@ class Writer:
         others = self._queued_bytes - freed
         if others and others + job.byte_length > self.limits.max_queued_bytes:
             self._outstanding -= 1
-            self._release(job)
+            release_all(job.handles)
             self._counts["rejected"] += 1
             raise WriterBusyError(
                 f"{job.byte_length} bytes would exceed the queue's budget "
@@ -324,7 +314,7 @@ class Writer:
             self._queue.remove(victim)
             self._queued_bytes -= victim.byte_length
             self._outstanding -= 1
-            self._release(victim)
+            release_all(victim.handles)
             event = self._event(Superseded, victim, superseded_by=job.checkpoint_id)
             self._counts["superseded"] += 1
             self._emit(event)
@@ -377,7 +367,7 @@ class Writer:
             job = self._queue.popleft()
             self._queued_bytes -= job.byte_length
             self._outstanding -= 1
-            self._release(job)
+            release_all(job.handles)
             self._fail(job, WriterClosedError.code, "writer closed", 0)
 
     def _fail(self, job: _Job, code: str, reason: str, attempt: int) -> None:
@@ -402,9 +392,7 @@ class Writer:
         job.timings["total_ms"] = (self._clock() - job.captured_at) * 1000
         if receipt is None:
             assert failure is not None
-            if self._failure is None:
-                self._failure = SaveFailedError(job.checkpoint_id, failure.code, str(failure))
-            self._fail(job, failure.code, str(failure), tried)
+            self._save_failed(job, failure.code, str(failure), tried)
             return
         job.timings["write_ms"] = receipt.timings_ms.get("write", 0.0)
         job.timings["fsync_ms"] = receipt.timings_ms.get("fsync", 0.0)
@@ -432,7 +420,7 @@ class Writer:
             for handle in remote:
                 await handle.load()
         except BaseException as error:
-            self._release(job)
+            release_all(job.handles)
             if not isinstance(error, Exception):  # torn down (cancelled): answer, go
                 self._fail(job, WriterClosedError.code, f"writer stopped: {error!r}", 0)
                 raise
@@ -440,9 +428,7 @@ class Writer:
             # the writer goes on.
             fallback = ArtifactUnavailableError.code
             code = error.code if isinstance(error, CoordinatorError) else fallback
-            if self._failure is None:
-                self._failure = SaveFailedError(job.checkpoint_id, code, str(error))
-            self._fail(job, code, f"{error}" or repr(error), 1)
+            self._save_failed(job, code, str(error) or repr(error), 1)
             return False
         job.timings["fetch_ms"] = (self._clock() - started) * 1000
         return True
@@ -469,7 +455,7 @@ class Writer:
     def _drop(self, views: list[memoryview], job: _Job) -> None:
         for view in views:
             view.release()
-        self._release(job)
+        release_all(job.handles)
 
     # --- events --------------------------------------------------------------------
 
@@ -514,20 +500,23 @@ class Writer:
                 await self._mail.wait()
                 self._mail = anyio.Event()
                 continue
-            event = self._outbox.popleft()
-            try:
-                await self.bus.publish(event)
-            except Exception:  # the bus is not the truth: count it, keep the order
-                self._counts["events_dropped"] += 1
-            else:
-                self._counts["events_published"] += 1
+            await self._publish(self._outbox.popleft())
+
+    async def _publish(self, event: Event) -> None:
+        try:
+            await self.bus.publish(event)
+        except Exception:  # the bus is not the truth: count it, keep the order
+            self._counts["events_dropped"] += 1
+        else:
+            self._counts["events_published"] += 1
 
     # --- the rest ------------------------------------------------------------------
 
-    def _release(self, job: _Job) -> None:
-        for handle in job.handles:
-            if not handle.released:
-                handle.release()
+    def _save_failed(self, job: _Job, code: str, reason: str, attempt: int) -> None:
+        """A save that made nothing durable: published now, raised once later."""
+        if self._failure is None:
+            self._failure = SaveFailedError(job.checkpoint_id, code, reason)
+        self._fail(job, code, reason, attempt)
 
     def _raise_failure(self) -> None:
         failure, self._failure = self._failure, None
