@@ -180,9 +180,8 @@ async def _simulate(
         except SaveFailedError as error:  # raised once, by the next capture
             if out is not None:
                 _say(out, f"  host: an earlier save failed [{error.error_code}]")
-        except Exception as error:
-            if getattr(error, "code", "") != "writer.busy":  # busy: try later
-                raise
+        except WriterBusyError:  # not a failure: try at a later step
+            pass
 
 
 class _RemotePart(_Part):

@@ -38,6 +38,7 @@ __all__ = [
     "event_name",
     "events_schema",
     "rfc3339_now",
+    "session_subjects",
     "subject",
     "subject_token",
 ]
@@ -159,6 +160,11 @@ def subject(session_id: str, event: str, *, prefix: str = DEFAULT_PREFIX) -> str
     if event not in EVENT_NAMES and event != "restored":
         raise ValueError(f"unknown event {event!r}")
     return f"{prefix}.{subject_token(session_id)}.{event}"
+
+
+def session_subjects(session_id: str | None, *, prefix: str = DEFAULT_PREFIX) -> str:
+    """The subjects of one session's events, or of every session's (``None``)."""
+    return f"{prefix}.{subject_token(session_id)}.*" if session_id else f"{prefix}.>"
 
 
 def events_schema() -> dict[str, Any]:

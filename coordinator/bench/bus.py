@@ -27,16 +27,15 @@ from nats.aio.client import Client
 from .._sample import sample_body, sample_payload_names
 from ..artifacts import ArtifactLedger
 from ..bus import MemoryBus
-from ..bus._nats import NatsBus
+from ..bus._nats import PUBLISH_WINDOW, NatsBus
 from ..events import (
-    DEFAULT_PREFIX,
     Committed,
     Event,
     encode_event,
     event_id,
     event_name,
+    session_subjects,
     subject,
-    subject_token,
 )
 from ..manifest import ManifestBody
 from ..server import EmbeddedServer
@@ -288,7 +287,7 @@ async def _stream_reader(url: str, session: str, count: int) -> AsyncIterator[an
 
     async with _client(url) as client:
         await client.jetstream().subscribe(
-            f"{DEFAULT_PREFIX}.{subject_token(session)}.*", cb=on_message, ordered_consumer=True,
+            session_subjects(session), cb=on_message, ordered_consumer=True,
             pending_msgs_limit=count + 1024,  # never a slow-consumer drop: it would stall
         )  # fmt: skip
         yield done
@@ -319,7 +318,7 @@ async def _bare_rate(url: str, events: Sequence[Event], bucket: str, *, pipeline
     (a publish to ``$KV.<bucket>.<session>``) of the newest committed one per window
     of the bus's size, as the bus does; one at a time (``pipelined=False``), a put
     per committed event, as a one-at-a-time outbox would."""
-    window = NatsBus("nats://unused").publish_window
+    window = PUBLISH_WINDOW
     session = events[0].session_id
     async with _stream_reader(url, session, len(events)) as read, _client(url) as client:
         js = client.jetstream()

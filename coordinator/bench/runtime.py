@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from .._errors import WriterBusyError
 from .._sample import sample_body, sample_payload_names
 from ..artifacts import hashing_limiter, sha256_hex
 from ..bus import MemoryBus
@@ -212,9 +213,7 @@ def _small(folder: Path, runs: int) -> Result:
                         try:
                             tickets.append(await coordinator.capture(step, replaceable=False))
                             break
-                        except Exception as error:  # busy: wait for the oldest to finish
-                            if getattr(error, "code", "") != "writer.busy":
-                                raise
+                        except WriterBusyError:  # wait for the oldest to finish
                             await next(t for t in tickets if not t.done()).wait()
                 for ticket in tickets:
                     await ticket.wait()

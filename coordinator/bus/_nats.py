@@ -54,9 +54,9 @@ from ..events import (
     decode_event,
     encode_event,
     event_name,
+    session_subjects,
     subject,
 )
-from ..events import subject_token as token
 from . import BusStatistics
 from ._objects import DEFAULT_OBJECT_BUCKET, ObjectBucket
 from .memory import Subscription
@@ -64,6 +64,9 @@ from .memory import Subscription
 __all__ = ["NatsBus"]
 
 T = TypeVar("T")
+# Events published with their acks awaited together: one at a time caps the bus at
+# ~1.4k events/s here; 512 reaches ~11k, and the sender yields every 64.
+PUBLISH_WINDOW = 512
 
 # Errors a later retry can get past (the server is away or slow); others are final.
 _TRANSIENT = (
@@ -98,7 +101,7 @@ class NatsBus:
         publish_timeout: float = 2.0,
         connect_timeout: float = 5.0,
         replicas: int = 1,
-        publish_window: int = 512,
+        publish_window: int = PUBLISH_WINDOW,
         object_bucket: str = DEFAULT_OBJECT_BUCKET,
         object_ttl: float = 3600.0,
         **connect_options: Any,
@@ -265,7 +268,7 @@ class NatsBus:
 
     async def _send(self, window: list[Event]) -> None:
         """Publish ``window`` in order, its acks awaited together (one at a time
-        would cap the bus at ~1.5k events/s here), then the newest ``committed``
+        would cap the bus at ~1.4k events/s here), then the newest ``committed``
         of each session goes to the KV bucket. A transient error anywhere raises,
         and the caller sends the whole window again: what was stored already
         comes back as a duplicate, by its ``Nats-Msg-Id``. Nothing is handed to
@@ -273,6 +276,7 @@ class NatsBus:
         reconnect, ahead of the retried window: out of order)."""
         assert self._nc is not None and self._js is not None and self._kv is not None
         acks: list[asyncio.Future[Any] | Exception] = []
+        encoded = [encode_event(event) for event in window]
         try:
             with anyio.fail_after(self.publish_timeout):
                 for index, event in enumerate(window):
@@ -282,7 +286,7 @@ class NatsBus:
                         acks.append(
                             await self._js.publish_async(
                                 subject(event.session_id, event_name(event), prefix=self.prefix),
-                                encode_event(event),
+                                encoded[index],
                                 headers={"Nats-Msg-Id": event.event_id},
                             )
                         )
@@ -307,18 +311,18 @@ class NatsBus:
         ]
         if failure := next((o for o in outcomes if isinstance(o, _TRANSIENT)), None):
             raise failure
-        newest: dict[str, Committed] = {}
-        for event, outcome in zip(window, outcomes, strict=True):
+        newest: dict[str, bytes] = {}  # session -> its newest committed, encoded
+        for index, (event, outcome) in enumerate(zip(window, outcomes, strict=True)):
             if isinstance(outcome, BaseException):  # refused: retrying would block the rest
                 self._counts["dropped"] += 1
                 continue
             self._counts["duplicates" if outcome.duplicate else "published"] += 1
             if isinstance(event, Committed):
-                newest[event.session_id] = event
+                newest[event.session_id] = encoded[index]
         for session_id, committed in newest.items():  # Ids are valid KV keys as they are
             try:
                 with anyio.fail_after(self.publish_timeout):
-                    await self._kv.put(session_id, encode_event(committed))
+                    await self._kv.put(session_id, committed)
             except _TRANSIENT:
                 raise
             except Exception:  # the bucket refused it: counted; reconcile() repairs it
@@ -360,7 +364,7 @@ class NatsBus:
             name, local_copy = self._deletions.items[0]
             if local_copy is not None:
                 self._deletions.items[0] = (name, None)
-                if not await anyio.to_thread.run_sync(_unmap, local_copy):
+                if not await anyio.to_thread.run_sync(unmap, local_copy):
                     self._counts["maps_held_by_views"] += 1  # freed when the views go
             try:
                 with anyio.fail_after(self.publish_timeout):
@@ -382,7 +386,7 @@ class NatsBus:
         assert self._nc is not None
         send, receive = anyio.create_memory_object_stream[Event](buffer)
         subscription = Subscription(self, None, send, receive)
-        subjects = f"{self.prefix}.{token(session_id)}.*" if session_id else f"{self.prefix}.>"
+        subjects = session_subjects(session_id, prefix=self.prefix)
 
         recent: collections.deque[str] = collections.deque(maxlen=_RECENT_IDS)
         recent_set: set[str] = set()
@@ -437,7 +441,7 @@ class NatsBus:
         last = 0
         try:
             with anyio.fail_after(self.publish_timeout):
-                for name in (*EVENT_NAMES, "restored"):
+                for name in EVENT_NAMES:
                     try:
                         message = await self._js.get_last_msg(
                             self.stream, subject(session_id, name, prefix=self.prefix)
@@ -457,7 +461,7 @@ class NatsBus:
         slow server cannot cut the history short. ``BusUnavailableError`` if the
         stream cannot be read now (the server away, a cluster electing a leader)."""
         assert self._js is not None
-        subjects = f"{self.prefix}.{token(session_id)}.*" if session_id else f"{self.prefix}.>"
+        subjects = session_subjects(session_id, prefix=self.prefix)
         events: list[Event] = []
         try:
             consumer = await self._js.pull_subscribe(subjects, stream=self.stream)
@@ -550,7 +554,8 @@ class _Backlog(Generic[T]):
         return True
 
 
-def _unmap(mapped: mmap.mmap) -> bool:
+def unmap(mapped: mmap.mmap) -> bool:
+    """Blocking: close a map; False if a view of it is still alive somewhere."""
     try:
         mapped.close()
     except BufferError:  # a view of it is still alive somewhere

@@ -40,7 +40,7 @@ from ..artifacts import ArtifactHandle, ArtifactLedger
 from ..events import subject_token
 from ..ids import check_id, is_digest
 from ..participant import CaptureScope, Participant, RestoreScope
-from ._nats import NatsBus, connect
+from ._nats import NatsBus, connect, unmap
 from ._objects import DEFAULT_OBJECT_BUCKET, ObjectArtifact, ObjectBucket
 
 __all__ = ["DEFAULT_RPC_PREFIX", "RemoteParticipant", "serve_participant"]
@@ -296,9 +296,9 @@ class _Worker:
                 with memoryview(held) as payload:
                     token = await self.participant.stage_restore(payload, restore)
             finally:
-                if isinstance(held, mmap.mmap):
-                    with contextlib.suppress(BufferError):  # a view kept: it goes with it
-                        held.close()
+                if isinstance(held, mmap.mmap):  # freeing its pages takes a while: off the loop
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(unmap, held)
             replaced = self.staged.pop(key, None)
             if replaced is not None:  # staged twice: the first one is given up
                 await self.participant.abort_restore(replaced)
