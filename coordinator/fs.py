@@ -40,11 +40,7 @@ class FileSystem:
         """A regular file for reading. Symlinks, FIFOs, devices and directories are
         refused (ELOOP / EINVAL) without blocking: a store holds only regular files."""
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-        fd = os.open(path, flags)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise OSError(errno.EINVAL, "not a regular file", path)
-        return fd
+        return _regular(os.open(path, flags), path)
 
     def write(self, fd: int, data: memoryview) -> int:
         return os.write(fd, data)
@@ -96,13 +92,18 @@ class FileSystem:
     def lock(self, path: str) -> int | None:
         """An exclusive, non-blocking flock on ``path``; ``None`` if someone holds it."""
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-        fd = os.open(path, flags, 0o644)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise OSError(errno.EINVAL, "not a regular file", path)
+        fd = _regular(os.open(path, flags, 0o644), path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return None
         return fd
+
+
+def _regular(fd: int, path: str) -> int:
+    """``fd`` if it is a regular file; else it is closed and EINVAL raised."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return fd

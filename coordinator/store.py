@@ -661,10 +661,8 @@ class SyncStore:
         self, checkpoint_id: str, manifest: StoreManifest, *, cleanup: Sequence[str]
     ) -> None:
         """Write, fsync, rename (the commit point) and fsync the directory."""
-        temporary, final = self._join(TMP_MANIFEST), self._join(MANIFEST)
         try:
-            self._write_file(checkpoint_id, temporary, [_store_manifest_bytes(manifest)])
-            self._rename(checkpoint_id, temporary, final)
+            self._replace_manifest(checkpoint_id, manifest)
         except CommitError:
             for path in cleanup:
                 self._unlink(path)
@@ -676,13 +674,17 @@ class SyncStore:
             raise SyncError(checkpoint_id, "fsync_dir", self.path, error) from None
         self._manifest = manifest
 
+    def _replace_manifest(self, checkpoint_id: str, manifest: StoreManifest) -> None:
+        """Write tmp-manifest.json (fsynced) and rename it over manifest.json."""
+        temporary, final = self._join(TMP_MANIFEST), self._join(MANIFEST)
+        self._write_file(checkpoint_id, temporary, [_store_manifest_bytes(manifest)])
+        self._rename(checkpoint_id, temporary, final)
+
     def _roll_back(self, checkpoint_id: str, cleanup: Sequence[str]) -> None:
         """The commit point's rename is not known to be durable: put the old
         manifest back. If even that fails, refuse commits until reopened."""
         try:
-            temporary, final = self._join(TMP_MANIFEST), self._join(MANIFEST)
-            self._write_file(checkpoint_id, temporary, [_store_manifest_bytes(self._manifest)])
-            self._rename(checkpoint_id, temporary, final)
+            self._replace_manifest(checkpoint_id, self._manifest)
             self._fs.fsync_dir(self.path)
         except (OSError, CommitError) as error:
             self._poisoned = True
@@ -723,12 +725,18 @@ class SyncStore:
         self.close()
 
 
+# Bulk threads run at the host's nice + 10 (read once, on import).
+_BULK_NICE = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10) if hasattr(os, "getpriority") else 0
+
+
 def lower_thread_priority() -> None:
-    """Make the calling thread yield to the host's event loop (nice +10: Linux
-    applies it to this thread only). Bulk work still uses every idle core, but the
-    scheduler preempts it as soon as the loop wakes up."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10))
+    """Make the calling thread yield to the host's event loop (the host's nice + 10:
+    Linux applies it to this thread only). Bulk work still uses every idle core, but
+    the scheduler preempts it as soon as the loop wakes up. Idempotent: a thread
+    started by a bulk thread inherits its nice, and is not lowered again."""
+    with contextlib.suppress(OSError, AttributeError):
+        if os.getpriority(os.PRIO_PROCESS, 0) < _BULK_NICE:
+            os.setpriority(os.PRIO_PROCESS, 0, _BULK_NICE)
 
 
 async def run_in_bulk_thread(function: Callable[..., Any], *args: Any) -> Any:
