@@ -252,11 +252,11 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Verify a generation and write its payloads as files: all of them or none (they
     are written in a staging directory beside the target, which is renamed into place)."""
-    import os
     import shutil
     import tempfile
 
     from .canonical import canonical_bytes
+    from .fs import FileSystem
     from .store import SyncStore
 
     target = Path(args.to).absolute()
@@ -276,11 +276,7 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             _write_durably(staging / "_manifest.json", canonical_bytes(stored.envelope.manifest))
             count, size = len(stored.envelope.names), stored.envelope.layout.file_bytes
         os.rename(staging, target)
-        directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        FileSystem().fsync_dir(str(target.parent))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -293,8 +289,6 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _write_durably(path: Path, data: Any) -> None:
-    import os
-
     with path.open("wb") as file:
         file.write(data)
         file.flush()

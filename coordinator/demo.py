@@ -358,14 +358,13 @@ async def run_demo(
     store_dir = store_dir or tempfile.mkdtemp(prefix="coordinator-demo-")
     if out is not None:
         _say(out, f"store {store_dir}")
-    if nats_url is not None:
-        async with NatsBus(nats_url) as bus:
-            return await _host(bus, nats_url, store_dir, steps, out)
-    async with EmbeddedServer() as server:
-        if out is not None:
-            _say(out, f"embedded nats-server at {server.url}")
-        async with NatsBus(server.url) as bus:
-            return await _host(bus, server.url, store_dir, steps, out)
+    async with contextlib.AsyncExitStack() as stack:
+        if nats_url is None:
+            nats_url = (await stack.enter_async_context(EmbeddedServer())).url
+            if out is not None:
+                _say(out, f"embedded nats-server at {nats_url}")
+        bus = await stack.enter_async_context(NatsBus(nats_url))
+        return await _host(bus, nats_url, store_dir, steps, out)
 
 
 def summary_text(summary: DemoSummary) -> str:

@@ -8,6 +8,7 @@ directory of its own, and logs to a file. Readiness is polled, never slept on.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -152,26 +153,26 @@ class EmbeddedServer:
             await stream.aclose()
 
     async def stop(self) -> None:
+        """SIGTERM, and SIGKILL if it is not gone in 10 s."""
+        await self._end(grace=10)
+
+    async def kill(self) -> None:
+        """Take the server away abruptly (SIGKILL), as a crash would."""
+        await self._end(grace=0)
+
+    async def _end(self, *, grace: float) -> None:
         process, self._process = self._process, None
         if process is None:
             return
-        process.terminate()
-        try:
-            await anyio.to_thread.run_sync(process.wait, 10)
-        except subprocess.TimeoutExpired:
+        if grace:
+            process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await anyio.to_thread.run_sync(process.wait, grace)
+        if process.poll() is None:
             process.kill()
             await anyio.to_thread.run_sync(process.wait)
         if process.stderr is not None:
             process.stderr.close()
-
-    async def kill(self) -> None:
-        """Take the server away abruptly (SIGKILL), as a crash would."""
-        process, self._process = self._process, None
-        if process is not None:
-            process.kill()
-            await anyio.to_thread.run_sync(process.wait)
-            if process.stderr is not None:
-                process.stderr.close()
 
     async def __aenter__(self) -> Self:
         try:
