@@ -24,7 +24,6 @@ import msgspec
 import nats
 from nats.aio.client import Client
 
-from .._sample import sample_body, sample_payload_names
 from ..artifacts import ArtifactLedger
 from ..bus import MemoryBus
 from ..bus._nats import PUBLISH_WINDOW, NatsBus
@@ -37,12 +36,11 @@ from ..events import (
     session_subjects,
     subject,
 )
-from ..manifest import ManifestBody
 from ..server import EmbeddedServer
 from ..session import CaptureScope, Coordinator
 from ..store import FileStore
 from . import Result, median, percentile, result
-from .runtime import _Bytes
+from .runtime import small_describe, small_parts
 
 LATENCY_EVENTS = 2000  # committed events per run
 RATE_EVENTS = 20000  # events per run, in checkpoint order (captured, queued, committed)
@@ -50,16 +48,6 @@ PACE_S = 0.001  # the quiet gap between two timed events: latency, not queueing
 STEP_TIMEOUT_S = 10.0
 EPOCH = "e1"
 _PROBE = b"probe"
-
-
-def _describe(scope: CaptureScope) -> ManifestBody:
-    return sample_body(
-        scope.checkpoint_id, session_id=scope.session_id, epoch=scope.epoch, step=scope.step
-    )
-
-
-def _parts() -> list[_Bytes]:
-    return [_Bytes(name, os.urandom(4096)) for name in sample_payload_names(["fly-a"])]
 
 
 def _spread(values: Sequence[float]) -> float:
@@ -113,7 +101,7 @@ async def _ours_latency(url: str, folder: Path, session: str, count: int) -> lis
                     arrived.send_nowait(None)
 
         coordinator = Coordinator(
-            store, bus, _parts(), session_id=session, epoch=EPOCH, describe=_describe
+            store, bus, small_parts(), session_id=session, epoch=EPOCH, describe=small_describe
         )
         async with coordinator, anyio.create_task_group() as group:
             group.start_soon(receive)
@@ -250,7 +238,7 @@ async def _template(folder: Path, name: str) -> tuple[Event, ...]:
     subscription = await bus.subscribe()
     async with FileStore(folder / name) as store:
         coordinator = Coordinator(
-            store, bus, _parts(), session_id="template", epoch=EPOCH, describe=_describe
+            store, bus, small_parts(), session_id="template", epoch=EPOCH, describe=small_describe
         )
         async with coordinator:
             await (await coordinator.capture(0, replaceable=False)).wait()

@@ -191,14 +191,20 @@ def _large(folder: Path, size: int, runs: int) -> list[Result]:
     ]  # fmt: skip
 
 
-def _small(folder: Path, runs: int) -> Result:
-    names = sample_payload_names(["fly-a"])
-    parts = [_Bytes(name, os.urandom(4096)) for name in names]
+def small_parts() -> list[_Bytes]:
+    """The small checkpoint's participants: the sample's payloads, 4 KiB each."""
+    return [_Bytes(name, os.urandom(4096)) for name in sample_payload_names(["fly-a"])]
 
-    def describe(scope: CaptureScope) -> ManifestBody:
-        return sample_body(
-            scope.checkpoint_id, step=scope.step, epoch=scope.epoch, session_id=scope.session_id
-        )
+
+def small_describe(scope: CaptureScope) -> ManifestBody:
+    return sample_body(
+        scope.checkpoint_id, step=scope.step, epoch=scope.epoch, session_id=scope.session_id
+    )
+
+
+def _small(folder: Path, runs: int) -> Result:
+    parts = small_parts()
+    describe = small_describe
 
     async def pipeline(run: int) -> float:
         async with FileStore(folder / f"pipe-{run}") as store:
