@@ -13,6 +13,7 @@ from ._errors import CoordinatorError as CoordinatorError
 from ._errors import CorruptEnvelopeError as CorruptEnvelopeError
 from ._errors import DeadlineExpiredError as DeadlineExpiredError
 from ._errors import DuplicateCheckpointError as DuplicateCheckpointError
+from ._errors import DurabilityUnknownError as DurabilityUnknownError
 from ._errors import EnvelopeError as EnvelopeError
 from ._errors import EnvelopeInputError as EnvelopeInputError
 from ._errors import EpochFencedError as EpochFencedError
@@ -22,7 +23,6 @@ from ._errors import InvalidScalarError as InvalidScalarError
 from ._errors import JsonError as JsonError
 from ._errors import JsonValueError as JsonValueError
 from ._errors import ManifestError as ManifestError
-from ._errors import MutableCaptureError as MutableCaptureError
 from ._errors import NoSpaceError as NoSpaceError
 from ._errors import NotCanonicalError as NotCanonicalError
 from ._errors import RemoteWorkerError as RemoteWorkerError
@@ -83,6 +83,7 @@ __all__ = [
     "CorruptEnvelopeError",
     "DeadlineExpiredError",
     "DuplicateCheckpointError",
+    "DurabilityUnknownError",
     "Envelope",
     "EnvelopeError",
     "EnvelopeInputError",
@@ -96,7 +97,6 @@ __all__ = [
     "JsonValueError",
     "Layout",
     "ManifestError",
-    "MutableCaptureError",
     "NoSpaceError",
     "NotCanonicalError",
     "RemoteWorkerError",

@@ -9,7 +9,6 @@ into typed attributes; the message is built once, here.
     │   ├── InvalidScalarError            scalar.invalid   not an Id / U64 / Digest
     │   ├── JsonValueError                json.value       no canonical JSON for this value
     │   ├── EnvelopeInputError            envelope.input   encode() was handed bad values
-    │   ├── MutableCaptureError           artifact.mutable a capture must be immutable bytes
     │   └── ArtifactReleasedError         artifact.released  used or released twice
     ├── JsonError (ValueError)            json.invalid     not strict JSON
     │   └── NotCanonicalError             json.not_canonical
@@ -39,11 +38,13 @@ into typed attributes; the message is built once, here.
         ├── StoreDirectoryError           store.directory  the store directory is unusable
         ├── GenerationNotFoundError (LookupError)  store.not_found
         ├── GenerationCorruptError (ValueError)    store.corrupt    a listed file fails its checks
-        └── CommitError                   store.commit     nothing became durable
-            ├── NoSpaceError              store.no_space   ENOSPC / EDQUOT
-            ├── SyncError                 store.fsync      a file or directory fsync failed
-            ├── RenameError               store.rename
-            └── StorePoisonedError        store.poisoned   durability unknown until reopened
+        ├── CommitError                   store.commit     nothing became durable
+        │   ├── NoSpaceError              store.no_space   ENOSPC / EDQUOT
+        │   ├── SyncError                 store.fsync      a file or directory fsync failed
+        │   ├── RenameError               store.rename
+        │   └── StorePoisonedError        store.poisoned   refused: a directory fsync failed
+        └── DurabilityUnknownError        store.durability_unknown  the commit point's fsync
+                                                           failed: durable or not, unknown
 
 The split between ``UsageError`` (we were called wrongly) and the corrupt-input
 errors (the bytes we were handed are bad) follows h11's Local/RemoteProtocolError.
@@ -66,6 +67,7 @@ __all__ = [
     "CorruptEnvelopeError",
     "DeadlineExpiredError",
     "DuplicateCheckpointError",
+    "DurabilityUnknownError",
     "EnvelopeError",
     "EnvelopeInputError",
     "EpochFencedError",
@@ -75,7 +77,6 @@ __all__ = [
     "JsonError",
     "JsonValueError",
     "ManifestError",
-    "MutableCaptureError",
     "NoSpaceError",
     "NotCanonicalError",
     "RemoteWorkerError",
@@ -131,12 +132,6 @@ class EnvelopeInputError(UsageError):
     """encode() was given names, payloads or a manifest it cannot write."""
 
     code: ClassVar[str] = "envelope.input"
-
-
-class MutableCaptureError(UsageError):
-    """A capture was handed a buffer that can change (bytearray, writable map...)."""
-
-    code: ClassVar[str] = "artifact.mutable"
 
 
 class ArtifactReleasedError(UsageError):
@@ -261,6 +256,9 @@ class DeadlineExpiredError(CoordinatorError, TimeoutError):
 
 
 class StaleEpochError(CoordinatorError):
+    """An epoch that was opened before in this store (by any session, in any run):
+    epochs are used once, so checkpoint and event ids never repeat."""
+
     code: ClassVar[str] = "restore.stale_epoch"
 
 
@@ -342,9 +340,9 @@ class StoreLockedError(StoreError):
 
     code: ClassVar[str] = "store.locked"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, reason: str = "locked by another writer (flock on LOCK)") -> None:
         self.path = path
-        super().__init__(f"store {path} is locked by another writer (flock on LOCK)")
+        super().__init__(f"store {path}: {reason}")
 
 
 class StoreReadOnlyError(StoreError):
@@ -419,11 +417,30 @@ class RenameError(CommitError):
 
 
 class StorePoisonedError(CommitError):
-    """The commit point's directory fsync failed and so did putting the old
-    manifest back: which manifest is durable is unknown until the store is
-    reopened, so this store refuses further commits."""
+    """A directory fsync of this store failed earlier. A later fsync that succeeds
+    proves nothing about what the failed one lost (PostgreSQL's "fsyncgate"), so
+    the store refuses commits, and ``resolve`` refuses to answer, until it is
+    reopened: the reopened manifest is the truth."""
 
     code: ClassVar[str] = "store.poisoned"
+
+
+class DurabilityUnknownError(StoreError):
+    """The directory fsync right after the commit point (the manifest rename)
+    failed: this checkpoint may or may not be durable, and no later fsync can
+    tell. The store is poisoned; reopen it and look the checkpoint up."""
+
+    code: ClassVar[str] = "store.durability_unknown"
+
+    def __init__(self, checkpoint_id: str, path: str, error: OSError) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.path = path
+        self.errno = error.errno
+        super().__init__(
+            f"commit of {checkpoint_id}: the directory fsync after the commit point failed "
+            f"({error.strerror or error}); whether it is durable is unknown until {path} "
+            "is reopened"
+        )
 
 
 def release_frames(error: BaseException) -> None:

@@ -1,54 +1,68 @@
-"""Artifact handles: the immutable captured bytes a checkpoint is made of.
+"""Artifact handles: the owned, digested bytes a checkpoint is made of.
 
 A participant's capture becomes an ``ArtifactHandle``: a name, a byte length,
 a SHA-256 digest and a read-only view. The writer owns handles until the
 checkpoint is committed or has failed, then releases each exactly once; an
 ``ArtifactLedger`` counts them, so a leak shows up in ``statistics()``.
 
-Captures are immutable. ``bytes`` (or a view of bytes, or a read-only map) is
-taken as it is, without a copy. A mutable buffer (``bytearray``, a writable
-map, a read-only view of a bytearray) is **refused** with
-``MutableCaptureError``: copying would hide a cost the host should see, and
-bytes that change after capture are exactly the bug this prevents.
+**Ownership.** A digest is only worth something over bytes nobody can change
+afterwards (``coordinator.sealed``):
 
-Digests of captures of 64 KiB or more are computed in worker threads (at most
-one fewer than the cores, see ``hashing_limiter``); below that, hashing takes
-less than a thread hop and runs inline.
+- ``bytes`` and views of ``bytes`` are taken as they are, without a copy;
+- any other buffer (``bytearray``, ``memoryview``, ``array.array``, numpy
+  arrays, ``mmap`` maps, file-backed or not) is **copied once**, in a worker
+  thread, into memory the coordinator seals (a memfd with ``F_SEAL_WRITE``), or
+  into a nameless spool file above ``spool_threshold``. The digest is taken over
+  the copy. The payload's bytes are the buffer's bytes in C order, as
+  ``bytes(buffer)`` would give them;
+- anything that is not a buffer is a ``UsageError``.
+
+Digests of 64 KiB or more are computed in worker threads (at most one fewer
+than the cores, see ``hashing_limiter``); below that, hashing takes less than a
+thread hop and runs inline. Releasing a large handle unmaps its memory in a
+worker thread too (``release_off_loop``): freeing 1 GiB of pages takes tens of
+milliseconds the event loop should not wait.
 """
 
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
-import tempfile
+import threading
+import weakref
 from collections.abc import Iterable
 from typing import Protocol
 
+import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import msgspec
 
-from ._errors import ArtifactReleasedError, MutableCaptureError
-from ._types import BytesLike, is_immutable
+from ._errors import ArtifactReleasedError, UsageError
+from ._types import BytesLike
 from .ids import check_id
+from .sealed import OwnedMap, is_owned, seal_copy, spool_copy
 
 __all__ = [
     "HASH_IN_THREAD_BYTES",
+    "RELEASE_IN_THREAD_BYTES",
     "ArtifactHandle",
     "ArtifactLedger",
     "ArtifactStatistics",
     "BaseHandle",
     "MemoryArtifact",
-    "SpoolArtifact",
     "capture",
     "hashing_limiter",
+    "is_verified",
+    "mark_verified",
+    "owned_bytes",
     "release_all",
+    "release_off_loop",
     "sha256_hex",
 ]
 
 HASH_IN_THREAD_BYTES = 64 << 10
-_SPOOL_CHUNK = 8 << 20
+RELEASE_IN_THREAD_BYTES = 16 << 20
 
 
 class ArtifactHandle(Protocol):
@@ -88,9 +102,11 @@ class ArtifactStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ArtifactLedger:
-    """Counts the handles of one owner (a coordinator): what is live, and what was."""
+    """Counts the handles of one owner (a coordinator): what is live, and what was.
+    Thread-safe: large handles are released in worker threads."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._live = 0
         self._live_bytes = 0
         self._peak = 0
@@ -98,30 +114,35 @@ class ArtifactLedger:
         self._released = 0
 
     def _opened(self, byte_length: int) -> None:
-        self._live += 1
-        self._created += 1
-        self._live_bytes += byte_length
-        self._peak = max(self._peak, self._live_bytes)
+        with self._lock:
+            self._live += 1
+            self._created += 1
+            self._live_bytes += byte_length
+            self._peak = max(self._peak, self._live_bytes)
 
     def _closed(self, byte_length: int) -> None:
-        self._live -= 1
-        self._released += 1
-        self._live_bytes -= byte_length
+        with self._lock:
+            self._live -= 1
+            self._released += 1
+            self._live_bytes -= byte_length
 
     def statistics(self) -> ArtifactStatistics:
-        return ArtifactStatistics(
-            live=self._live,
-            live_bytes=self._live_bytes,
-            peak_live_bytes=self._peak,
-            created=self._created,
-            released=self._released,
-        )
+        with self._lock:
+            return ArtifactStatistics(
+                live=self._live,
+                live_bytes=self._live_bytes,
+                peak_live_bytes=self._peak,
+                created=self._created,
+                released=self._released,
+            )
 
 
 class BaseHandle:
-    """What every handle shares: its ledger entry, and a release that happens once."""
+    """What every handle shares: its ledger entry, and a release that happens once.
+    ``release()`` accounts first and frees second (``_free``), so a handle whose
+    freeing fails is still released, once."""
 
-    __slots__ = ("_ledger", "_released", "byte_length", "digest", "name")
+    __slots__ = ("__weakref__", "_ledger", "_released", "byte_length", "digest", "name")
     remote = False
 
     def __init__(self, name: str, byte_length: int, digest: str, ledger: ArtifactLedger) -> None:
@@ -139,11 +160,19 @@ class BaseHandle:
     async def load(self) -> None:
         """Local bytes are here already."""
 
-    def _release(self) -> None:
+    def _check_live(self) -> None:
+        if self._released:
+            raise ArtifactReleasedError(f"artifact {self.name!r} was released")
+
+    def release(self) -> None:
         if self._released:
             raise ArtifactReleasedError(f"artifact {self.name!r} was already released")
         self._released = True
         self._ledger._closed(self.byte_length)
+        self._free()
+
+    def _free(self) -> None:
+        """Let the bytes go (subclasses)."""
 
     def __repr__(self) -> str:
         state = "released" if self._released else "live"
@@ -151,72 +180,80 @@ class BaseHandle:
 
 
 class MemoryArtifact(BaseHandle):
-    """Bytes held in memory, by reference."""
+    """Owned bytes held by reference: ``bytes``, or a sealed or spooled map."""
 
     __slots__ = ("_data",)
 
     def __init__(self, name: str, data: BytesLike, digest: str, ledger: ArtifactLedger) -> None:
+        if not is_owned(data):
+            raise UsageError(f"artifact {name!r}: {type(data).__name__} is not owned memory")
         self._data: BytesLike | None = data
         with memoryview(data) as view:
             length = view.nbytes
         super().__init__(name, length, digest, ledger)
 
     def view(self) -> memoryview:
-        if self._data is None:
-            raise ArtifactReleasedError(f"artifact {self.name!r} was released")
+        self._check_live()
+        assert self._data is not None
         return memoryview(self._data).toreadonly()
 
-    def release(self) -> None:
-        self._release()
-        self._data = None
+    def _free(self) -> None:
+        data, self._data = self._data, None
+        if isinstance(data, OwnedMap):
+            data.close()  # BufferError while a view is held: then the last view frees it
 
 
-class SpoolArtifact(BaseHandle):
-    """Bytes in an unlinked spool file, mapped read-only: off the heap, gone on exit."""
-
-    __slots__ = ("_map",)
-
-    def __init__(self, name: str, mapped: mmap.mmap, digest: str, ledger: ArtifactLedger) -> None:
-        self._map: mmap.mmap | None = mapped
-        super().__init__(name, len(mapped), digest, ledger)
-
-    @staticmethod
-    def write(data: BytesLike, directory: str) -> tuple[mmap.mmap, str]:
-        """Blocking: spool ``data`` to an unlinked file, hashing in the same pass."""
-        hasher = hashlib.sha256()
-        fd, path = tempfile.mkstemp(prefix="spool-", dir=directory)
-        try:
-            os.unlink(path)  # nothing to clean up after a crash
-            with memoryview(data) as view:
-                flat = view.cast("B") if view.format != "B" else view
-                for start in range(0, len(flat), _SPOOL_CHUNK):
-                    chunk = flat[start : start + _SPOOL_CHUNK]
-                    hasher.update(chunk)
-                    while chunk:
-                        chunk = chunk[os.write(fd, chunk) :]
-            if os.fstat(fd).st_size == 0:
-                raise ValueError("an empty capture is held in memory, not spooled")
-            return mmap.mmap(fd, 0, access=mmap.ACCESS_READ), hasher.hexdigest()
-        finally:
-            os.close(fd)
-
-    def view(self) -> memoryview:
-        if self._map is None:
-            raise ArtifactReleasedError(f"artifact {self.name!r} was released")
-        return memoryview(self._map)
-
-    def release(self) -> None:
-        if self._map is not None and not self._released:
-            self._map.close()  # BufferError while a view is held: the handle stays live
-            self._map = None
-        self._release()
+# Handles whose digest the coordinator computed itself, over memory it owns: the
+# writer trusts these without hashing again. Membership cannot be claimed.
+_VERIFIED: weakref.WeakSet[ArtifactHandle] = weakref.WeakSet()
 
 
-def release_all(handles: Iterable[ArtifactHandle]) -> None:
-    """Release what is still held (a handle is released exactly once)."""
+def mark_verified(handle: ArtifactHandle) -> None:
+    """For the coordinator's own code only: ``handle``'s digest was computed here,
+    over bytes nobody else can change."""
+    _VERIFIED.add(handle)
+
+
+def is_verified(handle: ArtifactHandle) -> bool:
+    try:
+        return handle in _VERIFIED
+    except TypeError:  # not weak-referenceable: not one of ours
+        return False
+
+
+def release_all(handles: Iterable[ArtifactHandle]) -> list[Exception]:
+    """Release every handle still held, whatever one of them raises; returns the
+    errors (a handle is released exactly once, and the rest are not skipped)."""
+    errors: list[Exception] = []
     for handle in handles:
-        if not handle.released:
-            handle.release()
+        try:
+            if not handle.released:
+                handle.release()
+        except Exception as error:
+            errors.append(error)
+    return errors
+
+
+async def release_off_loop(handles: Iterable[ArtifactHandle]) -> list[Exception]:
+    """``release_all``, with each large handle released in a worker thread (its
+    pages are unmapped there). Shielded: handles are never left half released."""
+    small: list[ArtifactHandle] = []
+    large: list[ArtifactHandle] = []
+    for handle in handles:
+        (large if _size(handle) >= RELEASE_IN_THREAD_BYTES else small).append(handle)
+    errors = release_all(small)
+    if large:
+        with anyio.CancelScope(shield=True):
+            errors += await anyio.to_thread.run_sync(release_all, large)
+    return errors
+
+
+def _size(handle: ArtifactHandle) -> int:
+    """A handle's byte length, or 0 when it lies about having one."""
+    try:
+        return int(handle.byte_length)
+    except Exception:
+        return 0
 
 
 def sha256_hex(data: BytesLike) -> str:
@@ -230,39 +267,73 @@ def hashing_limiter() -> anyio.CapacityLimiter:
     return anyio.CapacityLimiter(max(1, (os.cpu_count() or 2) - 1))
 
 
+def _take(data: BytesLike, spool_dir: str | None, spool_threshold: int) -> tuple[BytesLike, str]:
+    """Blocking: owned bytes for ``data`` (itself when it is owned and stays in
+    memory, else one copy) and the digest of exactly those bytes."""
+    with memoryview(data) as view:
+        if spool_dir is not None and view.nbytes >= max(1, spool_threshold):
+            return spool_copy(view, spool_dir)
+        owned = data if is_owned(data) else seal_copy(view)
+    return owned, sha256_hex(owned)
+
+
+async def owned_bytes(data: object) -> BytesLike:
+    """``data`` itself if nobody else can change it, else one copy the coordinator
+    seals (in a worker thread); ``UsageError`` if it is not a buffer."""
+    try:
+        with memoryview(data) as view:  # type: ignore[arg-type]
+            if is_owned(view):
+                return data  # type: ignore[return-value]
+            if view.nbytes < HASH_IN_THREAD_BYTES:
+                return view.tobytes()
+    except TypeError:
+        kind = type(data).__name__
+        raise UsageError(f"a capture is a {kind}: return bytes or a buffer") from None
+    return await anyio.to_thread.run_sync(_sealed_copy, data)
+
+
+def _sealed_copy(data: object) -> BytesLike:
+    with memoryview(data) as view:  # type: ignore[arg-type]
+        return seal_copy(view)
+
+
 async def capture(
     name: str,
-    data: BytesLike,
+    data: object,
     *,
     ledger: ArtifactLedger,
     spool_dir: str | None = None,
     spool_threshold: int = 64 << 20,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> ArtifactHandle:
-    """Take one participant's bytes as an immutable, digested handle.
+    """Take one participant's bytes as an owned, digested handle.
 
-    Captures at or above ``spool_threshold`` go to an unlinked file in
-    ``spool_dir`` (when given) so they leave the heap. A capture cancelled
-    while it hashes or spools releases what it made: it leaks nothing.
+    ``bytes`` is kept by reference; any other buffer is copied once (see the
+    module docstring). Captures at or above ``spool_threshold`` go to a nameless
+    file in ``spool_dir`` (when given) so they leave memory. A capture cancelled
+    while it copies or hashes releases what it made: it leaks nothing.
     """
     check_id(name)
-    if not is_immutable(data):
-        raise MutableCaptureError(
-            f"capture {name!r} is a mutable buffer ({type(data).__name__}): pass bytes"
-        )
-    with memoryview(data) as view:
-        length = view.nbytes
-    handle: ArtifactHandle
-    if spool_dir is not None and length >= max(1, spool_threshold):
-        mapped, digest = await anyio.to_thread.run_sync(
-            SpoolArtifact.write, data, spool_dir, limiter=limiter
-        )
-        handle = SpoolArtifact(name, mapped, digest, ledger)
-    elif length >= HASH_IN_THREAD_BYTES:
-        digest = await anyio.to_thread.run_sync(sha256_hex, data, limiter=limiter)
-        handle = MemoryArtifact(name, data, digest, ledger)
-    else:
-        return MemoryArtifact(name, data, sha256_hex(data), ledger)
+    try:
+        with memoryview(data) as view:  # type: ignore[arg-type]
+            length = view.nbytes
+    except TypeError:
+        raise UsageError(
+            f"capture {name!r} is a {type(data).__name__}: return bytes or a buffer"
+        ) from None
+    buffer: BytesLike = data  # type: ignore[assignment]
+    if length < HASH_IN_THREAD_BYTES:  # faster inline than a thread hop
+        if not is_owned(buffer):
+            with memoryview(buffer) as view:
+                buffer = view.tobytes()
+        small = MemoryArtifact(name, buffer, sha256_hex(buffer), ledger)
+        mark_verified(small)
+        return small
+    owned, digest = await anyio.to_thread.run_sync(
+        _take, buffer, spool_dir, spool_threshold, limiter=limiter
+    )
+    handle = MemoryArtifact(name, owned, digest, ledger)
+    mark_verified(handle)
     # A cancellation that arrived while the thread ran is delivered here, after
     # the thread finished: the handle is released rather than lost.
     try:

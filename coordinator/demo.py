@@ -102,7 +102,7 @@ class _DemoDisk(FileSystem):
 
     def create(self, path: str) -> int:
         name = os.path.basename(path)
-        if name.startswith("tmp-") and name.endswith(".flysess"):
+        if name.startswith("tmp+") and name.endswith(".flysess"):
             if not self.hold.is_set():
                 self.held.set()
                 self.hold.wait(30)

@@ -93,9 +93,12 @@ class Queued(_Event, frozen=True, kw_only=True, tag="queued"):
 
 
 class Superseded(_Event, frozen=True, kw_only=True, tag="superseded"):
-    """A newer capture replaced this one before the writer took it; never saved."""
+    """Never saved: a newer capture replaced this one before the writer took it,
+    or a restore abandoned its epoch (``supersededBy`` is then the checkpoint
+    restored, and ``reason`` says so)."""
 
     superseded_by: Id
+    reason: str = "replaced by a newer capture before the writer took it"
     durable: Literal[False] = False
 
 
@@ -110,12 +113,15 @@ class Committed(_Event, frozen=True, kw_only=True, tag="committed"):
 
 
 class Failed(_Event, frozen=True, kw_only=True, tag="failed"):
-    """Nothing was made durable; ``code`` is the stable error code."""
+    """Not saved. ``durable`` is ``false`` when nothing was made durable, and
+    ``"unknown"`` when the fsync after the commit point failed (code
+    ``store.durability_unknown``): the reopened store tells. ``code`` is the
+    stable error code."""
 
     code: str
     reason: str
     attempt: int
-    durable: Literal[False] = False
+    durable: Literal[False, "unknown"] = False
 
 
 Event = Captured | Queued | Superseded | Committed | Failed

@@ -1,9 +1,10 @@
 """The store's one seam to the operating system.
 
 Every file-system call the store makes goes through a ``FileSystem``: create,
-open, write, fsync, close, rename, fsync_dir, unlink, list, plus the lock and
-the read-only map. Tests wrap it to record the operation trace (for the crash
-model) and to inject faults; production code has no other test hook.
+open, write, fsync, close, rename, fsync_dir, unlink, list, the lock (and
+whether it still holds) and the read-only map. Tests wrap it to record the
+operation trace (for the crash model) and to inject faults; production code has
+no other test hook.
 """
 
 from __future__ import annotations
@@ -99,6 +100,16 @@ class FileSystem:
             os.close(fd)
             return None
         return fd
+
+    def same_file(self, fd: int, path: str) -> bool:
+        """Whether ``path`` still names the file open as ``fd`` (a lock file that was
+        unlinked or replaced no longer excludes anyone)."""
+        try:
+            named = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _regular(fd: int, path: str) -> int:

@@ -8,23 +8,31 @@ A simulation host embeds one ``Coordinator`` per session::
         ...                                         # the host keeps stepping
         outcome = await ticket.wait()               # Committed | Failed | Superseded
 
-``capture`` reserves a writer slot first (``WriterBusyError`` if none: not a
-failure, try at a later boundary), asks every participant concurrently, turns
-each result into an immutable digested artifact, builds the manifest from those
-digests (no second hash) and hands the job to the writer. A participant that
-fails fences the epoch: capture is refused until a restore into a new epoch.
+Entering records the epoch in the store manifest, durably: an epoch is used
+once per store, by one session, in one run (``StaleEpochError`` otherwise), so
+checkpoint and event ids never repeat.
 
-A final capture on clean shutdown is off by default; pass ``final_step`` (the
-host's current step) to take one, durably, before the writer drains.
+``capture`` reserves the checkpoint id and a writer slot first (so two calls
+for one id cannot both go on; ``WriterBusyError`` if no slot is free: not a
+failure, try at a later boundary), asks every participant concurrently, takes
+each result as owned, digested bytes, builds the manifest from those digests and
+hands the job to the writer. A participant that fails fences the epoch:
+capture is refused until a restore into a new epoch.
+
+``restore`` verifies a generation of this session, stages every participant,
+fences the old epoch (its queued captures are superseded, the one being written
+finishes first), activates every participant, and records the fork in the store
+manifest durably before it returns: all or none, and a default restore after a
+crash never goes back to the abandoned timeline.
+
+Leaving the block is the one close path: an optional durable final capture
+(``final_step``), then the writer's close, whatever happened before.
 
 Two deadlines, kept apart: ``capture_timeout`` bounds the participants (a dead
 participant), ``checkpoint(durability_timeout=...)`` bounds the wait for the
 disk (a slow disk is not a dead participant). An expired durability deadline
 is ``DeadlineExpiredError``, not a failure: ``resolve(checkpoint_id)`` answers
 it, and a lost reply, from the store manifest, and never saves again.
-
-``restore`` verifies the generation, stages every participant, and activates
-them only when all have staged: all or none.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import anyio
 import msgspec
@@ -46,12 +54,14 @@ from ._errors import (
     EpochFencedError,
     RestoreFailedError,
     StaleEpochError,
+    StorePoisonedError,
     UsageError,
+    WriterClosedError,
     release_frames,
 )
-from .artifacts import ArtifactHandle, ArtifactLedger, capture, hashing_limiter, release_all
+from .artifacts import ArtifactHandle, ArtifactLedger, capture, hashing_limiter, release_off_loop
 from .bus import Bus
-from .ids import check_id
+from .ids import check_id, format_u64
 from .manifest import ManifestBody, PayloadRecord, manifest_with_records
 from .participant import ArtifactSource, CaptureScope, Participant, RestoreScope
 from .store import FileStore, GenerationRecord
@@ -121,13 +131,28 @@ class Coordinator:
         self.writer = Writer(store, bus, limits=limits, retry=retry, ledger=self.ledger)
         self._hashing: anyio.CapacityLimiter | None = None
         self._fenced: CoordinatorError | None = None
-        self._captured_ids: set[str] = set()  # this epoch's; ids carry the epoch
-        self._used_epochs = {self.epoch}
+        self._ids: set[str] = set()  # this epoch's checkpoint ids, reserved or used
+        self._last_step: int | None = None  # the newest step captured in this epoch
+        self._acted = False  # captured or restored in this run: a restore is a rollback
+        self._open = False
+        self._restoring = False
+
+    # --- the one close path --------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        self._hashing = hashing_limiter()
-        await self.writer.__aenter__()
-        self.writer.resume_seq(self.session_id, await self.bus.last_seq(self.session_id))
+        if self._open:
+            raise UsageError("a coordinator is entered once")
+        self.store.claim_session(self.session_id)
+        try:
+            last_seq = await self.bus.last_seq(self.session_id)
+            await self.store.open_epoch(self.session_id, self.epoch)
+            self._hashing = hashing_limiter()
+            await self.writer.__aenter__()
+        except BaseException:
+            self.store.release_session(self.session_id)
+            raise
+        self.writer.resume_seq(self.session_id, last_seq)
+        self._open = True
         return self
 
     async def __aexit__(
@@ -135,22 +160,44 @@ class Coordinator:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         traceback: TracebackType | None,
-    ) -> bool | None:
-        final_error: BaseException | None = None
-        if exc_type is None and self.final_step is not None and self._fenced is None:
-            try:
+    ) -> None:
+        error = exc
+        try:
+            if exc is None and self.final_step is not None and self._fenced is None:
                 await self.capture(self.final_step(), replaceable=False)  # drained below
-            except Exception as error:
-                final_error = error
-        handled = await self.writer.__aexit__(exc_type, exc, traceback)
-        if final_error is not None:
-            raise final_error
-        return handled
+        except BaseException as caught:
+            error = caught
+            raise
+        finally:
+            await self._close(error)
+        if exc is None:
+            self.writer.raise_failure()
 
     async def aclose(self) -> None:
         await self.__aexit__(None, None, None)
 
+    async def _close(self, error: BaseException | None) -> None:
+        """Whatever happened: the writer drains (or stops, on a cancellation), and
+        the session is free for another coordinator."""
+        if not self._open:
+            return
+        self._open = False
+        try:
+            await self.writer.aclose(error=error)
+        finally:
+            self.store.release_session(self.session_id)
+
     # --- capture -------------------------------------------------------------------
+
+    def _check_capturing(self) -> None:
+        if not self._open:
+            raise WriterClosedError("the coordinator is not open")
+        if self._restoring:
+            raise EpochFencedError(f"epoch {self.epoch}: a restore is in progress")
+        if self._fenced is not None:
+            raise EpochFencedError(
+                f"epoch {self.epoch} is fenced ({self._fenced}); restore into a new epoch"
+            )
 
     async def capture(
         self, step: int, *, replaceable: bool = True, checkpoint_id: str | None = None
@@ -158,16 +205,19 @@ class Coordinator:
         """Capture every participant at this committed step boundary and queue it.
 
         Returns once captured and queued; ``ticket.wait()`` gives the outcome.
-        Raises ``EpochFencedError`` after a participant failure, a previous save's
-        ``SaveFailedError`` once, ``WriterBusyError`` when no slot is free,
-        ``CaptureFailedError`` (fencing the epoch), or ``DeadlineExpiredError``.
+        Raises ``EpochFencedError`` after a participant failure or during a
+        restore, a previous save's ``SaveFailedError`` once, ``WriterBusyError``
+        when no slot is free, ``DuplicateCheckpointError`` for an id used before
+        (or being captured), ``CaptureFailedError`` (fencing the epoch), or
+        ``DeadlineExpiredError``.
         """
-        if self._fenced is not None:
-            raise EpochFencedError(
-                f"epoch {self.epoch} is fenced ({self._fenced}); restore into a new epoch"
-            )
+        self._check_capturing()
+        format_u64(step)
         checkpoint_id = check_id(checkpoint_id or f"{self.epoch}-{step}")
-        if checkpoint_id in self._captured_ids or self.store.lookup(checkpoint_id) is not None:
+        poisoned = self.store.poisoned
+        if poisoned is not None:  # refused before any participant is asked
+            raise StorePoisonedError(checkpoint_id, f"capture ({poisoned})", self.store.path)
+        if checkpoint_id in self._ids or self.store.lookup(checkpoint_id) is not None:
             raise DuplicateCheckpointError(
                 f"checkpoint {checkpoint_id} was captured before; ids are used once"
             )
@@ -175,25 +225,34 @@ class Coordinator:
             session_id=self.session_id, epoch=self.epoch, step=step, checkpoint_id=checkpoint_id
         )
         with self.writer.reserve() as reservation:  # before any participant is asked
-            started = time.perf_counter()
-            handles = await self._capture_all(scope)
-            self._captured_ids.add(checkpoint_id)
+            self._ids.add(checkpoint_id)  # ... and so is the id: one id, one job
+            submitted = False
             try:
-                records = [
-                    PayloadRecord(name=h.name, byte_length=str(h.byte_length), digest=h.digest)
-                    for h in handles
-                ]
-                manifest = manifest_with_records(_described(self.describe, scope), records)
-            except BaseException:
-                release_all(handles)
-                raise
-            ticket = self.writer.submit(
-                reservation,
-                manifest,
-                handles,
-                replaceable=replaceable,
-                capture_ms=(time.perf_counter() - started) * 1000,
-            )
+                started = time.perf_counter()
+                handles = await self._capture_all(scope)
+                try:
+                    records = [
+                        PayloadRecord(name=h.name, byte_length=str(h.byte_length), digest=h.digest)
+                        for h in handles
+                    ]
+                    manifest = manifest_with_records(_described(self.describe, scope), records)
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await release_off_loop(handles)
+                    raise
+                ticket = self.writer.submit(
+                    reservation,
+                    manifest,
+                    handles,
+                    replaceable=replaceable,
+                    capture_ms=(time.perf_counter() - started) * 1000,
+                )
+                submitted = True
+            finally:
+                if not submitted:  # nothing was published under this id: free it
+                    self._ids.discard(checkpoint_id)
+        self._last_step = max(step, self._last_step or 0)
+        self._acted = True
         return ticket
 
     async def _capture_all(self, scope: CaptureScope) -> list[ArtifactHandle]:
@@ -205,12 +264,11 @@ class Coordinator:
             try:
                 if isinstance(participant, ArtifactSource):
                     handle = await participant.capture_artifact(scope, self.ledger)
+                    captured[participant.name] = handle
                     if handle.name != participant.name:
-                        handle.release()
                         raise UsageError(
                             f"a handle named {handle.name!r}, not {participant.name!r}"
                         )
-                    captured[participant.name] = handle
                     return
                 data = await participant.capture(scope)
                 captured[participant.name] = await capture(
@@ -230,7 +288,8 @@ class Coordinator:
                     for participant in self.participants:
                         group.start_soon(one, participant)
         except BaseException as error:
-            release_all(captured.values())
+            with anyio.CancelScope(shield=True):
+                await release_off_loop(captured.values())
             if isinstance(error, TimeoutError):
                 self._fenced = CaptureFailedError("(all)", "capture deadline expired")
                 raise DeadlineExpiredError(scope.checkpoint_id, "capture") from None
@@ -257,9 +316,14 @@ class Coordinator:
             raise DeadlineExpiredError(ticket.checkpoint_id, "durability") from None
 
     def resolve(self, checkpoint_id: str) -> GenerationRecord | None:
-        """Whether ``checkpoint_id`` is durable, from the store manifest alone: how a
-        lost reply or an expired deadline is answered. Never saves again."""
-        return self.store.lookup(checkpoint_id)
+        """Whether ``checkpoint_id`` of this session is durable, from the store
+        manifest alone: how a lost reply or an expired deadline is answered. Never
+        saves again. A poisoned store cannot tell (``StorePoisonedError``): reopen
+        it, and ask the reopened store."""
+        poisoned = self.store.poisoned
+        if poisoned is not None:
+            raise StorePoisonedError(checkpoint_id, f"resolve ({poisoned})", self.store.path)
+        return self.store.lookup(checkpoint_id, session_id=self.session_id)
 
     # --- restore -------------------------------------------------------------------
 
@@ -271,15 +335,43 @@ class Coordinator:
                 with contextlib.suppress(Exception):
                     await participant.abort_restore(token)
 
+    def _check_new_epoch(self, epoch: str) -> None:
+        """Refuse a used epoch before anything is staged (the fork checks again)."""
+        if epoch == self.epoch:
+            raise StaleEpochError(f"epoch {epoch} is the current one; restore into a new one")
+        owner = self.store.epoch_owner(epoch)
+        if owner is not None:
+            raise StaleEpochError(
+                f"epoch {epoch} was opened before in this store (session {owner}); "
+                "epochs are used once: choose a new one"
+            )
+
     async def restore(self, checkpoint_id: str | None = None, *, new_epoch: str) -> RestoreReport:
-        """Verify a generation (named, or the high water) and install it into
-        ``new_epoch``: every participant stages, then all activate, or none does."""
-        check_id(new_epoch)
-        used = self._used_epochs | {r.epoch for r in self.store.generations}
-        if new_epoch in used:
-            raise StaleEpochError(f"epoch {new_epoch} was used before; restore into a new one")
-        stored = await self.store.read(checkpoint_id)
-        record = stored.record
+        """Verify a generation of this session (named, or its high water) and
+        install it into ``new_epoch``: every participant stages, then the old epoch
+        is fenced, then all activate, then the fork is made durable. All or none.
+        """
+        if not self._open:
+            raise WriterClosedError("the coordinator is not open")
+        if self._restoring:
+            raise UsageError("a restore is already in progress")
+        self._check_new_epoch(check_id(new_epoch))
+        self._restoring = True
+        try:
+            stored = await self.store.read(checkpoint_id, session_id=self.session_id)
+            try:
+                return await self._install(stored, new_epoch)
+            except BaseException as error:
+                release_frames(error)  # their locals may hold views of the mapped file
+                raise
+            finally:
+                stored.close()
+        finally:
+            self._restoring = False
+
+    async def _install(self, stored: Any, new_epoch: str) -> RestoreReport:
+        record: GenerationRecord = stored.record
+        old_epoch = self.epoch
         scope = RestoreScope(
             session_id=self.session_id,
             epoch=new_epoch,
@@ -287,36 +379,60 @@ class Coordinator:
             step=int(record.boundary),
         )
         staged: list[tuple[Participant, Any]] = []
+        for participant in self.participants:
+            try:
+                token = await participant.stage_restore(stored.payload(participant.name), scope)
+            except BaseException as error:
+                tainted = tuple(p.name for p, _ in staged)
+                await self._abort(staged)
+                if not isinstance(error, Exception):
+                    raise  # cancelled: staged ones were aborted
+                raise RestoreFailedError(participant.name, repr(error), tainted) from error
+            staged.append((participant, token))
+
+        # Fence the old timeline: its queued captures are superseded, the one
+        # being written finishes first, and no later one is accepted.
+        self.writer.abandon_epoch(old_epoch, restored=record.checkpoint_id, new_epoch=new_epoch)
         try:
-            for participant in self.participants:
-                try:
-                    token = await participant.stage_restore(stored.payload(participant.name), scope)
-                except BaseException as error:
-                    tainted = tuple(p.name for p, _ in staged)
-                    await self._abort(staged)
-                    if not isinstance(error, Exception):
-                        raise  # cancelled: staged ones were aborted
-                    raise RestoreFailedError(participant.name, repr(error), tainted) from error
-                staged.append((participant, token))
-            for index, (participant, token) in enumerate(staged):
-                try:
-                    await participant.activate_restore(token)
-                except BaseException as error:
-                    # Some are live in the new state, some not: nothing can undo that.
-                    await self._abort(staged[index + 1 :])
-                    everyone = tuple(p.name for p in self.participants)
-                    self._fenced = RestoreFailedError(participant.name, repr(error), everyone)
-                    if not isinstance(error, Exception):
-                        raise
-                    raise self._fenced from error
-        except BaseException as error:
-            release_frames(error)  # their locals may hold views of the mapped file
+            await self.writer.wait_written(old_epoch)
+        except BaseException:
+            self.writer.readmit_epoch(old_epoch)
+            await self._abort(staged)
             raise
-        finally:
-            stored.close()
+
+        for index, (participant, token) in enumerate(staged):
+            try:
+                await participant.activate_restore(token)
+            except BaseException as error:
+                # Some are live in the new state, some not: nothing can undo that.
+                await self._abort(staged[index + 1 :])
+                everyone = tuple(p.name for p in self.participants)
+                self._fenced = RestoreFailedError(participant.name, repr(error), everyone)
+                if not isinstance(error, Exception):
+                    raise
+                raise self._fenced from error
+
+        # The fork, durable before we return: a crash from here on restarts on
+        # this timeline. Shielded: a fork that became durable is always taken.
+        reason: Literal["rollback", "recovery"] = "rollback" if self._acted else "recovery"
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.store.fork_epoch(
+                    self.session_id,
+                    new_epoch,
+                    record.checkpoint_id,
+                    last_step=self._last_step,
+                    reason=reason,
+                )
+            except CoordinatorError as error:
+                everyone = tuple(p.name for p in self.participants)
+                reason_text = f"the fork could not be recorded: {error}"
+                self._fenced = RestoreFailedError("(store)", reason_text, everyone)
+                raise self._fenced from error
         self.epoch = new_epoch
-        self._used_epochs.add(new_epoch)
-        self._captured_ids.clear()
+        self._ids.clear()
+        self._last_step = None
+        self._acted = True
         self._fenced = None
         return RestoreReport(
             record=record, epoch=new_epoch, participants=tuple(p.name for p, _ in staged)

@@ -1,4 +1,4 @@
-"""The writer: one task per store that turns accepted captures into generations.
+"""The writer: one task that turns accepted captures into generations.
 
 Two bounds keep it from growing without limit:
 
@@ -11,20 +11,34 @@ Two bounds keep it from growing without limit:
   taken when it would wait alone (it could never fit otherwise).
 
 A newer *replaceable* capture supersedes the oldest replaceable one still in
-the queue; a non-replaceable (durable) capture is never superseded, and a job
-the writer has taken cannot be. The writer owns each job's artifact handles
-from ``submit()`` on and releases every one exactly once, before the job's
-outcome is delivered. A failed save is published at once and raised (as
-``SaveFailedError``) by the next ``reserve()`` or by ``aclose()``.
+the queue; a non-replaceable (durable) capture is never superseded by another
+capture, and a job the writer has taken cannot be. A restore supersedes every
+queued capture of the epoch it abandons (``abandon_epoch``).
 
-Every state change emits its event synchronously, with its ``seq``, into an
-ordered outbox that one publisher task drains: per checkpoint the order is
-captured < queued < one terminal event, whatever the bus does.
+**Jobs are a state machine** (``JobState``): queued → writing → committed |
+failed, or queued → superseded | failed. ``_Job.move`` is the one place a
+state changes, and it refuses any other move. Every terminal move releases the
+job's handles (large ones in a worker thread), emits the terminal event and
+resolves the ticket, in that order.
+
+**One close path.** The writer's tasks run in its own task group, shielded
+from the host's cancellation: only ``aclose`` stops them. Leaving the block
+cleanly, or with the host's own error, drains every accepted job. A
+cancellation (of the block, or of the drain) stops instead: a commit in
+progress finishes (it cannot be interrupted, like the disk), and queued jobs
+fail as ``writer.closed``. Either way every ticket is resolved, every handle
+released once, and every event published or counted as dropped (the outbox is
+flushed within ``flush_timeout``).
+
+A failed save is published at once and raised (as ``SaveFailedError``) by the
+next ``reserve()`` or by leaving the block. A handle whose ``view``, ``load``
+or ``release`` raises fails its own job (``artifact.*``) and never the writer.
 """
 
 from __future__ import annotations
 
 import collections
+import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,19 +46,33 @@ from types import TracebackType
 from typing import Any, Self
 
 import anyio
+import anyio.to_thread
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._errors import (
+    ArtifactCorruptError,
     ArtifactUnavailableError,
     CommitError,
     CoordinatorError,
+    DurabilityUnknownError,
+    EnvelopeInputError,
+    EpochFencedError,
     SaveFailedError,
+    StorePoisonedError,
+    SyncError,
     WriterBusyError,
     WriterClosedError,
     release_frames,
 )
-from .artifacts import ArtifactHandle, ArtifactLedger, release_all
+from .artifacts import (
+    RELEASE_IN_THREAD_BYTES,
+    ArtifactHandle,
+    ArtifactLedger,
+    is_verified,
+    release_all,
+    release_off_loop,
+)
 from .bus import Bus
 from .events import (
     Captured,
@@ -60,9 +88,11 @@ from .events import (
     rfc3339_now,
 )
 from .manifest import CheckpointManifest
+from .sealed import is_owned, seal_copy
 from .store import CommitReceipt, FileStore
 
 __all__ = [
+    "JobState",
     "Outcome",
     "Reservation",
     "RetryPolicy",
@@ -73,6 +103,7 @@ __all__ = [
 ]
 
 Outcome = Committed | Failed | Superseded
+_KEPT_RELEASE_ERRORS = 16
 
 
 class WriterLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,7 +113,8 @@ class WriterLimits(msgspec.Struct, frozen=True, kw_only=True):
 
 class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
     """How many times the commit step is tried before the job fails (1: release
-    and report). Each retry writes a new temporary file."""
+    and report). Each retry writes a new temporary file. A failed fsync is never
+    retried (nor anything after it in a poisoned store)."""
 
     attempts: int = 1
 
@@ -98,10 +130,28 @@ class WriterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     peak_queue: int
     peak_queued_bytes: int
     live_handles: int
+    release_errors: int  # a handle's release() raised: counted, the writer went on
     events_published: int
     events_dropped: int
     accepted: str | None  # the newest checkpoint accepted into the queue
     durable: str | None  # the newest checkpoint the store committed
+
+
+class JobState(enum.Enum):
+    QUEUED = "queued"
+    WRITING = "writing"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    SUPERSEDED = "superseded"
+
+
+_MOVES: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.WRITING, JobState.SUPERSEDED, JobState.FAILED}),
+    JobState.WRITING: frozenset({JobState.COMMITTED, JobState.FAILED}),
+    JobState.COMMITTED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.SUPERSEDED: frozenset(),
+}
 
 
 class Ticket:
@@ -159,17 +209,27 @@ class _Job:
     byte_length: int
     captured_at: float
     queued_at: float = 0.0
+    state: JobState = JobState.QUEUED
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def checkpoint_id(self) -> str:
         return self.manifest.checkpoint_id
 
+    @property
+    def epoch(self) -> str:
+        return self.manifest.source_scope.epoch
+
+    def move(self, to: JobState) -> None:
+        """The one place a job's state changes; any move the table lacks is a bug."""
+        if to not in _MOVES[self.state]:
+            raise RuntimeError(f"job {self.checkpoint_id}: {self.state.value} -> {to.value}")
+        self.state = to
+
 
 class Writer:
-    """``async with Writer(store, bus) as writer:`` starts the writer task; leaving
-    the block drains every accepted job, publishes every event, and raises a
-    save failure nobody has seen yet."""
+    """``async with Writer(store, bus) as writer:`` starts the writer's tasks;
+    leaving the block is the one close path (see the module docstring)."""
 
     def __init__(
         self,
@@ -180,12 +240,14 @@ class Writer:
         retry: RetryPolicy | None = None,
         ledger: ArtifactLedger | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        flush_timeout: float = 5.0,
     ) -> None:
         self.store = store
         self.bus = bus
         self.limits = limits or WriterLimits()
         self.retry = retry or RetryPolicy()
         self.ledger = ledger or ArtifactLedger()
+        self.flush_timeout = flush_timeout
         self._clock = clock
         self._queue: collections.deque[_Job] = collections.deque()
         self._queued_bytes = 0
@@ -193,12 +255,21 @@ class Writer:
         self._in_flight: _Job | None = None
         self._outbox: collections.deque[Event] = collections.deque()
         self._seq: dict[str, int] = collections.defaultdict(int)
-        self._work = anyio.Event()
-        self._mail = anyio.Event()
-        self._closing = False
+        self._changed = anyio.Event()
+        self._closing = False  # no more submits; the job task returns once drained
+        self._flushing = False  # the outbox task returns once it is empty
         self._failure: SaveFailedError | None = None
         self._group: TaskGroup | None = None
+        self._jobs_scope = anyio.CancelScope(shield=True)
+        self._outbox_scope = anyio.CancelScope(shield=True)
+        self._jobs_done = anyio.Event()
+        self._outbox_done = anyio.Event()
+        self._abandoned: dict[str, str] = {}  # epoch -> why
+        self._releasing = 0  # release tasks still running
         self._counts = collections.Counter[str]()
+        self._release_errors: collections.deque[Exception] = collections.deque(
+            maxlen=_KEPT_RELEASE_ERRORS
+        )
         self._peak_queue = 0
         self._peak_bytes = 0
         self._accepted: str | None = None
@@ -207,10 +278,17 @@ class Writer:
     # --- lifecycle -----------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        self._group = anyio.create_task_group()
-        await self._group.__aenter__()
-        await self._group.start(self._run_jobs)
-        await self._group.start(self._run_outbox)
+        if self._group is not None or self._closing:
+            raise WriterClosedError("a writer is entered once")
+        group = anyio.create_task_group()
+        await group.__aenter__()
+        self._group = group
+        try:
+            await group.start(self._run_jobs)
+            await group.start(self._run_outbox)
+        except BaseException as error:
+            await self.aclose(error=error)
+            raise
         return self
 
     async def __aexit__(
@@ -218,32 +296,55 @@ class Writer:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         traceback: TracebackType | None,
-    ) -> bool | None:
+    ) -> None:
+        await self.aclose(error=exc)
+        if exc is None:
+            self.raise_failure()
+
+    async def aclose(self, *, error: BaseException | None = None) -> None:
+        """The one close path. With ``error`` ``None`` or an ``Exception`` (the
+        host's own), every accepted job is written first; with a cancellation, or
+        if this wait is cancelled, the writer stops instead. Never raises a save
+        failure (``raise_failure()`` does); a cancellation propagates."""
+        group, self._group = self._group, None
+        if group is None:
+            return
         self._closing = True
-        self._work.set()
-        self._mail.set()
-        assert self._group is not None
-        if exc is None or isinstance(exc, Exception):
-            # The host's own error is no reason to drop accepted saves: the tasks
-            # drain the queue and the outbox, then return, and the error goes on.
-            await self._group.__aexit__(None, None, None)
-            handled: bool | None = False
-        else:
-            # Cancelled: the tasks are torn down; queued jobs fail loudly.
-            handled = await self._group.__aexit__(exc_type, exc, traceback)
-        await self._flush_outbox()
-        if exc_type is None:
-            self._raise_failure()
-        return handled
+        self._notify()
+        drained = False
+        try:
+            if error is None or isinstance(error, Exception):
+                await self._jobs_done.wait()  # a cancellation here stops instead
+                drained = True
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._shut_down(stop=not drained)
+            # Every task of the group has ended: leaving it waits for nothing. (Its
+            # cancel scope is older than the shield's, so it is left outside it.)
+            await group.__aexit__(None, None, None)
 
-    async def _flush_outbox(self) -> None:
-        """Publish what teardown emitted after the outbox task stopped (bounded)."""
-        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-            while self._outbox:
-                await self._publish(self._outbox.popleft())
+    async def _shut_down(self, *, stop: bool) -> None:
+        """Shielded: end the job task (stopping it when ``stop``), answer what is
+        queued, wait for the release tasks, flush the outbox within
+        ``flush_timeout``, and end the outbox task."""
+        if stop:
+            self._jobs_scope.cancel()  # a load stops; a commit in progress finishes
+        await self._jobs_done.wait()
+        await self._abandon_queue()
+        while self._releasing:
+            await self._changed.wait()
+        self._flushing = True
+        self._notify()
+        with anyio.move_on_after(self.flush_timeout):
+            await self._outbox_done.wait()
+        self._outbox_scope.cancel()
+        await self._outbox_done.wait()
+        self._counts["events_dropped"] += len(self._outbox)  # the bus did not take them
+        self._outbox.clear()
 
-    async def aclose(self) -> None:
-        await self.__aexit__(None, None, None)
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
 
     # --- intake --------------------------------------------------------------------
 
@@ -255,9 +356,9 @@ class Writer:
     def reserve(self) -> Reservation:
         """A capture slot, taken before any participant is asked. Raises the last
         save failure first, if nobody has seen it; ``WriterBusyError`` when full."""
-        self._raise_failure()
-        if self._closing:
-            raise WriterClosedError("the writer is closing")
+        self.raise_failure()
+        if self._closing or self._group is None:
+            raise WriterClosedError("the writer is closed")
         if self._outstanding >= self.limits.max_outstanding:
             self._counts["rejected"] += 1
             raise WriterBusyError(
@@ -278,47 +379,30 @@ class Writer:
         """Queue a captured checkpoint; the writer owns ``handles`` from here on.
 
         Never waits: it emits ``captured``, maybe ``superseded`` for the job it
-        replaces, and ``queued``, or raises ``WriterBusyError`` (byte budget)
-        having released the handles and the slot.
+        replaces, and ``queued``. Or it refuses, having released the handles and
+        the slot: ``WriterBusyError`` (byte budget), ``EpochFencedError`` (a
+        restore abandoned this epoch), ``WriterClosedError``.
         """
         reservation._claim()
-        if self._closing:  # the writer task may be gone: never leave a ticket hanging
-            self._outstanding -= 1
-            release_all(handles)
-            raise WriterClosedError("the writer is closing; this capture was not queued")
         job = _Job(
             manifest=manifest,
             handles=list(handles),
             replaceable=replaceable,
             ticket=Ticket(manifest.checkpoint_id),
-            byte_length=sum(handle.byte_length for handle in handles),
+            byte_length=sum(_length(handle) for handle in handles),
             captured_at=self._clock(),
         )
-        victim = next((j for j in self._queue if j.replaceable), None) if replaceable else None
-        freed = victim.byte_length if victim is not None else 0
-        # A capture larger than the whole budget is taken when nothing else would
-        # wait beside it: its bytes are captured already, and it could never fit.
-        others = self._queued_bytes - freed
-        if others and others + job.byte_length > self.limits.max_queued_bytes:
+        refusal = self._refusal(job)
+        if refusal is not None:
             self._outstanding -= 1
-            release_all(job.handles)
-            self._counts["rejected"] += 1
-            raise WriterBusyError(
-                f"{job.byte_length} bytes would exceed the queue's budget "
-                f"({self._queued_bytes - freed} of {self.limits.max_queued_bytes} queued)"
-            )
+            self._discard(job.handles)
+            raise refusal
         if capture_ms is not None:
             job.timings["capture_ms"] = capture_ms
         self._emit(self._captured(job))
+        victim = self._victim(job)
         if victim is not None:
-            self._queue.remove(victim)
-            self._queued_bytes -= victim.byte_length
-            self._outstanding -= 1
-            release_all(victim.handles)
-            event = self._event(Superseded, victim, superseded_by=job.checkpoint_id)
-            self._counts["superseded"] += 1
-            self._emit(event)
-            victim.ticket._resolve(event)
+            self._supersede(victim, superseded_by=job.checkpoint_id)
         job.queued_at = self._clock()
         self._queue.append(job)
         self._queued_bytes += job.byte_length
@@ -330,132 +414,270 @@ class Writer:
                 Queued, job, queue_depth=len(self._queue), queued_bytes=str(self._queued_bytes)
             )
         )
-        self._work.set()
+        self._notify()
         return job.ticket
 
-    # --- the writer task -----------------------------------------------------------
+    def _victim(self, job: _Job) -> _Job | None:
+        return next((j for j in self._queue if j.replaceable), None) if job.replaceable else None
+
+    def _refusal(self, job: _Job) -> CoordinatorError | None:
+        if self._closing or self._group is None:  # the writer task may be gone
+            return WriterClosedError("the writer is closing; this capture was not queued")
+        if job.epoch in self._abandoned:
+            reason = self._abandoned[job.epoch]
+            return EpochFencedError(f"{reason}; {job.checkpoint_id} was not queued")
+        victim = self._victim(job)
+        freed = victim.byte_length if victim is not None else 0
+        # A capture larger than the whole budget is taken when nothing else would
+        # wait beside it: its bytes are captured already, and it could never fit.
+        others = self._queued_bytes - freed
+        if others and others + job.byte_length > self.limits.max_queued_bytes:
+            self._counts["rejected"] += 1
+            return WriterBusyError(
+                f"{job.byte_length} bytes would exceed the queue's budget "
+                f"({others} of {self.limits.max_queued_bytes} queued)"
+            )
+        return None
+
+    def abandon_epoch(self, epoch: str, *, restored: str, new_epoch: str) -> None:
+        """A restore of ``restored`` into ``new_epoch`` abandons ``epoch``: its queued
+        captures are superseded now, and a capture of it submitted later is refused.
+        The one being written, if any, finishes: ``wait_written`` waits for it."""
+        reason = f"restore of {restored} into epoch {new_epoch} abandoned epoch {epoch}"
+        self._abandoned[epoch] = reason
+        for job in [j for j in self._queue if j.epoch == epoch]:
+            self._supersede(job, superseded_by=restored, reason=reason)
+
+    def readmit_epoch(self, epoch: str) -> None:
+        """The restore did not happen after all: ``epoch`` may capture again."""
+        self._abandoned.pop(epoch, None)
+
+    async def wait_written(self, epoch: str) -> None:
+        """Wait until no capture of ``epoch`` is being written."""
+        while self._in_flight is not None and self._in_flight.epoch == epoch:
+            await self._changed.wait()
+
+    # --- the job task --------------------------------------------------------------
 
     async def _run_jobs(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        while True:
-            if not self._queue:
-                if self._closing:
-                    return
-                try:
-                    await self._work.wait()
-                except BaseException:
-                    self._abandon_queue()
-                    raise
-                self._work = anyio.Event()
-                continue
-            job = self._queue.popleft()  # taken: it can no longer be superseded
-            self._queued_bytes -= job.byte_length
-            self._outstanding -= 1
-            self._in_flight = job
-            try:
-                await self._commit(job)
-            except BaseException:
-                self._abandon_queue()
-                raise
-            finally:
-                self._in_flight = None
+        try:
+            with self._jobs_scope:  # shielded: only the close path stops it
+                task_status.started()
+                while True:
+                    while not self._queue and not self._closing:
+                        await self._changed.wait()
+                    if not self._queue:
+                        return
+                    await self._write(self._queue.popleft())
+        finally:
+            self._jobs_done.set()
 
-    def _abandon_queue(self) -> None:
-        """The writer is being torn down (cancelled): what is still queued will not
-        be written. Release it and tell every waiting ticket, never leave it hanging."""
+    async def _write(self, job: _Job) -> None:
+        """One job from taken to terminal; a stop (cancellation) during the load
+        fails it, and nothing else can interrupt it."""
+        self._queued_bytes -= job.byte_length
+        self._outstanding -= 1
+        job.move(JobState.WRITING)
+        job.timings["queue_wait_ms"] = (self._clock() - job.queued_at) * 1000
+        self._in_flight = job
+        try:
+            failure = await self._load(job)
+            with anyio.CancelScope(shield=True):
+                if failure is None:
+                    await self._commit(job)
+                else:
+                    await self._end(job, JobState.FAILED, failure)
+        except BaseException:  # stopped while loading
+            with anyio.CancelScope(shield=True):
+                if job.state is JobState.WRITING:
+                    closed = WriterClosedError("the writer stopped while loading this checkpoint")
+                    await self._end(job, JobState.FAILED, closed, attempt=0)
+            raise
+        finally:
+            self._in_flight = None
+            self._notify()
+
+    async def _load(self, job: _Job) -> CoordinatorError | None:
+        """Bring remote payloads here, verified; a payload that cannot be read
+        fails the save (nothing was written), like a failed commit."""
+        started = self._clock()
+        try:
+            for handle in job.handles:
+                if handle.remote:
+                    await handle.load()
+        except Exception as error:  # whatever a handle raised, the payload is not here
+            return _as_artifact_error(error, ArtifactUnavailableError)
+        if any(handle.remote for handle in job.handles):
+            job.timings["fetch_ms"] = (self._clock() - started) * 1000
+        return None
+
+    async def _commit(self, job: _Job) -> None:
+        """Shielded: views, the commit step, then release and the outcome."""
+        views: list[memoryview] = []
+        try:
+            views, trusted = await self._views(job)
+        except Exception as error:
+            _release_views(views)
+            unavailable = _as_artifact_error(error, ArtifactUnavailableError)
+            await self._end(job, JobState.FAILED, unavailable)
+            return
+        payloads = [(h.name, v) for h, v in zip(job.handles, views, strict=True)]
+        receipt, failure, tried = await self._attempts(job, payloads, trusted)
+        del payloads
+        _release_views(views)  # before the handles: a map with views cannot close
+        job.timings["total_ms"] = (self._clock() - job.captured_at) * 1000
+        if receipt is None:
+            assert failure is not None
+            await self._end(job, JobState.FAILED, failure, attempt=tried)
+            return
+        job.timings["write_ms"] = receipt.timings_ms.get("write", 0.0)
+        job.timings["fsync_ms"] = receipt.timings_ms.get("fsync", 0.0)
+        self._durable = job.checkpoint_id
+        await self._end(job, JobState.COMMITTED, receipt)
+
+    async def _views(self, job: _Job) -> tuple[list[memoryview], bool]:
+        """Every handle's bytes, and whether their digests may be trusted without
+        hashing again: only for handles the coordinator digested over memory it
+        owns. A view of memory someone else can change is copied first."""
+        views: list[memoryview] = []
+        trusted = True
+        try:
+            for handle in job.handles:
+                view = handle.view()
+                if not isinstance(view, memoryview):
+                    raise TypeError(f"view() returned a {type(view).__name__}")
+                views.append(view)
+                if not (is_verified(handle) and is_owned(view)):
+                    trusted = False
+                if not is_owned(view):
+                    copy = await anyio.to_thread.run_sync(seal_copy, view)
+                    view.release()
+                    views[-1] = memoryview(copy)
+        except BaseException:
+            _release_views(views)
+            raise
+        return views, trusted
+
+    async def _attempts(
+        self, job: _Job, payloads: list[tuple[str, memoryview]], trusted: bool
+    ) -> tuple[CommitReceipt | None, CoordinatorError | None, int]:
+        """The commit step under the retry policy: (receipt, last failure, attempts)."""
+        failure: CoordinatorError | None = None
+        attempts = max(1, self.retry.attempts)
+        for attempt in range(1, attempts + 1):
+            try:
+                receipt = await self.store.commit(job.manifest, payloads, payloads_verified=trusted)
+            except Exception as error:
+                release_frames(error)  # its frames hold views of the payloads
+                failure = _as_commit_failure(error)
+                if not _retryable(failure):
+                    return None, failure, attempt
+                continue
+            return receipt, None, attempt
+        return None, failure, attempts
+
+    async def _end(
+        self,
+        job: _Job,
+        state: JobState,
+        result: CommitReceipt | CoordinatorError,
+        *,
+        attempt: int = 1,
+    ) -> None:
+        """A terminal move: release the handles (off the loop), then the event,
+        then the ticket. Shielded by the callers."""
+        job.move(state)
+        errors = await release_off_loop(job.handles)
+        self._note_release_errors(errors)
+        if isinstance(result, CoordinatorError):
+            reason = str(result) or repr(result)
+            if errors:
+                reason += f"; releasing its handles also failed: {errors[0]!r}"
+            if not isinstance(result, WriterClosedError):
+                self._save_failed(job, result.code, reason)
+            durable: Any = "unknown" if isinstance(result, DurabilityUnknownError) else False
+            self._finish(
+                job,
+                self._event(
+                    Failed, job, code=result.code, reason=reason, attempt=attempt, durable=durable
+                ),
+            )
+            return
+        outcome: Committed = self._event(
+            Committed,
+            job,
+            generation=result.record.file,
+            envelope_digest=result.record.envelope_digest,
+            envelope_bytes=result.record.byte_length,
+            high_water=result.high_water,
+        )
+        self._finish(job, outcome)
+
+    def _finish(self, job: _Job, event: Outcome) -> None:
+        self._counts[job.state.value] += 1
+        self._emit(event)
+        job.ticket._resolve(event)
+
+    def _supersede(self, victim: _Job, *, superseded_by: str, reason: str | None = None) -> None:
+        """Take ``victim`` out of the queue and publish why, now; its handles are
+        released in a task of the writer's, then its ticket resolves."""
+        self._queue.remove(victim)
+        self._queued_bytes -= victim.byte_length
+        self._outstanding -= 1
+        victim.move(JobState.SUPERSEDED)
+        fields: dict[str, Any] = {"superseded_by": superseded_by}
+        if reason is not None:
+            fields["reason"] = reason
+        event: Superseded = self._event(Superseded, victim, **fields)
+        self._counts["superseded"] += 1
+        self._emit(event)
+        self._spawn_release(victim.handles, then=lambda: victim.ticket._resolve(event))
+
+    async def _abandon_queue(self) -> None:
+        """The writer stopped: what is still queued will not be written. Its
+        handles go and its tickets are answered; nothing is left hanging."""
         while self._queue:
             job = self._queue.popleft()
             self._queued_bytes -= job.byte_length
             self._outstanding -= 1
-            release_all(job.handles)
-            self._fail(job, WriterClosedError.code, "writer closed", 0)
+            closed = WriterClosedError("the writer stopped before this checkpoint was written")
+            await self._end(job, JobState.FAILED, closed, attempt=0)
 
-    def _fail(self, job: _Job, code: str, reason: str, attempt: int) -> None:
-        event = self._event(Failed, job, code=code, reason=reason, attempt=attempt)
-        self._counts["failed"] += 1
-        self._emit(event)
-        job.ticket._resolve(event)
+    def _discard(self, handles: Sequence[ArtifactHandle]) -> None:
+        """Release refused handles: at once when small, else in a writer task."""
+        if self._group is None or sum(map(_length, handles)) < RELEASE_IN_THREAD_BYTES:
+            self._note_release_errors(release_all(handles))
+        else:
+            self._spawn_release(handles)
 
-    async def _commit(self, job: _Job) -> None:
-        job.timings["queue_wait_ms"] = (self._clock() - job.queued_at) * 1000
-        if not await self._load(job):
-            return
-        views = [handle.view() for handle in job.handles]
-        payloads = [(handle.name, view) for handle, view in zip(job.handles, views, strict=True)]
-        try:
-            receipt, failure, tried = await self._attempts(job, payloads)
-        except BaseException as error:  # torn down (cancelled): release, answer, go
-            self._drop(views, job)
-            self._fail(job, WriterClosedError.code, f"writer stopped: {error!r}", 0)
-            raise
-        self._drop(views, job)  # before the outcome is delivered
-        job.timings["total_ms"] = (self._clock() - job.captured_at) * 1000
-        if receipt is None:
-            assert failure is not None
-            self._save_failed(job, failure.code, str(failure), tried)
-            return
-        job.timings["write_ms"] = receipt.timings_ms.get("write", 0.0)
-        job.timings["fsync_ms"] = receipt.timings_ms.get("fsync", 0.0)
-        outcome: Committed = self._event(
-            Committed,
-            job,
-            generation=receipt.record.file,
-            envelope_digest=receipt.record.envelope_digest,
-            envelope_bytes=receipt.record.byte_length,
-            high_water=receipt.high_water,
-        )
-        self._counts["committed"] += 1
-        self._durable = job.checkpoint_id
-        self._emit(outcome)
-        job.ticket._resolve(outcome)
+    def _spawn_release(
+        self, handles: Sequence[ArtifactHandle], *, then: Callable[[], None] | None = None
+    ) -> None:
+        """Release ``handles`` in a task of the writer's (large ones off the loop),
+        then call ``then``; the close path waits for every such task."""
+        self._releasing += 1
 
-    async def _load(self, job: _Job) -> bool:
-        """Bring remote payloads here, verified; a payload that cannot be read
-        fails the save (nothing was written), like a failed commit."""
-        remote = [handle for handle in job.handles if handle.remote]
-        if not remote:
-            return True
-        started = self._clock()
-        try:
-            for handle in remote:
-                await handle.load()
-        except BaseException as error:
-            release_all(job.handles)
-            if not isinstance(error, Exception):  # torn down (cancelled): answer, go
-                self._fail(job, WriterClosedError.code, f"writer stopped: {error!r}", 0)
-                raise
-            # Whatever a handle raised, the payload is not here: this save fails,
-            # the writer goes on.
-            fallback = ArtifactUnavailableError.code
-            code = error.code if isinstance(error, CoordinatorError) else fallback
-            self._save_failed(job, code, str(error) or repr(error), 1)
-            return False
-        job.timings["fetch_ms"] = (self._clock() - started) * 1000
-        return True
-
-    async def _attempts(
-        self, job: _Job, payloads: list[tuple[str, memoryview]]
-    ) -> tuple[CommitReceipt | None, CoordinatorError | None, int]:
-        """The commit step under the retry policy: (receipt, last failure, attempts)."""
-        failure: CoordinatorError | None = None
-        for attempt in range(1, max(1, self.retry.attempts) + 1):
+        async def release() -> None:
             try:
-                # Handles are immutable and were digested at capture: the
-                # footer's pass is the only one left to pay.
-                receipt = await self.store.commit(job.manifest, payloads, payloads_verified=True)
-            except CoordinatorError as error:
-                release_frames(error)  # its frames hold views of the payloads
-                failure = error
-                if not isinstance(error, CommitError):  # not a fault a retry could fix
-                    return None, failure, attempt
-                continue
-            return receipt, None, attempt
-        return None, failure, max(1, self.retry.attempts)
+                with anyio.CancelScope(shield=True):
+                    self._note_release_errors(await release_off_loop(handles))
+                    if then is not None:
+                        then()
+            finally:
+                self._releasing -= 1
+                self._notify()
 
-    def _drop(self, views: list[memoryview], job: _Job) -> None:
-        for view in views:
-            view.release()
-        release_all(job.handles)
+        if self._group is not None:
+            self._group.start_soon(release)
+        else:  # closing: no task group to run it in, so inline
+            self._releasing -= 1
+            self._note_release_errors(release_all(handles))
+            if then is not None:
+                then()
+
+    def _note_release_errors(self, errors: list[Exception]) -> None:
+        self._counts["release_errors"] += len(errors)
+        self._release_errors.extend(errors)
 
     # --- events --------------------------------------------------------------------
 
@@ -487,20 +709,23 @@ class Writer:
 
     def _emit(self, event: Event) -> None:
         self._outbox.append(event)
-        self._mail.set()
+        self._notify()
 
     async def _run_outbox(
         self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        task_status.started()
-        while True:
-            if not self._outbox:
-                if self._closing and not self._queue and self._in_flight is None:
-                    return
-                await self._mail.wait()
-                self._mail = anyio.Event()
-                continue
-            await self._publish(self._outbox.popleft())
+        try:
+            with self._outbox_scope:  # shielded: only the close path stops it
+                task_status.started()
+                while True:
+                    while not self._outbox and not self._flushing:
+                        await self._changed.wait()
+                    if not self._outbox:
+                        return
+                    await self._publish(self._outbox[0])
+                    self._outbox.popleft()  # only once the bus took it
+        finally:
+            self._outbox_done.set()
 
     async def _publish(self, event: Event) -> None:
         try:
@@ -512,16 +737,21 @@ class Writer:
 
     # --- the rest ------------------------------------------------------------------
 
-    def _save_failed(self, job: _Job, code: str, reason: str, attempt: int) -> None:
-        """A save that made nothing durable: published now, raised once later."""
+    def _save_failed(self, job: _Job, code: str, reason: str) -> None:
+        """A save that was not made durable: published now, raised once later."""
         if self._failure is None:
             self._failure = SaveFailedError(job.checkpoint_id, code, reason)
-        self._fail(job, code, reason, attempt)
 
-    def _raise_failure(self) -> None:
+    def raise_failure(self) -> None:
+        """Raise the last save failure nobody has seen yet (once)."""
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
+
+    @property
+    def release_errors(self) -> tuple[Exception, ...]:
+        """The last few errors a handle's ``release()`` raised."""
+        return tuple(self._release_errors)
 
     def statistics(self) -> WriterStatistics:
         return WriterStatistics(
@@ -535,8 +765,46 @@ class Writer:
             peak_queue=self._peak_queue,
             peak_queued_bytes=self._peak_bytes,
             live_handles=self.ledger.statistics().live,
+            release_errors=self._counts["release_errors"],
             events_published=self._counts["events_published"],
             events_dropped=self._counts["events_dropped"] + self.bus.statistics().dropped,
             accepted=self._accepted,
             durable=self._durable,
         )
+
+
+def _length(handle: ArtifactHandle) -> int:
+    """A handle's byte length, or 0 when it lies about having one."""
+    try:
+        return max(0, int(handle.byte_length))
+    except Exception:
+        return 0
+
+
+def _release_views(views: list[memoryview]) -> None:
+    for view in views:
+        view.release()
+
+
+def _as_artifact_error(error: Exception, default: type[CoordinatorError]) -> CoordinatorError:
+    """A handle's failure, as an error with an ``artifact.*`` (or its own) code."""
+    if isinstance(error, CoordinatorError):
+        return error
+    return default(f"a handle failed: {error!r}")
+
+
+def _as_commit_failure(error: Exception) -> CoordinatorError:
+    """What the commit step raised, as the job's failure."""
+    if isinstance(error, EnvelopeInputError):  # the bytes are not what their handle declared
+        return ArtifactCorruptError(str(error))
+    if isinstance(error, CoordinatorError):
+        return error
+    return CoordinatorError(f"the commit step raised {error!r}")
+
+
+def _retryable(failure: CoordinatorError) -> bool:
+    """A commit fault a new temporary file could fix: never a failed fsync, never
+    anything in a poisoned store (nor an unknown outcome, which is no CommitError)."""
+    return isinstance(failure, CommitError) and not isinstance(
+        failure, SyncError | StorePoisonedError
+    )

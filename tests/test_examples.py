@@ -60,7 +60,7 @@ async def checkpoints_on_nats(url: str, path: Path) -> tuple[Any, ...]:
     `queued` event is deleted from the stream, as if a subscriber had missed it.
     Returns the store's generations, its high water, the bus's history, the lost message."""
     fs = GateFS()  # each generation write waits for the test's go
-    fs.rule = fail_nth("fsync", 1, errno.EIO, "tmp-ckpt-5")
+    fs.rule = fail_nth("fsync", 1, errno.EIO, "tmp+ckpt-5")
     async with FileStore(path, fs=fs, keep=50) as store, NatsBus(url) as bus:
         async with Writer(store, bus, limits=WriterLimits(max_outstanding=3)) as writer:
             durable = await submit(writer, 0, replaceable=False)

@@ -226,20 +226,22 @@ async def test_final_capture_on_clean_shutdown_is_opt_in(tmp_path: Path) -> None
 
 
 @pytest.mark.asyncio
-async def test_a_participant_returning_a_mutable_buffer_fences(tmp_path: Path) -> None:
-    """Bytes the coordinator cannot take are that participant's capture failure."""
+async def test_a_participant_returning_a_mutable_buffer_is_copied(tmp_path: Path) -> None:
+    """A buffer the participant keeps writing is copied at capture: what commits is
+    what it held then, and the checkpoint restores."""
     participants = parts()
+    state = bytearray(b"before" * 20_000)
 
     async def mutable(scope: CaptureScope) -> bytearray:
-        return bytearray(b"changes")
+        return state
 
     participants[1].capture = mutable  # type: ignore[method-assign]
     async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
-        with pytest.raises(CaptureFailedError) as caught:
-            await c.capture(1)
-        assert caught.value.participant == "agent-fly-a"
-        with pytest.raises(EpochFencedError):
-            await c.capture(2)
+        ticket = await c.capture(1, replaceable=False)
+        state[:6] = b"after!"  # the participant steps on while the save is written
+        assert isinstance(await ticket.wait(), Committed)
+        with await store.read("epoch-1-1") as stored:
+            assert bytes(stored.payload("agent-fly-a")[:6]) == b"before"
         assert c.ledger.statistics().live == 0
 
 

@@ -18,6 +18,7 @@ from storekit import checkpoint, listed
 
 from coordinator import (
     CommitError,
+    DurabilityUnknownError,
     GenerationCorruptError,
     GenerationNotFoundError,
     InvalidScalarError,
@@ -48,10 +49,10 @@ def test_commit_follows_the_exact_sequence(tmp_path: Path) -> None:
         "create", "fsync", "close", "rename", "fsync_dir",
         "create", "fsync", "close", "rename", "fsync_dir",
     ]  # fmt: skip
-    assert names[0] == ("create", "tmp-ckpt-1.flysess")
-    assert names[3] == ("rename", "tmp-ckpt-1.flysess", "ckpt-1.flysess")
-    assert names[5] == ("create", "tmp-manifest.json")
-    assert names[8] == ("rename", "tmp-manifest.json", "manifest.json")
+    assert names[0] == ("create", "tmp+ckpt-1.flysess")
+    assert names[3] == ("rename", "tmp+ckpt-1.flysess", "ckpt-1.flysess")
+    assert names[5] == ("create", "tmp+manifest.json")
+    assert names[8] == ("rename", "tmp+manifest.json", "manifest.json")
     assert sorted(os.listdir(tmp_path)) == ["LOCK", "ckpt-1.flysess", "manifest.json"]
 
 
@@ -73,9 +74,15 @@ def test_store_manifest_is_canonical_with_every_field(tmp_path: Path) -> None:
     raw = (tmp_path / "manifest.json").read_bytes()
     assert is_canonical(raw)
     document = json.loads(raw)
-    assert document["storeManifestVersion"] == 1
+    assert document["storeManifestVersion"] == 2
     assert document["stateFormatId"] == "flysess-1"
-    assert document["highWater"] == "ckpt-7"
+    assert set(document) == {"storeManifestVersion", "stateFormatId", "generations", "sessions"}
+    (session,) = document["sessions"]
+    assert session == {
+        "sessionId": "session-1",
+        "highWater": "ckpt-7",
+        "epochs": [{"epoch": "epoch-1", "parent": None, "fork": None}],
+    }
     (record,) = document["generations"]
     assert set(record) == {
         "checkpointId", "file", "sessionId", "epoch", "episodeId", "boundary",
@@ -119,7 +126,7 @@ def test_recommit_replaces_the_record_without_touching_the_old_file_first(
         assert receipt.record.file == "ckpt-1+1.flysess"
         assert store.verify().ok
     renames = [op for op in fs.ops if op[0] == "rename"]
-    assert ("rename", "tmp-ckpt-1+1.flysess", "ckpt-1+1.flysess") in renames
+    assert ("rename", "tmp+ckpt-1+1.flysess", "ckpt-1+1.flysess") in renames
     assert fs.ops[-1] == ("unlink", "ckpt-1.flysess")
 
 
@@ -187,7 +194,10 @@ def test_missing_manifest_is_an_empty_store(tmp_path: Path) -> None:
         pytest.param(b'{"generations":[],"highWater":"x","stateFormatId":"flysess-1",'
                      b'"storeManifestVersion":1}', id="high-water-not-listed"),
         pytest.param(b'{"generations":[],"highWater":null,"stateFormatId":"flysess-1",'
-                     b'"storeManifestVersion":2}', id="version-2"),
+                     b'"storeManifestVersion":3}', id="version-3"),
+        pytest.param(b'{"generations":[],"sessions":[{"epochs":[],"highWater":null,'
+                     b'"sessionId":"a"}],"stateFormatId":"flysess-1","storeManifestVersion":2}',
+                     id="session-without-epochs"),
     ],
 )  # fmt: skip
 def test_invalid_manifest_is_an_error_not_an_empty_store(tmp_path: Path, content: bytes) -> None:
@@ -227,17 +237,17 @@ def test_open_removes_temporaries_and_reports_unreferenced(tmp_path: Path) -> No
     a reader's open removes nothing."""
     with SyncStore(tmp_path) as store:
         store.commit(*checkpoint(1))
-    (tmp_path / "tmp-ckpt-2.flysess").write_bytes(b"half")
-    (tmp_path / "tmp-manifest.json").write_bytes(b"{")
+    (tmp_path / "tmp+ckpt-2.flysess").write_bytes(b"half")
+    (tmp_path / "tmp+manifest.json").write_bytes(b"{")
     (tmp_path / "ckpt-9.flysess").write_bytes(b"stray")
     with SyncStore(tmp_path, read_only=True) as reader:
         report = reader.verify()
-        assert report.temporaries == ("tmp-ckpt-2.flysess", "tmp-manifest.json")
+        assert report.temporaries == ("tmp+ckpt-2.flysess", "tmp+manifest.json")
         assert report.unreferenced == ("ckpt-9.flysess",)
-    assert (tmp_path / "tmp-manifest.json").exists()
+    assert (tmp_path / "tmp+manifest.json").exists()
     with SyncStore(tmp_path) as store:
         stats = store.statistics()
-        assert stats.removed_temporaries == ("tmp-ckpt-2.flysess", "tmp-manifest.json")
+        assert stats.removed_temporaries == ("tmp+ckpt-2.flysess", "tmp+manifest.json")
         assert stats.unreferenced == ("ckpt-9.flysess",)
         assert listed(store) == ["ckpt-1"]
         with pytest.raises(GenerationNotFoundError):
@@ -325,24 +335,21 @@ def fault(*args: object) -> object:
 
 
 FAULTS = [
-    pytest.param(fault("write", 1, errno.ENOSPC, "tmp-ckpt"), NoSpaceError, "store.no_space",
+    pytest.param(fault("write", 1, errno.ENOSPC, "tmp+ckpt"), NoSpaceError, "store.no_space",
                  id="enospc-writing-generation"),
-    pytest.param(fault("write", 1, errno.ENOSPC, "tmp-manifest"), NoSpaceError,
+    pytest.param(fault("write", 1, errno.ENOSPC, "tmp+manifest"), NoSpaceError,
                  "store.no_space", id="enospc-writing-manifest"),
-    pytest.param(fault("write", 1, errno.EIO, "tmp-ckpt"), CommitError, "store.commit",
+    pytest.param(fault("write", 1, errno.EIO, "tmp+ckpt"), CommitError, "store.commit",
                  id="eio-writing"),
-    pytest.param(fault("fsync", 1, errno.EIO, "tmp-ckpt"), SyncError, "store.fsync",
+    pytest.param(fault("fsync", 1, errno.EIO, "tmp+ckpt"), SyncError, "store.fsync",
                  id="eio-fsync-generation"),
-    pytest.param(fault("fsync", 1, errno.EIO, "tmp-manifest"), SyncError, "store.fsync",
+    pytest.param(fault("fsync", 1, errno.EIO, "tmp+manifest"), SyncError, "store.fsync",
                  id="eio-fsync-manifest"),
-    pytest.param(fault("rename", 1, errno.EIO, "tmp-ckpt"), RenameError, "store.rename",
+    pytest.param(fault("rename", 1, errno.EIO, "tmp+ckpt"), RenameError, "store.rename",
                  id="rename-generation"),
-    pytest.param(fault("rename", 1, errno.EIO, "tmp-manifest"), RenameError, "store.rename",
+    pytest.param(fault("rename", 1, errno.EIO, "tmp+manifest"), RenameError, "store.rename",
                  id="rename-manifest"),
-    pytest.param(fault("fsync_dir", 1), SyncError, "store.fsync", id="fsync-dir-generation"),
-    pytest.param(fault("fsync_dir", 2), SyncError, "store.fsync",
-                 id="fsync-dir-at-commit-point"),
-    pytest.param(fault("create", 1, errno.ENOSPC, "tmp-ckpt"), NoSpaceError,
+    pytest.param(fault("create", 1, errno.ENOSPC, "tmp+ckpt"), NoSpaceError,
                  "store.no_space", id="enospc-creating"),
 ]  # fmt: skip
 
@@ -392,27 +399,51 @@ def test_fault_changes_nothing_on_disk(
     assert after == before
 
 
-def test_commit_point_fault_with_failed_rollback_poisons_the_store(tmp_path: Path) -> None:
-    """If the commit point cannot be made durable nor undone, commits are refused
-    until the store is reopened, and the reopened store is valid."""
+def test_a_failed_directory_fsync_poisons_the_store(tmp_path: Path) -> None:
+    """The fsync of the directory after the generation's rename fails: the commit
+    fails (nothing listed it), and no later commit runs until the store is
+    reopened, because a later fsync that succeeds proves nothing."""
     with SyncStore(tmp_path) as store:
         store.commit(*checkpoint(1))
-    fs = RecordingFS(lambda op, name: errno.EIO if op == "fsync_dir" else None)
-    calls = {"n": 0}
-
-    def rule(op: str, name: str) -> int | None:
-        if op == "fsync_dir":
-            calls["n"] += 1
-            return errno.EIO if calls["n"] >= 2 else None
-        return None
-
-    fs.rule = rule
+    fs = RecordingFS(fail_nth("fsync_dir", 1))
     with SyncStore(tmp_path, fs=fs) as store:
-        with pytest.raises(StorePoisonedError) as caught:
+        with pytest.raises(SyncError) as caught:
             store.commit(*checkpoint(2))
-        assert caught.value.code == "store.poisoned"
+        assert caught.value.code == "store.fsync"
+        assert store.poisoned is not None and store.statistics().poisoned is not None
+        fs.rule = None
+        fsyncs = len([op for op in fs.ops if op[0] == "fsync_dir"])
+        with pytest.raises(StorePoisonedError) as refused:
+            store.commit(*checkpoint(3))
+        assert refused.value.code == "store.poisoned"
+        with pytest.raises(StorePoisonedError):
+            store.open_epoch("session-1", "epoch-9")
+        assert len([op for op in fs.ops if op[0] == "fsync_dir"]) == fsyncs  # never retried
+        assert listed(store) == ["ckpt-1"]
+    with SyncStore(tmp_path) as reopened:  # the reopened store is the truth
+        assert reopened.verify().ok
+        assert listed(reopened) == ["ckpt-1"]
+        reopened.commit(*checkpoint(4))
+
+
+def test_a_failed_fsync_after_the_commit_point_says_unknown(tmp_path: Path) -> None:
+    """The directory fsync right after the manifest rename fails: whether the
+    checkpoint is durable is unknown, and the store says exactly that
+    (DurabilityUnknownError), rolls nothing back (that would need the fsync that
+    just failed), and is poisoned. The reopened store lists it or not, validly."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+    fs = RecordingFS(fail_nth("fsync_dir", 2))
+    with SyncStore(tmp_path, fs=fs) as store:
+        with pytest.raises(DurabilityUnknownError) as caught:
+            store.commit(*checkpoint(2))
+        assert caught.value.code == "store.durability_unknown"
+        assert not isinstance(caught.value, CommitError)  # not "nothing became durable"
+        fs.rule = None
         with pytest.raises(StorePoisonedError):
             store.commit(*checkpoint(3))
+        # the generation's directory fsync, and nothing after the failed one
+        assert len([op for op in fs.ops if op[0] == "fsync_dir"]) == 1
     with SyncStore(tmp_path) as reopened:
         assert reopened.verify().ok
         assert listed(reopened) in (["ckpt-1"], ["ckpt-1", "ckpt-2"])
@@ -452,22 +483,44 @@ async def test_cancelled_commit_still_completes_whole(tmp_path: Path) -> None:
 # --- review findings: each a test ------------------------------------------------------
 
 
-def test_checkpoint_ids_that_look_like_temporaries_are_refused(tmp_path: Path) -> None:
-    """tmp-a.flysess would be removed as a leftover temporary: such ids are refused."""
-    with SyncStore(tmp_path) as store, pytest.raises(InvalidScalarError):
-        store.commit(*checkpoint(1, checkpoint_id="tmp-a"))
-
-
-def test_manifest_listing_a_temporary_name_is_refused(tmp_path: Path) -> None:
-    """A hostile manifest cannot make open() delete a listed generation."""
+def test_no_id_can_name_a_temporary(tmp_path: Path) -> None:
+    """Temporaries are tmp+<name>, and '+' is no Id character: an id (or an epoch)
+    called tmp-… is an ordinary id, and a reopen never takes its file for a
+    leftover temporary."""
     with SyncStore(tmp_path) as store:
-        store.commit(*checkpoint(1, checkpoint_id="a"))
-    document = json.loads((tmp_path / "manifest.json").read_bytes())
-    document["generations"][0].update(checkpointId="tmp-a", file="tmp-a.flysess")
-    document["highWater"] = "tmp-a"
-    (tmp_path / "manifest.json").write_bytes(canonical_bytes(document))
-    with pytest.raises(StoreManifestError, match="temporaries"):
-        SyncStore(tmp_path)
+        store.commit(*checkpoint(1, checkpoint_id="tmp-a"))
+        store.commit(*checkpoint(2, checkpoint_id="tmp"))
+    with SyncStore(tmp_path) as reopened:
+        assert listed(reopened) == ["tmp-a", "tmp"]
+        assert reopened.statistics().removed_temporaries == ()
+        assert reopened.verify().ok
+
+
+def test_a_checkpoint_id_is_checked_where_it_becomes_a_path(tmp_path: Path) -> None:
+    """msgspec constructors and structs.replace skip pattern checks: commit checks the
+    ids that become file names and lineage keys itself."""
+    import msgspec
+
+    manifest, payloads = checkpoint(1)
+    for hostile in ("../x", "A", "", "x" * 65, "a/b"):
+        forged = msgspec.structs.replace(manifest, checkpoint_id=hostile)
+        with SyncStore(tmp_path) as store, pytest.raises(InvalidScalarError):
+            store.commit(forged, payloads)
+    scope = msgspec.structs.replace(manifest.source_scope, epoch="../e")
+    with SyncStore(tmp_path) as store, pytest.raises(InvalidScalarError):
+        store.commit(msgspec.structs.replace(manifest, source_scope=scope), payloads)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LOCK"]
+
+
+def test_an_unlisted_legacy_temporary_is_removed(tmp_path: Path) -> None:
+    """Earlier versions named temporaries tmp-…: unlisted ones are still cleaned up."""
+    (tmp_path / "tmp-ckpt-2.flysess").write_bytes(b"half")
+    (tmp_path / "tmp-manifest.json").write_bytes(b"{")
+    with SyncStore(tmp_path) as store:
+        assert store.statistics().removed_temporaries == (
+            "tmp-ckpt-2.flysess",
+            "tmp-manifest.json",
+        )
 
 
 def test_refresh_is_for_readers_only(tmp_path: Path) -> None:
@@ -489,18 +542,28 @@ def test_new_store_directory_is_made_durable(tmp_path: Path) -> None:
     assert fs.ops == [("fsync_dir", str(tmp_path)), ("fsync_dir", str(tmp_path / "a"))]
 
 
-def test_mutable_payloads_are_refused(tmp_path: Path) -> None:
-    """A bytearray could change between hashing and writing: refused, not copied."""
+def test_payloads_someone_else_can_change_are_refused(tmp_path: Path) -> None:
+    """A bytearray, or a read-only map of a file (whoever writes the file changes
+    it), could change between hashing and writing: the store refuses them."""
+    import mmap
+
     manifest, payloads = checkpoint(1)
     mutable = [(name, bytearray(data)) for name, data in payloads]
     read_only_view = [(name, memoryview(data)) for name, data in payloads]
-    with SyncStore(tmp_path) as store:
-        with pytest.raises(UsageError, match="mutable"):
+    state = tmp_path / "state"
+    state.write_bytes(payloads[0][1])
+    with state.open("rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    with SyncStore(tmp_path / "store") as store:
+        with pytest.raises(UsageError, match="someone else can change"):
             store.commit(manifest, mutable)
-        with pytest.raises(UsageError, match="mutable"):
+        with pytest.raises(UsageError, match="someone else can change"):
             store.commit(manifest, [(n, memoryview(d).toreadonly()) for n, d in mutable])
+        with pytest.raises(UsageError, match="someone else can change"):
+            store.commit(manifest, [(payloads[0][0], mapped), *payloads[1:]])
         store.commit(manifest, read_only_view)
         assert store.verify().ok
+    mapped.close()
 
 
 def rewrite_record(path: Path, **changes: str) -> None:
@@ -586,7 +649,7 @@ def test_close_failure_is_a_typed_commit_error(tmp_path: Path) -> None:
 
     class FailingClose(RecordingFS):
         def close(self, fd: int) -> None:
-            failing = self.paths.get(fd, "").endswith("tmp-ckpt-2.flysess")
+            failing = self.paths.get(fd, "").endswith("tmp+ckpt-2.flysess")
             super().close(fd)
             if failing:
                 raise OSError(errno.EIO, "write-back failed")
@@ -598,7 +661,7 @@ def test_close_failure_is_a_typed_commit_error(tmp_path: Path) -> None:
             store.commit(*checkpoint(2))
         assert caught.value.operation == "close"
         assert listed(store) == ["ckpt-1"]
-    assert not list(tmp_path.glob("tmp-*"))
+    assert not list(tmp_path.glob("tmp+*"))
 
 
 @pytest.mark.asyncio

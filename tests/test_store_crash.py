@@ -18,7 +18,7 @@ import pytest
 from fsmodel import RecordingFS, crash_states
 from storekit import checkpoint, listed
 
-from coordinator import SyncError
+from coordinator import DurabilityUnknownError
 from coordinator.store import SyncStore
 
 DEFAULT_COMMITS = 30
@@ -26,8 +26,7 @@ SOAK_COMMITS = 260
 
 
 def _fails_at_commit_point(fs: RecordingFS) -> Any:
-    """A rule failing, once, the directory fsync right after the manifest rename
-    (the rollback that follows then succeeds)."""
+    """A rule failing, once, the directory fsync right after the manifest rename."""
     fired = []
 
     def rule(op: str, name: str) -> int | None:
@@ -45,10 +44,13 @@ def record(folder: Path, commits: int) -> list[tuple[Any, ...]]:
     """Commit ``commits`` checkpoints (keep=3) and return the trace, with a
     ("returned", ids) marker after each commit and an ("attempted", ids) marker
     before it. Every tenth re-commits a listed id; every tenth, offset by five,
-    fails at the commit point, so the rollback path is enumerated too."""
+    fails at the commit point: durability is then unknown, the store is
+    poisoned, and it is reopened (what a user does), so that path is enumerated
+    too."""
     fs = RecordingFS()
     ids: list[str] = []
-    with SyncStore(folder, keep=3, fs=fs) as store:
+    store = SyncStore(folder, keep=3, fs=fs)
+    try:
         for index in range(commits):
             again = index % 10 == 9
             checkpoint_id = f"ckpt-{index - 1}" if again else f"ckpt-{index}"
@@ -57,29 +59,42 @@ def record(folder: Path, commits: int) -> list[tuple[Any, ...]]:
             fs.ops.append(("attempted", tuple(attempted)))
             if index % 10 == 5:
                 fs.rule = _fails_at_commit_point(fs)
-                with pytest.raises(SyncError):
+                with pytest.raises(DurabilityUnknownError):
                     store.commit(manifest, payloads)
                 fs.rule = None
+                store.close()
+                store = SyncStore(folder, keep=3, fs=fs)  # the reopened store is the truth
+                assert listed(store) in (ids, attempted)
+                # until the next directory fsync a crash may still leave either
+                fs.ops.append(("unknown", tuple(ids), tuple(attempted)))
+                ids = listed(store)
             else:
                 store.commit(manifest, payloads)
                 ids = attempted
             assert listed(store) == ids
             fs.ops.append(("returned", tuple(ids)))
+    finally:
+        store.close()
     return fs.ops
 
 
 def allowed(ops: list[tuple[Any, ...]]) -> list[set[tuple[str, ...]]]:
-    """For each crash point: the listing of the last commit that returned, or the
-    one the commit in flight was writing."""
+    """For each crash point: the listing of the last commit that returned (either
+    listing, after a commit whose durability is unknown), or the one the commit
+    in flight was writing."""
     result = []
-    returned: tuple[str, ...] = ()
+    returned: set[tuple[str, ...]] = {()}
     attempted: tuple[str, ...] | None = None
     for op in [*ops, ("end",)]:
-        result.append({returned} if attempted is None else {returned, attempted})
+        result.append(returned if attempted is None else {*returned, attempted})
         if op[0] == "attempted":
             attempted = op[1]
+        elif op[0] == "unknown":
+            returned, attempted = {op[1], op[2]}, None
         elif op[0] == "returned":
-            returned, attempted = op[1], None
+            if attempted is not None:  # a commit returned: its listing is durable
+                returned = {op[1]}
+            attempted = None
     return result
 
 
@@ -103,7 +118,7 @@ def check_all_states(tmp_path: Path, commits: int) -> int:
         with SyncStore(target) as writer:  # recovery: temporaries go, listing stays
             assert tuple(listed(writer)) == ids
             assert set(writer.statistics().removed_temporaries) == set(report.temporaries)
-        assert not [p for p in target.iterdir() if p.name.startswith("tmp-")]
+        assert not [p for p in target.iterdir() if p.name.startswith("tmp+")]
         count += 1
     return count
 
@@ -125,14 +140,14 @@ def test_every_crash_state_recovers_soak(tmp_path: Path) -> None:
 
 class _SkipsGenerationFsync(RecordingFS):
     def fsync(self, fd: int) -> None:
-        if "tmp-ckpt" not in self.paths[fd]:
+        if "tmp+ckpt" not in self.paths[fd]:
             super().fsync(fd)
 
 
 class _SkipsDirectoryFsyncAfterGenerationRename(RecordingFS):
     def fsync_dir(self, path: str) -> None:
         last = [op for op in self.ops if op[0] != "write"][-1:]
-        if not (last and last[0][0] == "rename" and last[0][1].startswith("tmp-ckpt")):
+        if not (last and last[0][0] == "rename" and last[0][1].startswith("tmp+ckpt")):
             super().fsync_dir(path)
 
 

@@ -36,7 +36,7 @@ class GateFS(RecordingFS):
 
     def create(self, path: str) -> int:
         name = Path(path).name
-        if name.startswith("tmp-") and name.endswith(".flysess"):
+        if name.startswith("tmp+") and name.endswith(".flysess"):
             self.waiting.set()
             self.gate.acquire()
         return super().create(path)
@@ -185,7 +185,7 @@ async def test_a_capture_larger_than_the_budget_is_taken_alone(tmp_path: Path) -
 async def test_failed_commit_releases_publishes_and_raises_next_time(tmp_path: Path) -> None:
     """A store fault: handles released, failed published with its code, no false
     durability, and the next reserve() raises the failure once."""
-    fs = RecordingFS(fail_nth("fsync", 1, errno.EIO, "tmp-ckpt"), keep_data=False)
+    fs = RecordingFS(fail_nth("fsync", 1, errno.EIO, "tmp+ckpt"), keep_data=False)
     bus = MemoryBus()
     events = await bus.subscribe()
     async with FileStore(tmp_path, fs=fs) as store, Writer(store, bus) as writer:
@@ -206,7 +206,7 @@ async def test_failed_commit_releases_publishes_and_raises_next_time(tmp_path: P
 @pytest.mark.asyncio
 async def test_unseen_failure_is_raised_by_aclose(tmp_path: Path) -> None:
     """A failure nobody has seen is raised when the writer closes: never swallowed."""
-    fs = RecordingFS(fail_nth("rename", 1, errno.EIO, "tmp-ckpt"), keep_data=False)
+    fs = RecordingFS(fail_nth("rename", 1, errno.EIO, "tmp+ckpt"), keep_data=False)
     async with FileStore(tmp_path, fs=fs) as store:
         with pytest.raises(SaveFailedError):
             async with Writer(store, MemoryBus()) as writer:
@@ -216,12 +216,36 @@ async def test_unseen_failure_is_raised_by_aclose(tmp_path: Path) -> None:
 @pytest.mark.asyncio
 async def test_retry_then_release(tmp_path: Path) -> None:
     """With two attempts, a fault on the first is retried with a new temporary."""
-    fs = RecordingFS(fail_nth("fsync", 1, errno.EIO, "tmp-ckpt"), keep_data=False)
+    fs = RecordingFS(fail_nth("rename", 1, errno.EIO, "tmp+ckpt"), keep_data=False)
     retry = RetryPolicy(attempts=2)
     async with FileStore(tmp_path, fs=fs) as store, Writer(store, MemoryBus(), retry=retry) as w:
         outcome = await (await submit(w, 1)).wait()
     assert isinstance(outcome, Committed)
-    assert [op[1] for op in fs.ops if op[0] == "create"].count("tmp-ckpt-1.flysess") == 2
+    assert [op[1] for op in fs.ops if op[0] == "create"].count("tmp+ckpt-1.flysess") == 2
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        pytest.param(lambda: fail_nth("fsync", 1, errno.EIO, "tmp+ckpt"), id="file-fsync"),
+        pytest.param(lambda: fail_nth("fsync_dir", 1), id="directory-fsync"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_a_failed_fsync_is_never_retried(tmp_path: Path, rule: Any) -> None:
+    """fsyncgate: whatever the retry policy, a failed fsync fails the job at once,
+    and no fsync is tried again on that file or directory."""
+    fs = RecordingFS(rule(), keep_data=False)
+    retry = RetryPolicy(attempts=5)
+    async with FileStore(tmp_path, fs=fs) as store:
+        with pytest.raises(SaveFailedError):
+            async with Writer(store, MemoryBus(), retry=retry) as writer:
+                outcome = await (await submit(writer, 1)).wait()
+        assert isinstance(outcome, Failed) and outcome.code == "store.fsync"
+        assert outcome.attempt == 1 and outcome.durable is False
+        assert [op[1] for op in fs.ops if op[0] == "create"].count("tmp+ckpt-1.flysess") == 1
+        assert fs.fsync_after_failure == 0
+        assert store.lookup("ckpt-1") is None
 
 
 @pytest.mark.asyncio
@@ -338,7 +362,7 @@ async def test_cancelled_writer_releases_and_answers_every_ticket(tmp_path: Path
 async def test_failed_save_of_spooled_artifacts_releases_them(tmp_path: Path) -> None:
     """The failure's traceback must not pin views of a spool map: the handles are
     released, the ticket says failed, the writer keeps going."""
-    fs = RecordingFS(fail_nth("fsync", 1, errno.EIO, "tmp-ckpt"), keep_data=False)
+    fs = RecordingFS(fail_nth("fsync", 1, errno.EIO, "tmp+ckpt"), keep_data=False)
     async with FileStore(tmp_path / "store", fs=fs) as store, Writer(store, MemoryBus()) as w:
         reservation = w.reserve()
         handles = [

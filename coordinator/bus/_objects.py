@@ -27,7 +27,6 @@ import json
 import math
 import mmap
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,7 +45,8 @@ from .._errors import (
     BusConfigError,
     CoordinatorError,
 )
-from ..artifacts import ArtifactLedger, BaseHandle, sha256_hex
+from ..artifacts import ArtifactLedger, BaseHandle, mark_verified, sha256_hex
+from ..sealed import seal_fd, sealable_fd
 
 __all__ = ["DEFAULT_OBJECT_BUCKET", "ObjectArtifact", "ObjectBucket"]
 
@@ -73,21 +73,12 @@ def _host_error() -> Iterator[None]:
 
 
 def _anonymous_file(size: int) -> int:
-    """Blocking: a file in memory only (memfd on Linux), ``size`` bytes long, its
-    pages allocated now (the reader's copies then take no page-allocating faults,
-    ~10% faster here) or, where that is refused, on first touch."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("coordinator-object", os.MFD_CLOEXEC)
-    else:  # elsewhere an unlinked temporary file
-        with tempfile.TemporaryFile() as spool:
-            fd = os.dup(spool.fileno())
-    try:
-        os.ftruncate(fd, size)
-        with contextlib.suppress(OSError, AttributeError):
-            os.posix_fallocate(fd, 0, size)
-    except BaseException:
-        os.close(fd)
-        raise
+    """Blocking: a memfd of ``size`` bytes (sealed once filled), its pages
+    allocated now (the reader's copies then take no page-allocating faults, ~10%
+    faster here) or, where that is refused, on first touch."""
+    fd = sealable_fd(size, "coordinator-object")
+    with contextlib.suppress(OSError, AttributeError):
+        os.posix_fallocate(fd, 0, size)
     return fd
 
 
@@ -220,7 +211,7 @@ class ObjectBucket:
                     actual = await self._receive(info.nuid, view, name)
                 if actual != digest_hex:
                     raise ArtifactCorruptError(f"object {name!r} fails its digest ({actual})")
-                return mmap.mmap(fd, byte_length, access=mmap.ACCESS_READ)
+                return seal_fd(fd)  # the writable map is gone: sealed, nobody can write
             finally:
                 os.close(fd)
         except (nats.errors.Error, OSError) as error:  # the server, or memory, let us down
@@ -324,6 +315,7 @@ class ObjectArtifact(BaseHandle):
             raise ArtifactReleasedError(f"artifact {self.name!r} was released")
         if self._map is None:
             self._map = await self._bucket.read(self.object_name, self.byte_length, self.digest)
+            mark_verified(self)  # read() checked every byte against the digest
 
     def view(self) -> memoryview:
         if self.released:
@@ -332,8 +324,7 @@ class ObjectArtifact(BaseHandle):
             raise ArtifactUnavailableError(f"artifact {self.name!r} was not loaded")
         return memoryview(self._map)
 
-    def release(self) -> None:
-        self._release()
+    def _free(self) -> None:
         local_copy, self._map = self._map, None
         # The bus unmaps it in a worker thread, then deletes the object.
         self._on_release(

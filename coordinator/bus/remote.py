@@ -34,9 +34,8 @@ import nats.errors
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
-from .._errors import CoordinatorError, MutableCaptureError, RemoteWorkerError
-from .._types import is_immutable
-from ..artifacts import ArtifactHandle, ArtifactLedger
+from .._errors import CoordinatorError, RemoteWorkerError
+from ..artifacts import ArtifactHandle, ArtifactLedger, owned_bytes
 from ..events import subject_token
 from ..ids import check_id, is_digest
 from ..participant import CaptureScope, Participant, RestoreScope
@@ -277,9 +276,7 @@ class _Worker:
                 step=request.step,
                 checkpoint_id=request.checkpoint_id,
             )
-            data = await self.participant.capture(scope)
-            if not is_immutable(data):
-                raise MutableCaptureError(f"capture is a {type(data).__name__}: pass bytes")
+            data = await owned_bytes(await self.participant.capture(scope))
             with memoryview(data) as view:
                 flat = view.cast("B") if view.format != "B" else view
                 digest = await self.bucket.put(request.object, flat)

@@ -1,0 +1,47 @@
+"""The durable generation store: one directory, one manifest, generations of
+several sessions.
+
+::
+
+    <store>/
+      manifest.json              store manifest, canonical JSON: the commit point
+      tmp+manifest.json          its temporary
+      <checkpointId>.flysess     a committed generation (one FLYSESS1 envelope)
+      tmp+<checkpointId>.flysess a generation being written; never a restore candidate
+      LOCK                       flock'ed by the one writer
+
+One concept a module:
+
+- ``_manifest``: the store manifest's records, parsing and bytes;
+- ``_lineage``: sessions, epochs, timelines, high water and rotation (pure);
+- ``_commit``: the durable commit sequence, and the poison a failed fsync sets;
+- ``_verify``: reading a generation back with every check;
+- ``_sync``: ``SyncStore``, the blocking core (run it in a worker thread);
+- ``_facade``: ``FileStore``, the async face that does exactly that;
+- ``_threads``: low-priority threads for bulk commits.
+"""
+
+from ._commit import UnlinkFailure
+from ._facade import FileStore
+from ._manifest import EpochRecord, Fork, GenerationRecord, SessionRecord, StoreManifest
+from ._sync import DEFAULT_KEEP, CommitReceipt, StoreStatistics, SyncStore
+from ._threads import lower_thread_priority, run_in_bulk_thread
+from ._verify import StoredCheckpoint, VerifyReport
+
+__all__ = [
+    "DEFAULT_KEEP",
+    "CommitReceipt",
+    "EpochRecord",
+    "FileStore",
+    "Fork",
+    "GenerationRecord",
+    "SessionRecord",
+    "StoreManifest",
+    "StoreStatistics",
+    "StoredCheckpoint",
+    "SyncStore",
+    "UnlinkFailure",
+    "VerifyReport",
+    "lower_thread_priority",
+    "run_in_bulk_thread",
+]

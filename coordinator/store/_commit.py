@@ -1,0 +1,214 @@
+"""The durable commit sequence (seed 000, section 5), over one store directory.
+
+A generation: create ``tmp+<name>``, write, fsync, close, rename to ``<name>``,
+fsync the directory. Then the store manifest: create ``tmp+manifest.json``,
+write, fsync, close, rename over ``manifest.json`` (**the commit point**), fsync
+the directory. An epoch record is the manifest half alone.
+
+fsync failures are never retried (PostgreSQL's "fsyncgate"): a later fsync that
+returns 0 proves nothing about what the failed one lost.
+
+- A file's fsync fails: that file is closed and unlinked, the commit fails
+  (``SyncError``), and the next commit writes a new file.
+- A directory fsync fails: the store is **poisoned**. Every later commit is
+  refused (``StorePoisonedError``) until the store is reopened. If it was the
+  fsync after the commit point, this commit's durability is unknown
+  (``DurabilityUnknownError``): nothing is rolled back, because putting the old
+  manifest back would need the very fsync that just failed.
+
+Before the commit point the lock is checked again: if ``LOCK`` was unlinked or
+replaced, another writer may hold the new one, so the commit is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import time
+from collections.abc import Generator, Iterable, Sequence
+
+import msgspec
+
+from .._errors import (
+    CommitError,
+    DurabilityUnknownError,
+    NoSpaceError,
+    RenameError,
+    StoreLockedError,
+    StorePoisonedError,
+    SyncError,
+)
+from .._types import BytesLike
+from ..fs import FileSystem
+from ._manifest import (
+    LOCK,
+    MANIFEST,
+    TMP_MANIFEST,
+    TMP_PREFIX,
+    StoreManifest,
+    store_manifest_bytes,
+)
+
+__all__ = ["CommitSequence", "UnlinkFailure"]
+
+# Start writeback every this many bytes, so the final fsync has little left.
+_WRITEBACK_EVERY = 64 << 20
+
+
+class UnlinkFailure(msgspec.Struct, frozen=True, kw_only=True):
+    path: str
+    errno: int | None
+    reason: str
+
+
+class CommitSequence:
+    """The steps that make bytes durable in one directory, and the poison they set.
+    Not thread-safe: the store calls it from one thread at a time."""
+
+    def __init__(self, fs: FileSystem, path: str, lock_fd: int | None) -> None:
+        self.fs = fs
+        self.path = path
+        self.lock_fd = lock_fd
+        self.poisoned: str | None = None  # why, once a directory fsync failed
+        self.unlink_failures: list[UnlinkFailure] = []
+
+    def join(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def check_usable(self, checkpoint_id: str, operation: str = "commit") -> None:
+        """Refuse to go on in a poisoned store, or one whose lock was taken away."""
+        if self.poisoned is not None:
+            raise StorePoisonedError(checkpoint_id, operation, self.path)
+        if self.lock_fd is not None and not self.fs.same_file(self.lock_fd, self.join(LOCK)):
+            raise StoreLockedError(
+                self.path, f"{LOCK} was unlinked or replaced: another writer may hold it"
+            )
+
+    # --- the generation -------------------------------------------------------------
+
+    def write_generation(
+        self, checkpoint_id: str, name: str, pieces: Iterable[BytesLike], timings: dict[str, float]
+    ) -> str:
+        """Steps 1-4: the generation file, durable under ``name``; returns its path."""
+        final = self.join(name)
+        temporary = self.join(TMP_PREFIX + name)
+        self.write_file(checkpoint_id, temporary, pieces, timings)
+        started = time.perf_counter()
+        self.rename(checkpoint_id, temporary, final)
+        self.sync_dir(checkpoint_id, cleanup=[final])
+        timings["rename_and_sync_dir"] = round((time.perf_counter() - started) * 1000, 3)
+        return final
+
+    def write_file(
+        self,
+        checkpoint_id: str,
+        path: str,
+        pieces: Iterable[BytesLike],
+        timings: dict[str, float] | None = None,
+    ) -> None:
+        """Create ``path`` afresh, write ``pieces``, fsync, close. On any failure
+        the file is closed and unlinked; a failed fd is never fsynced again."""
+        self.unlink(path)  # a leftover from an earlier failure: always a new inode
+        try:
+            fd = self.fs.create(path)
+        except OSError as error:
+            raise commit_error(checkpoint_id, "create", path, error) from None
+        started = time.perf_counter()
+        try:
+            written = flushed = 0
+            for piece in pieces:
+                view = memoryview(piece)
+                while view:
+                    count = self.fs.write(fd, view)
+                    if count <= 0:
+                        raise OSError(errno.EIO, "write made no progress")
+                    view = view[count:]
+                    written += count
+                if written - flushed >= _WRITEBACK_EVERY:
+                    self.fs.start_writeback(fd, flushed, written - flushed)
+                    flushed = written
+            wrote = time.perf_counter()
+            try:
+                self.fs.fsync(fd)
+            except OSError as error:
+                raise SyncError(checkpoint_id, "fsync", path, error) from None
+        except BaseException as error:
+            if isinstance(pieces, Generator):
+                pieces.close()  # stop the encoder (and join its hashing threads)
+            with contextlib.suppress(OSError):  # the first error is the one to report
+                self.fs.close(fd)
+            self.unlink(path)
+            if isinstance(error, OSError):
+                raise commit_error(checkpoint_id, "write", path, error) from None
+            raise
+        try:
+            self.fs.close(fd)
+        except OSError as error:  # NFS and friends report write-back errors here
+            self.unlink(path)
+            raise commit_error(checkpoint_id, "close", path, error) from None
+        if timings is not None:
+            timings["write"] = round((wrote - started) * 1000, 3)
+            timings["fsync"] = round((time.perf_counter() - wrote) * 1000, 3)
+
+    def rename(self, checkpoint_id: str, source: str, target: str) -> None:
+        try:
+            self.fs.rename(source, target)
+        except OSError as error:
+            self.unlink(source)
+            raise RenameError(checkpoint_id, "rename", source, error) from None
+
+    def sync_dir(self, checkpoint_id: str, *, cleanup: Sequence[str] = ()) -> None:
+        """fsync the directory; a failure poisons the store (never retried)."""
+        try:
+            self.fs.fsync_dir(self.path)
+        except OSError as error:
+            self.poisoned = f"fsync of {self.path} failed ({error.strerror or error})"
+            for path in cleanup:  # unlisted: never a restore candidate either way
+                self.unlink(path)
+            raise SyncError(checkpoint_id, "fsync_dir", self.path, error) from None
+
+    # --- the store manifest ---------------------------------------------------------
+
+    def publish(
+        self, checkpoint_id: str, manifest: StoreManifest, *, cleanup: Sequence[str] = ()
+    ) -> None:
+        """Step 5: write, fsync, rename (the commit point) and fsync the directory.
+        Before the rename a failure leaves the old manifest (and ``cleanup`` goes);
+        after it, durability is unknown: ``DurabilityUnknownError``, poisoned."""
+        temporary, final = self.join(TMP_MANIFEST), self.join(MANIFEST)
+        try:
+            self.write_file(checkpoint_id, temporary, [store_manifest_bytes(manifest)])
+            self.check_usable(checkpoint_id)  # the lock, right before the commit point
+            self.rename(checkpoint_id, temporary, final)
+        except BaseException:
+            self.unlink(temporary)
+            for path in cleanup:
+                self.unlink(path)
+            raise
+        try:
+            self.fs.fsync_dir(self.path)
+        except OSError as error:
+            self.poisoned = f"fsync of {self.path} after the commit point failed"
+            raise DurabilityUnknownError(checkpoint_id, self.path, error) from None
+
+    # --- the rest -------------------------------------------------------------------
+
+    def unlink(self, path: str) -> bool:
+        """Unlink ``path`` (gone already is fine); a failure is recorded, not ignored."""
+        try:
+            self.fs.unlink(path)
+        except FileNotFoundError:
+            return True
+        except OSError as error:
+            self.unlink_failures.append(
+                UnlinkFailure(path=path, errno=error.errno, reason=error.strerror or str(error))
+            )
+            return False
+        return True
+
+
+def commit_error(checkpoint_id: str, operation: str, path: str, error: OSError) -> CommitError:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NoSpaceError(checkpoint_id, operation, path, error)
+    return CommitError(checkpoint_id, operation, path, error)

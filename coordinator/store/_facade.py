@@ -1,0 +1,184 @@
+"""``FileStore``: the async face of a store; every blocking call runs in a thread."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import anyio
+import anyio.to_thread
+
+from .._errors import StoreClosedError, UsageError
+from .._types import BytesLike
+from ..fs import FileSystem
+from ..manifest import CheckpointManifest
+from ._manifest import GenerationRecord, SessionRecord
+from ._sync import BULK_BYTES, DEFAULT_KEEP, CommitReceipt, StoreStatistics, SyncStore
+from ._threads import run_in_bulk_thread
+from ._verify import StoredCheckpoint, VerifyReport
+
+__all__ = ["FileStore"]
+
+
+class FileStore:
+    """The async face of a store: every blocking call runs in a worker thread.
+
+    ``abandon_on_cancel=False`` everywhere: a cancelled caller waits for the
+    thread, so a commit is never left half done. Commits, epoch records, reads
+    and verifies are serialized on one lock (the core is not thread-safe, and a
+    rotation must never unlink a generation between its selection and its
+    mapping); ``lookup``/``select`` are instant.
+
+        async with FileStore(path) as store:
+            receipt = await store.commit(manifest, payloads)
+            with await store.read() as checkpoint:
+                checkpoint.payload("world")
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        keep: int = DEFAULT_KEEP,
+        read_only: bool = False,
+        fs: FileSystem | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        self._options: dict[str, Any] = {"keep": keep, "read_only": read_only, "fs": fs}
+        self._core: SyncStore | None = None
+        self._lock = anyio.Lock()
+        self._claimed: set[str] = set()
+
+    @property
+    def core(self) -> SyncStore:
+        if self._core is None:
+            raise StoreClosedError(f"{self.path} is not open")
+        return self._core
+
+    async def _run(self, function: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(function, *args, abandon_on_cancel=False)
+
+    async def __aenter__(self) -> Self:
+        self._core = await self._run(lambda: SyncStore(self.path, **self._options))
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._core is not None:
+            core, self._core = self._core, None
+            with anyio.CancelScope(shield=True):
+                async with self._lock:  # a commit in flight finishes first
+                    core.close()
+
+    # --- sessions ------------------------------------------------------------------
+
+    def claim_session(self, session_id: str) -> None:
+        """One coordinator per session and store at a time (in this process; the
+        lock keeps other processes out)."""
+        if session_id in self._claimed:
+            raise UsageError(f"session {session_id} already has a coordinator on {self.path}")
+        self._claimed.add(session_id)
+
+    def release_session(self, session_id: str) -> None:
+        self._claimed.discard(session_id)
+
+    def session(self, session_id: str) -> SessionRecord | None:
+        return self.core.session(session_id)
+
+    def epoch_owner(self, epoch: str) -> str | None:
+        return self.core.epoch_owner(epoch)
+
+    async def open_epoch(self, session_id: str, epoch: str) -> SessionRecord:
+        async with self._lock:
+            record: SessionRecord = await self._run(self.core.open_epoch, session_id, epoch)
+            return record
+
+    async def fork_epoch(
+        self,
+        session_id: str,
+        epoch: str,
+        restored: str,
+        *,
+        last_step: int | None = None,
+        reason: Literal["rollback", "recovery"] = "rollback",
+    ) -> SessionRecord:
+        fork = functools.partial(self.core.fork_epoch, last_step=last_step, reason=reason)
+        async with self._lock:
+            record: SessionRecord = await self._run(fork, session_id, epoch, restored)
+            return record
+
+    # --- commits -------------------------------------------------------------------
+
+    async def commit(
+        self,
+        manifest: CheckpointManifest,
+        payloads: Sequence[tuple[str, BytesLike]],
+        *,
+        payloads_verified: bool = False,
+    ) -> CommitReceipt:
+        size = 0
+        for _, data in payloads:
+            with memoryview(data) as view:
+                size += view.nbytes
+        run = run_in_bulk_thread if size >= BULK_BYTES else self._run
+        commit = functools.partial(self.core.commit, payloads_verified=payloads_verified)
+        async with self._lock:
+            receipt: CommitReceipt = await run(commit, manifest, payloads)
+            return receipt
+
+    @property
+    def poisoned(self) -> str | None:
+        return self.core.poisoned
+
+    def lookup(
+        self, checkpoint_id: str, *, session_id: str | None = None
+    ) -> GenerationRecord | None:
+        return self.core.lookup(checkpoint_id, session_id=session_id)
+
+    def select(
+        self, checkpoint_id: str | None = None, *, session_id: str | None = None
+    ) -> GenerationRecord:
+        return self.core.select(checkpoint_id, session_id=session_id)
+
+    @property
+    def generations(self) -> tuple[GenerationRecord, ...]:
+        return self.core.generations
+
+    # --- reads ---------------------------------------------------------------------
+
+    async def read(
+        self, checkpoint_id: str | None = None, *, session_id: str | None = None
+    ) -> StoredCheckpoint:
+        """Read and verify the named generation, or the session's high water."""
+        async with self._lock:
+            record = self.core.select(checkpoint_id, session_id=session_id)
+            stored: StoredCheckpoint = await self._run(self.core.read, record)
+            return stored
+
+    async def read_newest_valid(self, *, session_id: str | None = None) -> StoredCheckpoint:
+        read = functools.partial(self.core.read_newest_valid, session_id=session_id)
+        async with self._lock:
+            stored: StoredCheckpoint = await self._run(read)
+            return stored
+
+    async def verify(self) -> VerifyReport:
+        async with self._lock:
+            report: VerifyReport = await self._run(self.core.verify)
+            return report
+
+    async def refresh(self) -> None:
+        async with self._lock:
+            await self._run(self.core.refresh)
+
+    def statistics(self) -> StoreStatistics:
+        return self.core.statistics()

@@ -1,0 +1,224 @@
+"""Sessions sharing a store: epochs, timelines, high water and rotation.
+
+Pure functions over a ``StoreManifest``; the commit sequence makes their results
+durable. The rules:
+
+- **Epochs are unique in a store**, across sessions and across runs: default
+  checkpoint ids (``<epoch>-<step>``) never collide, and event ids, which are
+  derived from the epoch, never repeat.
+- **A session's current epoch is the last one opened.** Only it may commit; a
+  generation of any other epoch of the session is refused (``EpochFencedError``).
+  A commit naming an epoch this store has never seen opens it, continuing the
+  current one.
+- **The timeline of an epoch** is its own generations, then its parent's
+  timeline: all of it for an epoch opened without a restore, only up to the
+  restored step for an epoch that began with a restore (a fork).
+- **A session's high water** is the newest-committed generation on the current
+  epoch's timeline. A default restore installs it, so a generation of an
+  abandoned timeline is never installed unless named.
+- **Rotation keeps ``keep`` generations per session**: generations off the
+  current timeline go first, then the oldest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+
+from .._errors import DuplicateCheckpointError, EpochFencedError, StaleEpochError
+from ._manifest import (
+    EpochRecord,
+    Fork,
+    GenerationRecord,
+    SessionRecord,
+    StoreManifest,
+    file_name_ok,
+)
+
+__all__ = [
+    "check_commit",
+    "check_consistent",
+    "high_water_of",
+    "on_timeline",
+    "with_forked_epoch",
+    "with_generation",
+    "with_opened_epoch",
+]
+
+
+def on_timeline(session: SessionRecord, record: GenerationRecord, epoch: str | None = None) -> bool:
+    """Whether ``record`` is on the timeline of ``epoch`` (default: the current one)."""
+    epochs = {e.epoch: e for e in session.epochs}
+    at = epochs.get(epoch or session.current)
+    cut: int | None = None  # the last step of ``at`` that is on the timeline
+    while at is not None:
+        if record.epoch == at.epoch:
+            return cut is None or int(record.boundary) <= cut
+        cut = int(at.fork.step) if at.fork is not None else None
+        at = epochs.get(at.parent) if at.parent is not None else None
+    return False
+
+
+def high_water_of(
+    session: SessionRecord, generations: Sequence[GenerationRecord]
+) -> GenerationRecord | None:
+    """The newest-committed generation on the session's current timeline."""
+    for record in reversed(generations):
+        if record.session_id == session.session_id and on_timeline(session, record):
+            return record
+    return None
+
+
+def _with_session(
+    manifest: StoreManifest, session: SessionRecord, generations: Sequence[GenerationRecord]
+) -> StoreManifest:
+    """``manifest`` with ``session`` (its high water recomputed) and ``generations``."""
+    newest = high_water_of(session, generations)
+    session = msgspec.structs.replace(
+        session, high_water=newest.checkpoint_id if newest is not None else None
+    )
+    others = [s for s in manifest.sessions if s.session_id != session.session_id]
+    return StoreManifest.of(generations, [*others, session])
+
+
+def _new_epoch(manifest: StoreManifest, session_id: str, epoch: str) -> SessionRecord | None:
+    """The session's record, after checking that ``epoch`` was never opened here."""
+    owner = manifest.epoch_owner(epoch)
+    if owner is not None:
+        raise StaleEpochError(
+            f"epoch {epoch} was opened before in this store (session {owner}); "
+            "epochs are used once: choose a new one"
+        )
+    return manifest.session(session_id)
+
+
+def with_opened_epoch(manifest: StoreManifest, session_id: str, epoch: str) -> StoreManifest:
+    """``epoch`` opened for ``session_id``, continuing its current timeline."""
+    session = _new_epoch(manifest, session_id, epoch)
+    parent = session.current if session is not None else None
+    opened = EpochRecord(epoch=epoch, parent=parent, fork=None)
+    if session is None:
+        session = SessionRecord(session_id=session_id, high_water=None, epochs=(opened,))
+    else:
+        session = msgspec.structs.replace(session, epochs=(*session.epochs, opened))
+    return _with_session(manifest, session, manifest.generations)
+
+
+def with_forked_epoch(
+    manifest: StoreManifest,
+    session_id: str,
+    epoch: str,
+    restored: GenerationRecord,
+    *,
+    last_step: int | None,
+    reason: Literal["rollback", "recovery"],
+) -> StoreManifest:
+    """``epoch`` opened by a restore of ``restored``: the session's timeline now
+    runs through ``restored`` and goes on in ``epoch``. The abandoned range runs
+    from the step after ``restored`` to the last step the old timeline reached
+    (``last_step``, what the host captured, or a listed generation's boundary)."""
+    session = _new_epoch(manifest, session_id, epoch)
+    if session is None or restored.session_id != session_id:
+        raise DuplicateCheckpointError(
+            f"checkpoint {restored.checkpoint_id} is not a checkpoint of session {session_id}"
+        )
+    step = int(restored.boundary)
+    fork = Fork(
+        checkpoint_id=restored.checkpoint_id,
+        step=restored.boundary,
+        previous_epoch=session.current,
+        abandoned_from=None,
+        abandoned_to=None,
+        reason=reason,
+    )
+    record = EpochRecord(epoch=epoch, parent=restored.epoch, fork=fork)
+    forked = msgspec.structs.replace(session, epochs=(*session.epochs, record))
+    reached = [last_step] if last_step is not None else []
+    reached += [
+        int(g.boundary)
+        for g in manifest.generations
+        if g.session_id == session_id and on_timeline(session, g) and not on_timeline(forked, g)
+    ]
+    end = max(reached, default=step)
+    if end > step:
+        fork = msgspec.structs.replace(fork, abandoned_from=str(step + 1), abandoned_to=str(end))
+        record = msgspec.structs.replace(record, fork=fork)
+    session = msgspec.structs.replace(session, epochs=(*session.epochs, record))
+    return _with_session(manifest, session, manifest.generations)
+
+
+def check_commit(manifest: StoreManifest, session_id: str, epoch: str, checkpoint_id: str) -> None:
+    """Refuse a generation of an abandoned epoch, of an epoch another session
+    opened, or with another session's checkpoint id (before anything is written)."""
+    session = manifest.session(session_id)
+    if session is None or session.epoch(epoch) is None:
+        _new_epoch(manifest, session_id, epoch)
+    elif session.current != epoch:
+        raise EpochFencedError(
+            f"epoch {epoch} of session {session_id} was abandoned: the session goes on "
+            f"in epoch {session.current}; {checkpoint_id} is not committed"
+        )
+    previous = manifest.lookup(checkpoint_id)
+    if previous is not None and previous.session_id != session_id:
+        raise DuplicateCheckpointError(
+            f"checkpoint {checkpoint_id} belongs to session {previous.session_id}"
+        )
+
+
+def with_generation(
+    manifest: StoreManifest, record: GenerationRecord, keep: int
+) -> tuple[StoreManifest, list[GenerationRecord]]:
+    """``record`` committed (replacing a listed record of the same id), and the
+    session's generations rotated to ``keep``: the new manifest, and what it drops."""
+    check_commit(manifest, record.session_id, record.epoch, record.checkpoint_id)
+    session = manifest.session(record.session_id)
+    if session is None or session.epoch(record.epoch) is None:
+        manifest = with_opened_epoch(manifest, record.session_id, record.epoch)
+        session = manifest.session(record.session_id)
+        assert session is not None
+    generations = [g for g in manifest.generations if g.checkpoint_id != record.checkpoint_id]
+    generations.append(record)
+    mine = [g for g in generations if g.session_id == record.session_id]
+    dropped: list[GenerationRecord] = []
+    if len(mine) > keep:
+        off = [g for g in mine if not on_timeline(session, g)]
+        on = [g for g in mine if on_timeline(session, g)]
+        dropped = (off + on)[: len(mine) - keep]
+        generations = [g for g in generations if g not in dropped]
+    return _with_session(manifest, session, generations), dropped
+
+
+def check_consistent(manifest: StoreManifest) -> str | None:
+    """The first rule ``manifest`` breaks, or ``None``: what every writer keeps."""
+    ids = [g.checkpoint_id for g in manifest.generations]
+    if len(set(ids)) != len(ids):
+        return "a checkpoint id is listed twice"
+    names = [s.session_id for s in manifest.sessions]
+    if names != sorted(set(names)):
+        return "sessions are not listed once each, in id order"
+    seen: set[str] = set()
+    for session in manifest.sessions:
+        if not session.epochs:
+            return f"session {session.session_id} has no epoch"
+        earlier: set[str] = set()
+        for record in session.epochs:
+            if record.epoch in seen:
+                return f"epoch {record.epoch} is opened twice"
+            links = [record.parent] + ([record.fork.previous_epoch] if record.fork else [])
+            if any(link is not None and link not in earlier for link in links):
+                return f"epoch {record.epoch} continues an epoch its session did not open before"
+            seen.add(record.epoch)
+            earlier.add(record.epoch)
+    for generation in manifest.generations:
+        if not file_name_ok(generation):  # never a path that leaves the store
+            return f"{generation.checkpoint_id}: bad file {generation.file!r}"
+        owner = manifest.session(generation.session_id)
+        if owner is None or owner.epoch(generation.epoch) is None:
+            return f"{generation.checkpoint_id}: epoch {generation.epoch} is not its session's"
+    for session in manifest.sessions:
+        newest = high_water_of(session, manifest.generations)
+        if session.high_water != (newest.checkpoint_id if newest is not None else None):
+            return f"session {session.session_id}: highWater is not its timeline's newest"
+    return None

@@ -1,0 +1,213 @@
+"""The store manifest: which generations exist, and each session's epochs.
+
+``manifest.json`` is canonical JSON. Version 2::
+
+    {storeManifestVersion: 2, stateFormatId: "flysess-1",
+     generations: [GenerationRecord, ...],          commit order, oldest first
+     sessions: [{sessionId, highWater, epochs: [EpochRecord, ...]}, ...]}   by id
+
+Version 1 (``highWater`` and ``generations`` only) is still read; it is
+rewritten as version 2 by the next commit. Parsing checks every rule a writer
+keeps, so a file that breaks one is refused (``StoreManifestError``), never
+read as something else.
+
+File names in the store: ``<id>.flysess`` is a generation, ``tmp+<name>`` a
+temporary. ``+`` is no Id character, so no checkpoint id can name a temporary
+and no temporary can be taken for a generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+
+from .._errors import JsonError, StoreManifestError
+from ..canonical import canonical_bytes, parse_canonical
+from ..ids import U64, Digest, Id
+
+__all__ = [
+    "ALTERNATE",
+    "LEGACY_TMP_PREFIX",
+    "LOCK",
+    "MANIFEST",
+    "MAX_STORE_MANIFEST_BYTES",
+    "SUFFIX",
+    "TMP_MANIFEST",
+    "TMP_PREFIX",
+    "EpochRecord",
+    "Fork",
+    "GenerationRecord",
+    "SessionRecord",
+    "StoreManifest",
+    "file_name_ok",
+    "parse_store_manifest",
+    "store_manifest_bytes",
+]
+
+MANIFEST = "manifest.json"
+TMP_PREFIX = "tmp+"
+TMP_MANIFEST = TMP_PREFIX + MANIFEST
+# Earlier versions named temporaries "tmp-…"; an unlisted one is still cleaned up.
+LEGACY_TMP_PREFIX = "tmp-"
+LOCK = "LOCK"
+SUFFIX = ".flysess"
+# A re-commit of a listed id is written beside the listed file, never over it:
+# until the commit point the old generation must stay intact.
+ALTERNATE = "+1"
+# A manifest of thousands of generations is well under this; a bigger file is hostile.
+MAX_STORE_MANIFEST_BYTES = 16 << 20
+
+
+class _Record(
+    msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True
+):
+    pass
+
+
+class GenerationRecord(_Record, frozen=True, kw_only=True):
+    """One committed generation, as the store manifest lists it."""
+
+    checkpoint_id: Id
+    file: str
+    session_id: Id
+    epoch: Id
+    episode_id: Id
+    boundary: U64
+    compatibility_digest: Digest
+    envelope_digest: Digest
+    byte_length: U64
+
+
+class Fork(_Record, frozen=True, kw_only=True):
+    """How an epoch began with a restore: from which checkpoint, and which steps
+    of the timeline that was current then were abandoned (``None``: none)."""
+
+    checkpoint_id: Id  # the generation restored
+    step: U64  # its boundary: the new epoch goes on from here
+    previous_epoch: Id  # the epoch that was current before the restore
+    abandoned_from: U64 | None
+    abandoned_to: U64 | None
+    reason: Literal["rollback", "recovery"]
+
+
+class EpochRecord(_Record, frozen=True, kw_only=True):
+    """One epoch of a session. ``parent`` is the epoch whose timeline it continues
+    (``None``: the session's first); with ``fork`` it continues it only up to the
+    restored step, else all of it (a host that reopened without a restore)."""
+
+    epoch: Id
+    parent: Id | None
+    fork: Fork | None
+
+
+class SessionRecord(_Record, frozen=True, kw_only=True):
+    """A session's epochs in the order they were opened (the last is current), and
+    its high water: the newest generation on the current epoch's timeline."""
+
+    session_id: Id
+    high_water: Id | None
+    epochs: tuple[EpochRecord, ...]
+
+    @property
+    def current(self) -> str:
+        return self.epochs[-1].epoch
+
+    def epoch(self, epoch: str) -> EpochRecord | None:
+        return next((record for record in self.epochs if record.epoch == epoch), None)
+
+
+class StoreManifest(_Record, frozen=True, kw_only=True):
+    """``manifest.json``: every generation (commit order) and every session."""
+
+    store_manifest_version: Literal[2]
+    state_format_id: Literal["flysess-1"]
+    generations: tuple[GenerationRecord, ...]
+    sessions: tuple[SessionRecord, ...]
+
+    @classmethod
+    def of(
+        cls,
+        generations: Sequence[GenerationRecord] = (),
+        sessions: Sequence[SessionRecord] = (),
+    ) -> StoreManifest:
+        ordered = tuple(sorted(sessions, key=lambda s: s.session_id))
+        return cls(
+            store_manifest_version=2,
+            state_format_id="flysess-1",
+            generations=tuple(generations),
+            sessions=ordered,
+        )
+
+    def session(self, session_id: str) -> SessionRecord | None:
+        return next((s for s in self.sessions if s.session_id == session_id), None)
+
+    def lookup(self, checkpoint_id: str) -> GenerationRecord | None:
+        return next((g for g in self.generations if g.checkpoint_id == checkpoint_id), None)
+
+    def epoch_owner(self, epoch: str) -> str | None:
+        """The session that opened ``epoch`` in this store, if any."""
+        for session in self.sessions:
+            if session.epoch(epoch) is not None:
+                return session.session_id
+        return None
+
+
+class _StoreManifestV1(_Record, frozen=True, kw_only=True):
+    store_manifest_version: Literal[1]
+    state_format_id: Literal["flysess-1"]
+    high_water: Id | None
+    generations: tuple[GenerationRecord, ...]
+
+
+def _upgraded(old: _StoreManifestV1, path: str) -> StoreManifest:
+    """A version 1 manifest as version 2: each session's epochs in the order its
+    generations first name them, each continuing the one before."""
+    expected_high = old.generations[-1].checkpoint_id if old.generations else None
+    if old.high_water != expected_high:
+        raise StoreManifestError(path, f"highWater {old.high_water!r} is not the newest generation")
+    epochs: dict[str, list[EpochRecord]] = {}
+    newest: dict[str, str] = {}
+    for record in old.generations:
+        known = epochs.setdefault(record.session_id, [])
+        if all(e.epoch != record.epoch for e in known):
+            parent = known[-1].epoch if known else None
+            known.append(EpochRecord(epoch=record.epoch, parent=parent, fork=None))
+        newest[record.session_id] = record.checkpoint_id
+    sessions = tuple(
+        SessionRecord(session_id=sid, high_water=newest[sid], epochs=tuple(epochs[sid]))
+        for sid in sorted(epochs)
+    )
+    return StoreManifest.of(old.generations, sessions)
+
+
+def parse_store_manifest(data: bytes, path: str) -> StoreManifest:
+    """Strict, canonical, typed and consistent: or ``StoreManifestError``."""
+    from ._lineage import check_consistent  # the rules live with the lineage
+
+    try:
+        value = parse_canonical(data)
+        version = value.get("storeManifestVersion") if isinstance(value, dict) else None
+        if version == 1:
+            manifest = _upgraded(msgspec.convert(value, _StoreManifestV1, strict=True), path)
+        else:
+            manifest = msgspec.convert(value, StoreManifest, strict=True)
+    except (JsonError, msgspec.ValidationError) as error:
+        raise StoreManifestError(path, str(error)) from None
+    problem = check_consistent(manifest)
+    if problem is not None:
+        raise StoreManifestError(path, problem)
+    return manifest
+
+
+def store_manifest_bytes(manifest: StoreManifest) -> bytes:
+    return canonical_bytes(msgspec.to_builtins(manifest))
+
+
+def file_name_ok(record: GenerationRecord) -> bool:
+    """A record's file is its id's name (or the alternate): never a path elsewhere."""
+    return record.file in (
+        f"{record.checkpoint_id}{SUFFIX}",
+        f"{record.checkpoint_id}{ALTERNATE}{SUFFIX}",
+    )

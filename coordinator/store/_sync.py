@@ -1,0 +1,472 @@
+"""``SyncStore``: the blocking core of a generation store (run it in a worker thread).
+
+It holds the lock, the manifest as last made durable, and the counters; the
+commit sequence (``_commit``), the session rules (``_lineage``) and reading
+(``_verify``) each live in a module of their own.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import time
+from collections.abc import Sequence
+from typing import Literal, Self
+
+import msgspec
+
+from .._errors import (
+    GenerationCorruptError,
+    GenerationNotFoundError,
+    StoreClosedError,
+    StoreDirectoryError,
+    StoreLockedError,
+    StoreManifestError,
+    StoreReadOnlyError,
+    UsageError,
+)
+from .._types import BytesLike
+from ..canonical import canonical_bytes
+from ..envelope import plan
+from ..fs import FileSystem
+from ..ids import check_id
+from ..manifest import CheckpointManifest, Compatibility, manifest_to_builtins
+from ..sealed import is_owned
+from ._commit import CommitSequence, UnlinkFailure
+from ._lineage import (
+    check_commit,
+    on_timeline,
+    with_forked_epoch,
+    with_generation,
+    with_opened_epoch,
+)
+from ._manifest import (
+    ALTERNATE,
+    LOCK,
+    MANIFEST,
+    MAX_STORE_MANIFEST_BYTES,
+    SUFFIX,
+    GenerationRecord,
+    SessionRecord,
+    StoreManifest,
+    parse_store_manifest,
+)
+from ._threads import lower_thread_priority
+from ._verify import (
+    StoredCheckpoint,
+    VerifyReport,
+    is_temporary,
+    read_generation,
+    verify_generations,
+)
+
+__all__ = ["BULK_BYTES", "DEFAULT_KEEP", "CommitReceipt", "StoreStatistics", "SyncStore"]
+
+DEFAULT_KEEP = 3
+# A commit this large is bulk work: it runs on low-priority threads of its own.
+BULK_BYTES = 16 << 20
+
+
+class StoreStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    path: str
+    read_only: bool
+    generations: int
+    sessions: int
+    poisoned: str | None  # why commits are refused until the store is reopened
+    commits: int
+    failed_commits: int
+    bytes_committed: int
+    removed_temporaries: tuple[str, ...]
+    unreferenced: tuple[str, ...]
+    unlink_failures: tuple[UnlinkFailure, ...]
+
+
+class CommitReceipt(msgspec.Struct, frozen=True, kw_only=True):
+    """What a successful commit made durable."""
+
+    record: GenerationRecord
+    high_water: str  # the session's high water now: this checkpoint
+    dropped: tuple[str, ...]
+    timings_ms: dict[str, float]
+
+
+@functools.lru_cache(maxsize=64)
+def _compatibility_digest(compatibility: Compatibility) -> str:
+    """SHA-256 of the canonical compatibility record (it rarely changes: cached)."""
+    return hashlib.sha256(canonical_bytes(msgspec.to_builtins(compatibility))).hexdigest()
+
+
+class SyncStore:
+    """The blocking core of a generation store. Not thread-safe: one caller at a time.
+
+    ``keep`` generations are kept per session. A writer holds ``LOCK``; a
+    ``read_only`` open takes no lock and removes nothing.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        keep: int = DEFAULT_KEEP,
+        read_only: bool = False,
+        create: bool = True,
+        fs: FileSystem | None = None,
+    ) -> None:
+        if keep < 1:
+            raise ValueError("keep must be at least 1")
+        self.path = os.fspath(path)
+        self.keep = keep
+        self.read_only = read_only
+        self._fs = fs or FileSystem()
+        self._closed = False
+        self._commits = 0
+        self._failed = 0
+        self._bytes = 0
+        self._removed: list[str] = []
+        self._unreferenced: list[str] = []
+        lock_fd = None
+        if not read_only:
+            if create:
+                self._fs.mkdir(self.path)
+            lock_fd = self._lock()
+        self._sequence = CommitSequence(self._fs, self.path, lock_fd)
+        try:
+            self._manifest = self._load_manifest()
+            self._scan()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- opening -------------------------------------------------------------------
+
+    def _join(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def _lock(self) -> int:
+        """flock ``LOCK``, and make sure the file locked is the one the path names
+        (someone may unlink and recreate it between our open and our flock)."""
+        path = self._join(LOCK)
+        for _ in range(3):
+            try:
+                fd = self._fs.lock(path)
+            except OSError as error:
+                raise StoreDirectoryError(
+                    f"{self.path}: cannot lock {LOCK}: {error.strerror or error}"
+                ) from None
+            if fd is None:
+                raise StoreLockedError(self.path)
+            if self._fs.same_file(fd, path):
+                return fd
+            self._fs.close(fd)
+        raise StoreLockedError(self.path, f"{LOCK} keeps being replaced while we lock it")
+
+    def _load_manifest(self) -> StoreManifest:
+        path = self._join(MANIFEST)
+        try:
+            fd = self._fs.open(path)
+        except FileNotFoundError:
+            return StoreManifest.of()  # a new store; anything else is an error
+        except OSError as error:
+            raise StoreManifestError(path, error.strerror or str(error)) from None
+        try:
+            size = self._fs.size(fd)
+            if size > MAX_STORE_MANIFEST_BYTES:
+                raise StoreManifestError(path, f"{size} bytes, more than any store writes")
+            data = self._fs.read(fd, size)
+        except OSError as error:
+            raise StoreManifestError(path, error.strerror or str(error)) from None
+        finally:
+            self._fs.close(fd)
+        return parse_store_manifest(data, path)
+
+    def _scan(self) -> None:
+        """Remove leftover temporaries (writers only, under the lock); report
+        generation files the manifest does not list."""
+        listed = {record.file for record in self._manifest.generations}
+        for name in self._fs.list(self.path):
+            if is_temporary(name, listed):
+                if not self.read_only and self._sequence.unlink(self._join(name)):
+                    self._removed.append(name)
+            elif name.endswith(SUFFIX) and name not in listed:
+                self._unreferenced.append(name)
+
+    # --- the manifest --------------------------------------------------------------
+
+    @property
+    def generations(self) -> tuple[GenerationRecord, ...]:
+        """Committed generations of every session, oldest first."""
+        return self._manifest.generations
+
+    @property
+    def sessions(self) -> tuple[SessionRecord, ...]:
+        return self._manifest.sessions
+
+    def session(self, session_id: str) -> SessionRecord | None:
+        return self._manifest.session(session_id)
+
+    def epoch_owner(self, epoch: str) -> str | None:
+        """The session that opened ``epoch`` in this store, if one did."""
+        return self._manifest.epoch_owner(epoch)
+
+    @property
+    def poisoned(self) -> str | None:
+        """Why commits are refused until the store is reopened (``None``: they aren't)."""
+        return self._sequence.poisoned
+
+    def _only_session(self) -> SessionRecord | None:
+        sessions = self._manifest.sessions
+        if len(sessions) > 1:
+            names = ", ".join(s.session_id for s in sessions)
+            raise UsageError(f"{self.path} holds sessions {names}: name one")
+        return sessions[0] if sessions else None
+
+    @property
+    def high_water(self) -> str | None:
+        """The high water of the store's only session (``None``: no session yet).
+        A store shared by several sessions has one per session: ``session(id)``."""
+        session = self._only_session()
+        return session.high_water if session is not None else None
+
+    def refresh(self) -> None:
+        """Read ``manifest.json`` again: for read-only opens beside a live writer.
+        A writer's own manifest is the truth, so a writer refuses."""
+        self._check_open()
+        if not self.read_only:
+            raise UsageError("refresh() is for read-only stores; a writer's manifest is current")
+        self._manifest = self._load_manifest()
+
+    def lookup(
+        self, checkpoint_id: str, *, session_id: str | None = None
+    ) -> GenerationRecord | None:
+        """The record of ``checkpoint_id`` if it is committed (of ``session_id``, when
+        given). This, never a second save, is how a lost reply is resolved."""
+        record = self._manifest.lookup(checkpoint_id)
+        if record is None or (session_id is not None and record.session_id != session_id):
+            return None
+        return record
+
+    def select(
+        self, checkpoint_id: str | None = None, *, session_id: str | None = None
+    ) -> GenerationRecord:
+        """The named generation, or the session's high water (the store's only
+        session when none is named). No silent fallback: a caller who wants an
+        older generation names it (see ``read_newest_valid``)."""
+        self._check_open()
+        if checkpoint_id is None:
+            session = self._only_session() if session_id is None else self.session(session_id)
+            wanted = session.high_water if session is not None else None
+            if wanted is None:
+                what = f"session {session_id} has no checkpoint" if session_id else "empty"
+                raise GenerationNotFoundError(f"{self.path}: {what}")
+        else:
+            wanted = checkpoint_id
+        record = self.lookup(wanted, session_id=session_id)
+        if record is None:
+            whose = f" for session {session_id}" if session_id is not None else ""
+            raise GenerationNotFoundError(f"{self.path}: {wanted!r} is not committed{whose}")
+        return record
+
+    # --- reading -------------------------------------------------------------------
+
+    def read(self, record: GenerationRecord) -> StoredCheckpoint:
+        """Open, check and decode one generation (see ``_verify``)."""
+        self._check_open()
+        return read_generation(self._fs, self._join(record.file), record)
+
+    def read_newest_valid(self, *, session_id: str | None = None) -> StoredCheckpoint:
+        """The explicit fallback: the newest generation on the session's timeline
+        that verifies."""
+        self._check_open()
+        session = self._only_session() if session_id is None else self.session(session_id)
+        errors: list[GenerationCorruptError] = []
+        for record in reversed(self._manifest.generations):
+            if session is None or record.session_id != session.session_id:
+                continue
+            if not on_timeline(session, record):
+                continue
+            try:
+                return self.read(record)
+            except GenerationCorruptError as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+        raise GenerationNotFoundError(f"{self.path}: no checkpoint to read")
+
+    def verify(self) -> VerifyReport:
+        """Read and check every listed generation; report stray files."""
+        self._check_open()
+        return verify_generations(
+            self._fs, self._join, self._manifest.generations, self._fs.list(self.path)
+        )
+
+    # --- committing ----------------------------------------------------------------
+
+    def _writable(self, checkpoint_id: str) -> None:
+        self._check_open()
+        if self.read_only:
+            raise StoreReadOnlyError(f"{self.path} was opened read-only")
+        self._sequence.check_usable(checkpoint_id)
+
+    def commit(
+        self,
+        manifest: CheckpointManifest,
+        payloads: Sequence[tuple[str, BytesLike]],
+        *,
+        payloads_verified: bool = False,
+    ) -> CommitReceipt:
+        """Make one checkpoint durable, or raise having made nothing durable (or,
+        ``DurabilityUnknownError``, not knowing).
+
+        ``payloads_verified``: the payloads are owned memory and their manifest
+        digests were computed from these very bytes (artifact handles), so the
+        envelope takes only the footer's hash (see ``envelope.plan``).
+        """
+        checkpoint_id = manifest.checkpoint_id
+        self._writable(checkpoint_id)
+        # Ids become file names and lineage keys here: checked again, because
+        # msgspec constructors and structs.replace skip pattern checks.
+        scope = manifest.source_scope
+        for value in (checkpoint_id, scope.session_id, scope.epoch):
+            check_id(value)
+        check_commit(self._manifest, scope.session_id, scope.epoch, checkpoint_id)
+        for name, data in payloads:
+            if not is_owned(data):
+                raise UsageError(
+                    f"payload {name!r} is memory someone else can change "
+                    f"({type(data).__name__}): pass bytes (or let a Coordinator capture it, "
+                    "which copies it once). Bytes that change while they are written "
+                    "would commit a generation that fails its own digest."
+                )
+        try:
+            receipt = self._commit(manifest, payloads, payloads_verified)
+        except BaseException:
+            self._failed += 1
+            raise
+        self._commits += 1
+        self._bytes += int(receipt.record.byte_length)
+        return receipt
+
+    def _commit(
+        self,
+        manifest: CheckpointManifest,
+        payloads: Sequence[tuple[str, BytesLike]],
+        payloads_verified: bool,
+    ) -> CommitReceipt:
+        checkpoint_id = manifest.checkpoint_id
+        started = time.perf_counter()
+        envelope_plan = plan(
+            manifest_to_builtins(manifest), payloads, payloads_verified=payloads_verified
+        )
+        previous = self._manifest.lookup(checkpoint_id)
+        name = f"{checkpoint_id}{SUFFIX}"
+        if previous is not None and previous.file == name:
+            name = f"{checkpoint_id}{ALTERNATE}{SUFFIX}"
+        timings = {"plan": round((time.perf_counter() - started) * 1000, 3)}
+
+        bulk = envelope_plan.size >= BULK_BYTES
+        pieces = envelope_plan.stream(thread_setup=lower_thread_priority if bulk else None)
+        final = self._sequence.write_generation(checkpoint_id, name, pieces, timings)
+        sealed = envelope_plan.sealed
+        if sealed is None:  # stream() always seals before its footer; never reached
+            raise RuntimeError("envelope stream ended without a footer")
+
+        clock = time.perf_counter()
+        record = GenerationRecord(
+            checkpoint_id=checkpoint_id,
+            file=name,
+            session_id=manifest.source_scope.session_id,
+            epoch=manifest.source_scope.epoch,
+            episode_id=manifest.episode_id,
+            boundary=manifest.source_scope.step,
+            compatibility_digest=_compatibility_digest(manifest.compatibility),
+            envelope_digest=sealed.envelope_digest,
+            byte_length=str(envelope_plan.size),
+        )
+        updated, dropped = with_generation(self._manifest, record, self.keep)
+        self._sequence.publish(checkpoint_id, updated, cleanup=[final])
+        self._manifest = updated
+        timings["manifest"] = round((time.perf_counter() - clock) * 1000, 3)
+
+        # after the commit point: files nothing lists any more
+        unlisted = {r.file for r in dropped}
+        if previous is not None and previous.file != name:
+            unlisted.add(previous.file)
+        for file in sorted(unlisted):
+            self._sequence.unlink(self._join(file))
+        return CommitReceipt(
+            record=record,
+            high_water=checkpoint_id,
+            dropped=tuple(r.checkpoint_id for r in dropped),
+            timings_ms=timings,
+        )
+
+    def open_epoch(self, session_id: str, epoch: str) -> SessionRecord:
+        """Record durably that ``session_id`` goes on in ``epoch`` (continuing its
+        timeline). ``StaleEpochError`` if the store ever opened ``epoch`` before."""
+        self._writable(epoch)
+        updated = with_opened_epoch(self._manifest, check_id(session_id), check_id(epoch))
+        return self._record(epoch, updated, session_id)
+
+    def fork_epoch(
+        self,
+        session_id: str,
+        epoch: str,
+        restored: str,
+        *,
+        last_step: int | None = None,
+        reason: Literal["rollback", "recovery"] = "rollback",
+    ) -> SessionRecord:
+        """Record durably that ``session_id`` was restored to checkpoint ``restored``
+        and goes on in ``epoch``: what its old timeline held after that step is
+        abandoned, and a default restore never installs it again."""
+        self._writable(epoch)
+        record = self.lookup(restored, session_id=session_id)
+        if record is None:
+            raise GenerationNotFoundError(f"{self.path}: {restored!r} is not committed")
+        updated = with_forked_epoch(
+            self._manifest, check_id(session_id), check_id(epoch), record,
+            last_step=last_step, reason=reason,
+        )  # fmt: skip
+        return self._record(epoch, updated, session_id)
+
+    def _record(self, epoch: str, updated: StoreManifest, session_id: str) -> SessionRecord:
+        self._sequence.publish(epoch, updated)
+        self._manifest = updated
+        session = updated.session(session_id)
+        assert session is not None
+        return session
+
+    # --- the rest ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self.path} is closed")
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(
+            path=self.path,
+            read_only=self.read_only,
+            generations=len(self._manifest.generations),
+            sessions=len(self._manifest.sessions),
+            poisoned=self._sequence.poisoned,
+            commits=self._commits,
+            failed_commits=self._failed,
+            bytes_committed=self._bytes,
+            removed_temporaries=tuple(self._removed),
+            unreferenced=tuple(self._unreferenced),
+            unlink_failures=tuple(self._sequence.unlink_failures),
+        )
+
+    def close(self) -> None:
+        sequence = getattr(self, "_sequence", None)
+        if sequence is not None and sequence.lock_fd is not None:
+            self._fs.close(sequence.lock_fd)
+            sequence.lock_fd = None
+        self._closed = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

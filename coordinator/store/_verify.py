@@ -1,0 +1,164 @@
+"""Reading a generation back, with every check, in the spec's order.
+
+``read_generation`` checks the file length against the recorded ``byteLength``,
+then the whole-file SHA-256 against ``envelopeDigest`` (taken in the same pass
+as the envelope's own digests; only a refused file pays another pass), then
+every envelope check, then the typed manifest and that it names the same
+checkpoint. Any failure is ``GenerationCorruptError`` with ``check``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+from collections.abc import Callable, Sequence
+from typing import Self
+
+import msgspec
+
+from .._errors import CorruptEnvelopeError, GenerationCorruptError, ManifestError
+from ..envelope import FOOTER_BYTES, HEADER_BYTES, Envelope, decode
+from ..fs import FileSystem
+from ..manifest import CheckpointManifest, manifest_from_builtins
+from ._manifest import LEGACY_TMP_PREFIX, SUFFIX, TMP_PREFIX, GenerationRecord
+
+__all__ = ["StoredCheckpoint", "VerifyReport", "read_generation", "verify_generations"]
+
+
+class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
+    verified: tuple[str, ...]
+    failures: tuple[GenerationCorruptError, ...]
+    temporaries: tuple[str, ...]
+    unreferenced: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+class StoredCheckpoint:
+    """A generation read and verified: its record, typed manifest and envelope.
+
+    Payloads are zero-copy views of a read-only map; ``close()`` (or leaving the
+    ``with`` block) releases them and unmaps the file.
+    """
+
+    def __init__(
+        self,
+        record: GenerationRecord,
+        manifest: CheckpointManifest,
+        envelope: Envelope,
+        closer: Callable[[], None],
+    ) -> None:
+        self.record = record
+        self.manifest = manifest
+        self.envelope = envelope
+        self._closer = closer
+
+    def payload(self, name: str) -> memoryview:
+        return self.envelope.payload(name)
+
+    def close(self) -> None:
+        self.envelope.release()
+        self._closer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_generation(fs: FileSystem, path: str, record: GenerationRecord) -> StoredCheckpoint:
+    """Open, check and decode the generation ``record`` lists at ``path``."""
+    try:
+        fd = fs.open(path)
+    except OSError as error:
+        raise GenerationCorruptError(
+            record.checkpoint_id, path, "missing", error.strerror or str(error)
+        ) from None
+    try:
+        size = fs.size(fd)
+        if size != int(record.byte_length) or size < HEADER_BYTES + FOOTER_BYTES:
+            raise GenerationCorruptError(
+                record.checkpoint_id, path, "length",
+                f"{size} bytes, the manifest records {record.byte_length}",
+            )  # fmt: skip
+        mapped = fs.map(fd)
+    finally:
+        fs.close(fd)  # the map keeps the file; no descriptor outlives the read
+    try:
+        envelope = _decode(record, path, mapped)
+        try:
+            manifest = manifest_from_builtins(envelope.manifest)
+        except ManifestError as error:
+            envelope.release()
+            raise GenerationCorruptError(
+                record.checkpoint_id, path, "manifest", str(error)
+            ) from None
+        if manifest.checkpoint_id != record.checkpoint_id:
+            envelope.release()
+            raise GenerationCorruptError(
+                record.checkpoint_id, path, "identity",
+                f"the envelope holds checkpoint {manifest.checkpoint_id!r}",
+            )  # fmt: skip
+    except BaseException:
+        mapped.close()
+        raise
+    return StoredCheckpoint(record, manifest, envelope, mapped.close)
+
+
+def _decode(record: GenerationRecord, path: str, mapped: mmap.mmap) -> Envelope:
+    try:
+        envelope = decode(mapped)
+    except CorruptEnvelopeError as error:
+        # The spec orders the whole-file digest before the envelope checks;
+        # decode gets it for free, so only a refused file pays another pass.
+        if hashlib.sha256(mapped).hexdigest() != record.envelope_digest:
+            raise GenerationCorruptError(
+                record.checkpoint_id, path, "envelope-digest",
+                "the file is not the one the manifest recorded",
+            ) from error  # fmt: skip
+        raise GenerationCorruptError(
+            record.checkpoint_id, path, f"envelope:{error.check}", str(error)
+        ) from error
+    if envelope.envelope_digest != record.envelope_digest:
+        envelope.release()
+        raise GenerationCorruptError(
+            record.checkpoint_id, path, "envelope-digest",
+            "the file is not the one the manifest recorded",
+        )  # fmt: skip
+    return envelope
+
+
+def is_temporary(name: str, listed: set[str]) -> bool:
+    """A temporary's name: ours, or an earlier version's that nothing lists."""
+    return name.startswith(TMP_PREFIX) or (
+        name.startswith(LEGACY_TMP_PREFIX) and name not in listed
+    )
+
+
+def verify_generations(
+    fs: FileSystem,
+    join: Callable[[str], str],
+    generations: Sequence[GenerationRecord],
+    names: Sequence[str],
+) -> VerifyReport:
+    """Read and check every listed generation; report the directory's other files."""
+    verified, failures = [], []
+    for record in generations:
+        try:
+            read_generation(fs, join(record.file), record).close()
+            verified.append(record.checkpoint_id)
+        except GenerationCorruptError as error:
+            failures.append(error)
+    listed = {record.file for record in generations}
+    return VerifyReport(
+        verified=tuple(verified),
+        failures=tuple(failures),
+        temporaries=tuple(n for n in names if is_temporary(n, listed)),
+        unreferenced=tuple(
+            n for n in names
+            if n.endswith(SUFFIX) and not is_temporary(n, listed) and n not in listed
+        ),
+    )  # fmt: skip
