@@ -10,4 +10,3 @@ __all__ = ["BytesLike"]
 #: What a payload or an envelope may be handed in as (``collections.abc.Buffer``
 #: only exists from Python 3.12 on).
 BytesLike: TypeAlias = bytes | bytearray | memoryview | mmap.mmap
-

@@ -463,7 +463,7 @@ class Writer:
         try:
             with self._jobs_scope:  # shielded: only the close path stops it
                 task_status.started()
-                while True:
+                while not self._jobs_scope.cancel_called:  # stopped: take no more
                     while not self._queue and not self._closing:
                         await self._changed.wait()
                     if not self._queue:
