@@ -176,40 +176,57 @@ def _verify_store(path: Path, out: TextIO, err: TextIO) -> int:
 
 def _ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .store import SyncStore
+    from .store._lineage import on_timeline
 
     if not args.store.is_dir():
         raise FileNotFoundError(errno.ENOENT, "not a store directory", str(args.store))
     with SyncStore(args.store, read_only=True, create=False) as store:
         records = store.generations
-        high = store.high_water
+        sessions = store.sessions
     if args.json:
         document = {
             "store": str(args.store),
-            "highWater": high,
+            # the high water of the store's only session (null with several: see sessions)
+            "highWater": sessions[0].high_water if len(sessions) == 1 else None,
             "generations": msgspec.to_builtins(list(records)),
+            "sessions": msgspec.to_builtins(list(sessions)),
         }
         print(json.dumps(document, indent=2), file=out)
         return EXIT_OK
     if not records:
         print(f"{args.store}: no generations", file=out)
         return EXIT_OK
-    rows = [("", "checkpoint", "session", "epoch", "boundary", "bytes", "sha256")]
-    for record in reversed(records):  # newest first
-        rows.append(
-            (
-                "*" if record.checkpoint_id == high else "",
-                record.checkpoint_id,
-                record.session_id,
-                record.epoch,
-                record.boundary,
-                record.byte_length,
-                record.envelope_digest[:12],
-            )
+    rows = [("", "checkpoint", "epoch", "boundary", "bytes", "sha256")]
+    headers: dict[int, str] = {}
+    for session in sessions:
+        mine = [r for r in reversed(records) if r.session_id == session.session_id]
+        headers[len(rows)] = (
+            f"session {session.session_id} (epoch {session.current}, "
+            f"high water {session.high_water or '-'})"
         )
+        for record in mine:  # newest first
+            mark = "*" if record.checkpoint_id == session.high_water else ""
+            mark = mark or ("" if on_timeline(session, record) else "x")
+            rows.append(
+                (
+                    mark,
+                    record.checkpoint_id,
+                    record.epoch,
+                    record.boundary,
+                    record.byte_length,
+                    record.envelope_digest[:12],
+                )
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip(), file=out)
-    print("(* high water)", file=out)
+    for index, row in enumerate(rows):
+        if index in headers:
+            print(headers[index], file=out)
+        line = "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        print("  " + line, file=out)
+    print(
+        "(* its session's high water; x abandoned by a restore, never restored by default)",
+        file=out,
+    )
     return EXIT_OK
 
 
@@ -250,14 +267,9 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """Verify a generation and write its payloads as files: all of them or none (they
-    are written in a staging directory beside the target, which is renamed into place)."""
-    import shutil
-    import tempfile
-
-    from .canonical import canonical_bytes
-    from .fs import FileSystem
-    from .store import SyncStore
+    """Verify a generation and write its payloads as files: all of them or none,
+    durably (see ``coordinator.store.export_payloads``)."""
+    from .store import SyncStore, export_payloads
 
     target = Path(args.to).absolute()
     if target.exists():
@@ -266,33 +278,16 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if not args.store.is_dir():
         raise FileNotFoundError(errno.ENOENT, "not a store directory", str(args.store))
     with SyncStore(args.store, read_only=True, create=False) as store:
-        stored = store.read(store.select(args.checkpoint))
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
-    try:
-        with stored:
-            for name in stored.envelope.names:
-                _write_durably(staging / name, stored.payload(name))
-            # "_" cannot begin an Id, so no payload can be this file
-            _write_durably(staging / "_manifest.json", canonical_bytes(stored.envelope.manifest))
-            count, size = len(stored.envelope.names), stored.envelope.layout.file_bytes
-        os.rename(staging, target)
-        FileSystem().fsync_dir(str(target.parent))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        stored = store.read(store.select(args.checkpoint, session_id=args.session))
+    with stored:
+        count = export_payloads(stored, str(target))
+        size = stored.envelope.layout.file_bytes
     print(
         f"restored {stored.record.checkpoint_id} ({count} payloads, envelope {size} bytes) "
         f"to {target}",
         file=out,
     )
     return EXIT_OK
-
-
-def _write_durably(path: Path, data: Any) -> None:
-    with path.open("wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
 
 
 def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -427,7 +422,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Example: coordinator restore ./saves --checkpoint ckpt-120 --to ./restored",
     )
     restore.add_argument("store", type=Path)
-    restore.add_argument("--checkpoint", default=None, help="checkpoint id (default: high water)")
+    restore.add_argument(
+        "--checkpoint", default=None, help="checkpoint id (default: the session's high water)"
+    )
+    restore.add_argument(
+        "--session", default=None, help="whose high water (needed when the store has several)"
+    )
     restore.add_argument("--to", required=True, help="a new directory for the payload files")
     restore.set_defaults(run=_restore)
 

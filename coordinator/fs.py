@@ -9,6 +9,7 @@ no other test hook.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -60,6 +61,31 @@ class FileSystem:
     def rename(self, source: str, target: str) -> None:
         os.rename(source, target)
 
+    def rename_new(self, source: str, target: str) -> None:
+        """Rename ``source`` to ``target`` only if ``target`` does not exist
+        (``renameat2(RENAME_NOREPLACE)``): ``FileExistsError`` otherwise, even if
+        it appeared a moment ago. Where the kernel or file system lacks the flag,
+        the check is made just before a plain rename (a narrower race)."""
+        if _renameat2 is not None:
+            done = _renameat2(
+                _AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE
+            )
+            if done == 0:
+                return
+            code = ctypes.get_errno()
+            if code not in (errno.ENOSYS, errno.EINVAL):
+                raise OSError(code, os.strerror(code), target)
+        if os.path.lexists(target):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), target)
+        os.rename(source, target)
+
+    def make_dir(self, path: str) -> None:
+        """Create one directory (its parent must exist); fails if it exists."""
+        os.mkdir(path, 0o755)
+
+    def remove_dir(self, path: str) -> None:
+        os.rmdir(path)
+
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -110,6 +136,11 @@ class FileSystem:
             return False
         held = os.fstat(fd)
         return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
 
 
 def _regular(fd: int, path: str) -> int:

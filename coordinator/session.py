@@ -357,6 +357,7 @@ class Coordinator:
             raise UsageError("a restore is already in progress")
         self._check_new_epoch(check_id(new_epoch))
         self._restoring = True
+        self.writer.pause()  # what is queued waits for the outcome
         try:
             stored = await self.store.read(checkpoint_id, session_id=self.session_id)
             try:
@@ -368,6 +369,7 @@ class Coordinator:
                 stored.close()
         finally:
             self._restoring = False
+            self.writer.resume()
 
     async def _install(self, stored: Any, new_epoch: str) -> RestoreReport:
         record: GenerationRecord = stored.record

@@ -257,6 +257,7 @@ class Writer:
         self._seq: dict[str, int] = collections.defaultdict(int)
         self._changed = anyio.Event()
         self._closing = False  # no more submits; the job task returns once drained
+        self._paused = False  # a restore is deciding what happens to the queue
         self._flushing = False  # the outbox task returns once it is empty
         self._failure: SaveFailedError | None = None
         self._group: TaskGroup | None = None
@@ -439,6 +440,16 @@ class Writer:
             )
         return None
 
+    def pause(self) -> None:
+        """Take no new job from the queue (the one being written finishes) until
+        ``resume()``: a restore decides what becomes of the queue first. Closing
+        drains regardless."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._notify()
+
     def abandon_epoch(self, epoch: str, *, restored: str, new_epoch: str) -> None:
         """A restore of ``restored`` into ``new_epoch`` abandons ``epoch``: its queued
         captures are superseded now, and a capture of it submitted later is refused.
@@ -464,7 +475,7 @@ class Writer:
             with self._jobs_scope:  # shielded: only the close path stops it
                 task_status.started()
                 while not self._jobs_scope.cancel_called:  # stopped: take no more
-                    while not self._queue and not self._closing:
+                    while (not self._queue or self._paused) and not self._closing:
                         await self._changed.wait()
                     if not self._queue:
                         return

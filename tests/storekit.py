@@ -10,12 +10,19 @@ from coordinator.manifest import CheckpointManifest, build_manifest
 
 
 def checkpoint(
-    index: int, *, size: int = 64, checkpoint_id: str | None = None
+    index: int,
+    *,
+    size: int = 64,
+    checkpoint_id: str | None = None,
+    epoch: str = "epoch-1",
+    session_id: str = "session-1",
 ) -> tuple[CheckpointManifest, list[tuple[str, bytes]]]:
     """A small, complete checkpoint (one agent, five payloads) with distinct bytes."""
     names = sample_payload_names(["fly-a"])
     payloads = [(name, os.urandom(size)) for name in names]
-    body = sample_body(checkpoint_id or f"ckpt-{index}", step=index)
+    body = sample_body(
+        checkpoint_id or f"ckpt-{index}", step=index, epoch=epoch, session_id=session_id
+    )
     return build_manifest(body, payloads), payloads
 
 

@@ -165,8 +165,45 @@ def test_ls_marks_the_high_water(tmp_path: Path) -> None:
     code, out, _ = run("ls", str(tmp_path))
     assert code == 0
     lines = out.splitlines()
-    assert lines[1].startswith("*") and "ckpt-3" in lines[1]
+    assert lines[1].startswith("session session-1")
+    assert lines[2].lstrip().startswith("*") and "ckpt-3" in lines[2]
     assert "ckpt-1" in out and "ckpt-0" not in out
+
+
+def test_ls_groups_by_session_and_marks_what_a_restore_abandoned(tmp_path: Path) -> None:
+    """Each session has its own high water; a restore's abandoned timeline is marked."""
+    import msgspec
+    from storekit import checkpoint
+
+    from coordinator.store import SyncStore
+
+    with SyncStore(tmp_path) as store:
+        for index in range(3):
+            store.commit(*checkpoint(index))
+        manifest, payloads = checkpoint(9, checkpoint_id="b-9")
+        scope = msgspec.structs.replace(manifest.source_scope, session_id="other", epoch="b")
+        store.commit(msgspec.structs.replace(manifest, source_scope=scope), payloads)
+        store.fork_epoch("session-1", "epoch-2", "ckpt-1")
+    code, out, _ = run("ls", str(tmp_path))
+    assert code == 0
+    lines = out.splitlines()
+    other = lines.index("session other (epoch b, high water b-9)")
+    mine = lines.index("session session-1 (epoch epoch-2, high water ckpt-1)")
+    assert lines[other + 1].split()[:2] == ["*", "b-9"]
+    assert lines[mine + 1].split()[:2] == ["x", "ckpt-2"]
+    assert lines[mine + 2].split()[:2] == ["*", "ckpt-1"]
+    document = json.loads(run("ls", "--json", str(tmp_path))[1])
+    assert document["highWater"] is None  # several sessions: each has its own
+    assert {s["sessionId"]: s["highWater"] for s in document["sessions"]} == {
+        "other": "b-9",
+        "session-1": "ckpt-1",
+    }
+    code, _, err = run("restore", str(tmp_path), "--to", str(tmp_path.parent / "out"))
+    assert code == 1 and "name one" in err
+    assert (
+        run("restore", str(tmp_path), "--session", "other", "--to", str(tmp_path.parent / "o"))[0]
+        == 0
+    )
 
 
 def test_ls_json(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ class SeqFailsBus(RecordingBus):
         raise OSError("the bus cannot tell")
 
 
-async def run_exit(tmp_path: Path, exit: str, state: str) -> None:
+async def run_exit(tmp_path: Path, exit: str, state: str) -> None:  # noqa: PLR0915
     fs = GateFS()
     bus: RecordingBus = SeqFailsBus() if exit == "enter-fails" else RecordingBus()
     participants = parts()
@@ -90,7 +90,7 @@ async def run_exit(tmp_path: Path, exit: str, state: str) -> None:
         assert isinstance(raised, EXPECTED[exit]), repr(raised)
         assert not isinstance(raised, RuntimeError | BaseExceptionGroup), repr(raised)
     else:
-        assert not EXPECTED[exit] or exit == "enter-fails" and raised is None
+        assert not EXPECTED[exit] or (exit == "enter-fails" and raised is None)
     check_exit(store_path, bus, [c], tickets, tasks_before=before)
     if exit in ("clean", "host-error"):  # accepted saves are written, never dropped
         assert all(isinstance(t.outcome, Committed) for t in tickets)

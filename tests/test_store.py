@@ -682,3 +682,58 @@ async def test_reads_do_not_race_rotation(tmp_path: Path) -> None:
             group.start_soon(reader)
             for index in range(2, 12):
                 await store.commit(*checkpoint(index))
+
+
+# --- restore --to: durable and race-free -------------------------------------------------
+
+
+class ExportFS(RecordingFS):
+    """Records the directory calls of an export; can make the target appear."""
+
+    def __init__(self, appear: Path | None = None) -> None:
+        super().__init__(keep_data=False)
+        self.appear = appear
+
+    def make_dir(self, path: str) -> None:
+        super().make_dir(path)
+        self.ops.append(("make_dir", os.path.basename(path)))
+
+    def rename_new(self, source: str, target: str) -> None:
+        if self.appear is not None:
+            self.appear.mkdir()  # someone else's directory, between check and rename
+        super().rename_new(source, target)
+        self.ops.append(("rename_new", os.path.basename(source), os.path.basename(target)))
+
+
+def test_export_fsyncs_the_staged_directory_before_renaming_it(tmp_path: Path) -> None:
+    """Every file fsynced, then the staging directory itself, then the rename, then
+    the parent: a power cut cannot leave a target with files missing."""
+    from coordinator.store import export_payloads
+
+    with SyncStore(tmp_path / "store") as store:
+        store.commit(*checkpoint(1))
+        fs = ExportFS()
+        with store.read(store.select()) as stored:
+            assert export_payloads(stored, str(tmp_path / "out"), fs=fs) == 5
+    kinds = [op[0] for op in fs.ops if op[0] != "write"]
+    assert kinds[0] == "make_dir"
+    assert kinds[1:-3] == ["create", "fsync", "close"] * 6  # five payloads and the manifest
+    assert kinds[-3:] == ["fsync_dir", "rename_new", "fsync_dir"]
+    staging = fs.ops[0][1]
+    assert fs.ops[-3] == ("fsync_dir", str(tmp_path / staging))
+    assert fs.ops[-1] == ("fsync_dir", str(tmp_path))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir())[0] == "_manifest.json"
+
+
+def test_export_never_replaces_a_target_that_appeared(tmp_path: Path) -> None:
+    """A directory that appears at the target after the check is not replaced (an
+    empty one would be, by a plain rename): refused, and no staging left behind."""
+    from coordinator.store import export_payloads
+
+    target = tmp_path / "out"
+    with SyncStore(tmp_path / "store") as store:
+        store.commit(*checkpoint(1))
+        with store.read(store.select()) as stored, pytest.raises(FileExistsError):
+            export_payloads(stored, str(target), fs=ExportFS(appear=target))
+    assert target.is_dir() and list(target.iterdir()) == []  # theirs, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "store"]

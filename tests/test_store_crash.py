@@ -161,3 +161,40 @@ def test_enumeration_catches_a_store_that_skips_a_sync(
     monkeypatch.setattr(__import__(__name__), "RecordingFS", broken)
     with pytest.raises(AssertionError, match="GenerationCorruptError"):
         check_all_states(tmp_path, 4)
+
+
+def test_every_crash_state_after_a_fork_stays_on_the_new_timeline(tmp_path: Path) -> None:
+    """A restore records its fork under the commit protocol. From the moment
+    fork_epoch returns, every crash state's default selection is the restored
+    checkpoint or a later generation of the new epoch, never the abandoned
+    timeline; before it, the old high water or the fork."""
+    folder = tmp_path / "recorded"
+    fs = RecordingFS()
+    with SyncStore(folder, keep=4, fs=fs) as store:
+        for index in range(4):
+            store.commit(*checkpoint(index))
+        fs.ops.append(("attempted", ()))
+        store.fork_epoch("session-1", "epoch-2", "ckpt-1", last_step=3)
+        fs.ops.append(("returned", ()))
+        forked_at = len(fs.ops)
+        for index in (4, 5):
+            store.commit(*checkpoint(index, checkpoint_id=f"e2-{index}", epoch="epoch-2"))
+    target = tmp_path / "state"
+    count = 0
+    for point, state in crash_states(fs.ops, str(folder)):
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir()
+        for name, data in state.items():
+            (target / name).write_bytes(data)
+        with SyncStore(target, read_only=True) as reader:
+            assert reader.verify().ok
+            session = reader.session("session-1")
+            chosen = session.high_water if session is not None else None
+        if point >= forked_at:
+            assert chosen in ("ckpt-1", "e2-4", "e2-5"), (point, chosen)
+        else:
+            assert chosen in (None, "ckpt-0", "ckpt-1", "ckpt-2", "ckpt-3"), (point, chosen)
+        count += 1
+    print(f"crash states checked around a fork: {count}")
+    assert count >= 200

@@ -16,12 +16,14 @@ One concept a module:
 - ``_lineage``: sessions, epochs, timelines, high water and rotation (pure);
 - ``_commit``: the durable commit sequence, and the poison a failed fsync sets;
 - ``_verify``: reading a generation back with every check;
+- ``_export``: a generation's payloads written out as files, all or none;
 - ``_sync``: ``SyncStore``, the blocking core (run it in a worker thread);
 - ``_facade``: ``FileStore``, the async face that does exactly that;
 - ``_threads``: low-priority threads for bulk commits.
 """
 
 from ._commit import UnlinkFailure
+from ._export import export_payloads
 from ._facade import FileStore
 from ._manifest import EpochRecord, Fork, GenerationRecord, SessionRecord, StoreManifest
 from ._sync import DEFAULT_KEEP, CommitReceipt, StoreStatistics, SyncStore
@@ -42,6 +44,7 @@ __all__ = [
     "SyncStore",
     "UnlinkFailure",
     "VerifyReport",
+    "export_payloads",
     "lower_thread_priority",
     "run_in_bulk_thread",
 ]
