@@ -135,20 +135,23 @@ class Coordinator:
         self._last_step: int | None = None  # the newest step captured in this epoch
         self._acted = False  # captured or restored in this run: a restore is a rollback
         self._open = False
+        self._claimed = False  # this coordinator holds its session on the store
         self._restoring = False
 
     # --- the one close path --------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        if self._open:
+        if self._open or self._claimed:
             raise UsageError("a coordinator is entered once")
         self.store.claim_session(self.session_id)
+        self._claimed = True
         try:
             last_seq = await self.bus.last_seq(self.session_id)
             await self.store.open_epoch(self.session_id, self.epoch)
             self._hashing = hashing_limiter()
             await self.writer.__aenter__()
         except BaseException:
+            self._claimed = False
             self.store.release_session(self.session_id)
             raise
         self.writer.resume_seq(self.session_id, last_seq)
@@ -163,7 +166,9 @@ class Coordinator:
     ) -> None:
         error = exc
         try:
-            if exc is None and self.final_step is not None and self._fenced is None:
+            final = self._open and self.final_step is not None and self._fenced is None
+            if exc is None and final:
+                assert self.final_step is not None
                 await self.capture(self.final_step(), replaceable=False)  # drained below
         except BaseException as caught:
             error = caught
@@ -174,18 +179,19 @@ class Coordinator:
             self.writer.raise_failure()
 
     async def aclose(self) -> None:
+        """Close from any task (the block's end then just finishes the job)."""
         await self.__aexit__(None, None, None)
 
     async def _close(self, error: BaseException | None) -> None:
         """Whatever happened: the writer drains (or stops, on a cancellation), and
         the session is free for another coordinator."""
-        if not self._open:
-            return
         self._open = False
         try:
             await self.writer.aclose(error=error)
         finally:
-            self.store.release_session(self.session_id)
+            if self._claimed:
+                self._claimed = False
+                self.store.release_session(self.session_id)
 
     # --- capture -------------------------------------------------------------------
 

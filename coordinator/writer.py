@@ -258,15 +258,24 @@ class Writer:
         self._changed = anyio.Event()
         self._closing = False  # no more submits; the job task returns once drained
         self._paused = False  # a restore is deciding what happens to the queue
+        self._close_started = False
+        self._stopped = anyio.Event()  # every task of the writer has ended
+        self._owner: int | None = None  # the task that entered the task group
         self._flushing = False  # the outbox task returns once it is empty
         self._failure: SaveFailedError | None = None
         self._group: TaskGroup | None = None
+        # The writer's three tasks each run in a shield of their own: a host's
+        # cancellation never lands in them; only the close path stops them.
         self._jobs_scope = anyio.CancelScope(shield=True)
+        self._releases_scope = anyio.CancelScope(shield=True)
         self._outbox_scope = anyio.CancelScope(shield=True)
         self._jobs_done = anyio.Event()
         self._outbox_done = anyio.Event()
         self._abandoned: dict[str, str] = {}  # epoch -> why
-        self._releasing = 0  # release tasks still running
+        self._to_release: collections.deque[
+            tuple[Sequence[ArtifactHandle], Callable[[], None] | None]
+        ] = collections.deque()
+        self._releases_done = anyio.Event()
         self._counts = collections.Counter[str]()
         self._release_errors: collections.deque[Exception] = collections.deque(
             maxlen=_KEPT_RELEASE_ERRORS
@@ -284,12 +293,12 @@ class Writer:
         group = anyio.create_task_group()
         await group.__aenter__()
         self._group = group
-        try:
-            await group.start(self._run_jobs)
-            await group.start(self._run_outbox)
-        except BaseException as error:
-            await self.aclose(error=error)
-            raise
+        self._owner = anyio.get_current_task().id
+        # Shielded while they start: a task started in a cancelled scope could be
+        # cancelled before its first line, and never enter its shield.
+        with anyio.CancelScope(shield=True):
+            for task in (self._run_jobs, self._run_releases, self._run_outbox):
+                await group.start(task)
         return self
 
     async def __aexit__(
@@ -306,23 +315,46 @@ class Writer:
         """The one close path. With ``error`` ``None`` or an ``Exception`` (the
         host's own), every accepted job is written first; with a cancellation, or
         if this wait is cancelled, the writer stops instead. Never raises a save
-        failure (``raise_failure()`` does); a cancellation propagates."""
-        group, self._group = self._group, None
-        if group is None:
+        failure (``raise_failure()`` does); a cancellation propagates.
+
+        Any task may close the writer; the task group is left by the task that
+        entered it (a task group belongs to its task), at its own ``aclose``.
+        """
+        if self._group is None:
             return
+        stop = error is not None and not isinstance(error, Exception)
+        try:
+            if not self._close_started:
+                self._close_started = True
+                await self._close(stop=stop)
+            elif not self._stopped.is_set():  # another task is closing it
+                if stop:
+                    self._jobs_scope.cancel()
+                await self._stopped.wait()
+        except BaseException:  # cancelled while waiting: stop, and wait for that
+            self._jobs_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await self._stopped.wait()
+            raise
+        finally:
+            if self._stopped.is_set() and anyio.get_current_task().id == self._owner:
+                # Every task of the group has ended: leaving it waits for nothing.
+                group, self._group = self._group, None
+                if group is not None:
+                    await group.__aexit__(None, None, None)
+
+    async def _close(self, *, stop: bool) -> None:
         self._closing = True
         self._notify()
         drained = False
         try:
-            if error is None or isinstance(error, Exception):
+            if not stop:
                 await self._jobs_done.wait()  # a cancellation here stops instead
                 drained = True
         finally:
             with anyio.CancelScope(shield=True):
                 await self._shut_down(stop=not drained)
-            # Every task of the group has ended: leaving it waits for nothing. (Its
-            # cancel scope is older than the shield's, so it is left outside it.)
-            await group.__aexit__(None, None, None)
+            self._stopped.set()
 
     async def _shut_down(self, *, stop: bool) -> None:
         """Shielded: end the job task (stopping it when ``stop``), answer what is
@@ -332,8 +364,8 @@ class Writer:
             self._jobs_scope.cancel()  # a load stops; a commit in progress finishes
         await self._jobs_done.wait()
         await self._abandon_queue()
-        while self._releasing:
-            await self._changed.wait()
+        self._releases_scope.cancel()  # it finishes what it holds, shielded, then ends
+        await self._releases_done.wait()
         self._flushing = True
         self._notify()
         with anyio.move_on_after(self.flush_timeout):
@@ -472,7 +504,7 @@ class Writer:
 
     async def _run_jobs(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
-            with self._jobs_scope:  # shielded: only the close path stops it
+            with self._jobs_scope:
                 task_status.started()
                 while not self._jobs_scope.cancel_called:  # stopped: take no more
                     while (not self._queue or self._paused) and not self._closing:
@@ -655,8 +687,8 @@ class Writer:
             await self._end(job, JobState.FAILED, closed, attempt=0)
 
     def _discard(self, handles: Sequence[ArtifactHandle]) -> None:
-        """Release refused handles: at once when small, else in a writer task."""
-        if self._group is None or sum(map(_length, handles)) < RELEASE_IN_THREAD_BYTES:
+        """Release refused handles: at once when small, else in the release task."""
+        if sum(map(_length, handles)) < RELEASE_IN_THREAD_BYTES:
             self._note_release_errors(release_all(handles))
         else:
             self._spawn_release(handles)
@@ -664,25 +696,35 @@ class Writer:
     def _spawn_release(
         self, handles: Sequence[ArtifactHandle], *, then: Callable[[], None] | None = None
     ) -> None:
-        """Release ``handles`` in a task of the writer's (large ones off the loop),
-        then call ``then``; the close path waits for every such task."""
-        self._releasing += 1
-
-        async def release() -> None:
-            try:
-                with anyio.CancelScope(shield=True):
-                    self._note_release_errors(await release_off_loop(handles))
-                    if then is not None:
-                        then()
-            finally:
-                self._releasing -= 1
-                self._notify()
-
-        if self._group is not None:
-            self._group.start_soon(release)
-        else:  # closing: no task group to run it in, so inline
-            self._releasing -= 1
+        """Release ``handles`` in the writer's release task (large ones off the
+        loop), then call ``then``; the close path waits until it is done."""
+        if self._releases_done.is_set():  # closed: no task to run it, so inline
             self._note_release_errors(release_all(handles))
+            if then is not None:
+                then()
+            return
+        self._to_release.append((handles, then))
+        self._notify()
+
+    async def _run_releases(
+        self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            with self._releases_scope:
+                task_status.started()
+                while not self._releases_scope.cancel_called:
+                    await self._release_queued()
+                    await self._changed.wait()
+        finally:  # stopped: what is left is released here, shielded
+            with anyio.CancelScope(shield=True):
+                await self._release_queued()
+            self._releases_done.set()
+
+    async def _release_queued(self) -> None:
+        while self._to_release:
+            handles, then = self._to_release.popleft()
+            with anyio.CancelScope(shield=True):
+                self._note_release_errors(await release_off_loop(handles))
             if then is not None:
                 then()
 
@@ -726,7 +768,7 @@ class Writer:
         self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         try:
-            with self._outbox_scope:  # shielded: only the close path stops it
+            with self._outbox_scope:
                 task_status.started()
                 while True:
                     while not self._outbox and not self._flushing:

@@ -166,3 +166,14 @@ async def test_an_unseen_failure_is_raised_on_a_clean_exit_only(tmp_path: Path) 
             async with coordinator(store, parts()) as c:
                 await (await c.capture(1)).wait()
                 raise ValueError("host bug")
+
+
+@pytest.mark.asyncio
+async def test_the_hosts_block_stays_cancellable(tmp_path: Path) -> None:
+    """The writer's tasks are shielded from the host's cancellation, but the host's
+    own code inside the block is not: an outer deadline interrupts it at once."""
+    async with FileStore(tmp_path) as store:
+        with anyio.move_on_after(0.2) as outer:
+            async with coordinator(store, parts()):
+                await anyio.sleep(30)
+        assert outer.cancelled_caught

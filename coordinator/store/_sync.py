@@ -128,7 +128,12 @@ class SyncStore:
         lock_fd = None
         if not read_only:
             if create:
-                self._fs.mkdir(self.path)
+                try:
+                    self._fs.mkdir(self.path)
+                except OSError as error:
+                    raise StoreDirectoryError(
+                        f"{self.path}: cannot create it durably: {error.strerror or error}"
+                    ) from None
             lock_fd = self._lock()
         self._sequence = CommitSequence(self._fs, self.path, lock_fd)
         try:
