@@ -14,7 +14,8 @@ import anyio
 import nats
 import pytest
 from fsmodel import fail_nth
-from test_writer import GateFS, submit, wait_until
+from hostkit import GateFS
+from test_writer import submit, wait_until
 
 from coordinator import SaveFailedError, envelope
 from coordinator.bus import NatsBus

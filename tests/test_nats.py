@@ -342,7 +342,7 @@ async def test_a_port_held_by_someone_else_is_not_ready(tmp_path: Path) -> None:
 async def test_seq_continues_across_host_runs(server: EmbeddedServer, tmp_path: Path) -> None:
     """A second run of a host on the same session goes on from the stream's last
     seq: subscribers see one gap-free sequence, not a restart at 1."""
-    from test_session import describe, parts
+    from hostkit import describe, parts
 
     from coordinator.session import Coordinator
 

@@ -19,7 +19,7 @@ import anyio
 import anyio.to_thread
 import pytest
 import pytest_asyncio
-from test_session import Part, describe
+from hostkit import Part, describe
 from test_writer import NAMES, wait_until
 
 from coordinator import (

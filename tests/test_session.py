@@ -7,7 +7,8 @@ from typing import Any
 
 import anyio
 import pytest
-from test_writer import GateFS, wait_until
+from hostkit import GateFS, coordinator, parts
+from test_writer import wait_until
 
 from coordinator import (
     CaptureFailedError,
@@ -20,62 +21,8 @@ from coordinator import (
 from coordinator._sample import sample_body
 from coordinator.bus import MemoryBus
 from coordinator.events import Committed
-from coordinator.manifest import ManifestBody
 from coordinator.session import CaptureScope, Coordinator, RestoreScope
 from coordinator.store import FileStore
-
-
-class Part:
-    """A participant with plain state; it can be told to fail, stall or refuse."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.state = f"{name}@0".encode()
-        self.fail_capture = False
-        self.refuse_restore = False
-        self.gate: anyio.Event | None = None
-        self.started = anyio.Event()
-        self.staged: list[bytes] = []
-        self.aborted = 0
-
-    async def capture(self, scope: CaptureScope) -> bytes:
-        self.started.set()
-        if self.gate is not None:
-            await self.gate.wait()
-        if self.fail_capture:
-            raise RuntimeError("sensor offline")
-        return self.state
-
-    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
-        if self.refuse_restore:
-            raise ValueError("incompatible state")
-        token = bytes(payload)
-        self.staged.append(token)
-        return token
-
-    async def activate_restore(self, token: bytes) -> None:
-        self.state = token
-
-    async def abort_restore(self, token: bytes) -> None:
-        self.aborted += 1
-
-
-def describe(scope: CaptureScope) -> ManifestBody:
-    return sample_body(
-        scope.checkpoint_id, step=scope.step, epoch=scope.epoch, session_id=scope.session_id
-    )
-
-
-def parts() -> list[Part]:
-    return [Part(n) for n in ("world", "agent-fly-a", "task-ledger", "prior-inspection",
-                              "executor-fly-a")]  # fmt: skip
-
-
-def coordinator(store: FileStore, participants: list[Part], **options: Any) -> Coordinator:
-    return Coordinator(
-        store, MemoryBus(), participants, session_id="session-1", epoch="epoch-1",
-        describe=describe, **options,
-    )  # fmt: skip
 
 
 @pytest.mark.asyncio

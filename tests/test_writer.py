@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import anyio
 import pytest
 from fsmodel import RecordingFS, fail_nth
+from hostkit import GateFS
 
 from coordinator import SaveFailedError, WriterBusyError
 from coordinator._sample import sample_body, sample_payload_names
@@ -24,26 +24,6 @@ from coordinator.store import FileStore
 from coordinator.writer import RetryPolicy, Writer, WriterLimits
 
 NAMES = sample_payload_names(["fly-a"])
-
-
-class GateFS(RecordingFS):
-    """Each generation write waits until the test lets one through."""
-
-    def __init__(self) -> None:
-        super().__init__(keep_data=False)
-        self.gate = threading.Semaphore(0)
-        self.waiting = threading.Event()
-
-    def create(self, path: str) -> int:
-        name = Path(path).name
-        if name.startswith("tmp+") and name.endswith(".flysess"):
-            self.waiting.set()
-            self.gate.acquire()
-        return super().create(path)
-
-    def open_all(self) -> None:
-        for _ in range(100_000):
-            self.gate.release()
 
 
 async def make_job(index: int, ledger: ArtifactLedger, size: int = 100) -> tuple[Any, list[Any]]:
