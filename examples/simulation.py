@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import secrets
 import sys
 import tempfile
 import time
@@ -74,11 +75,12 @@ async def main(store_dir: str) -> None:
     participants = [world, *brains.values(), ledger, inspection, *executors.values()]
     policy = CapturePolicy(every_steps=10)
     bus = MemoryBus()
+    run = secrets.token_hex(3)  # an epoch is used once per store: each run has its own
     async with anyio.create_task_group() as group:
         group.start_soon(watch, bus)
         async with FileStore(store_dir) as store:
             coordinator = Coordinator(
-                store, bus, participants, session_id="demo", epoch="epoch-1", describe=describe
+                store, bus, participants, session_id="demo", epoch=f"run-{run}-1", describe=describe
             )
             async with coordinator:
                 for step in range(1, 61):
@@ -100,7 +102,7 @@ async def main(store_dir: str) -> None:
 
                 for part in participants:  # something goes wrong...
                     part.state = {"scrambled": True}
-                report = await coordinator.restore(new_epoch="epoch-2")
+                report = await coordinator.restore(new_epoch=f"run-{run}-2")
                 restored = {p.name: p.state for p in participants}
                 print(
                     f"restored {report.record.checkpoint_id} into {report.epoch}: "
