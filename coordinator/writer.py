@@ -154,6 +154,20 @@ _MOVES: dict[JobState, frozenset[JobState]] = {
 }
 
 
+class _Wake:
+    """An event to wait on again and again: ``set()`` wakes whoever waits now."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
 class Ticket:
     """The host's handle on one accepted checkpoint: ``await ticket.wait()``."""
 
@@ -255,7 +269,11 @@ class Writer:
         self._in_flight: _Job | None = None
         self._outbox: collections.deque[Event] = collections.deque()
         self._seq: dict[str, int] = collections.defaultdict(int)
-        self._changed = anyio.Event()
+        # Each task waits on a wake of its own (fewer switches per checkpoint).
+        self._jobs_wake = _Wake()
+        self._releases_wake = _Wake()
+        self._outbox_wake = _Wake()
+        self._job_done = _Wake()  # a job left the writing state
         self._closing = False  # no more submits; the job task returns once drained
         self._paused = False  # a restore is deciding what happens to the queue
         self._close_started = False
@@ -345,7 +363,7 @@ class Writer:
 
     async def _close(self, *, stop: bool) -> None:
         self._closing = True
-        self._notify()
+        self._wake_all()
         drained = False
         try:
             if not stop:
@@ -367,7 +385,7 @@ class Writer:
         self._releases_scope.cancel()  # it finishes what it holds, shielded, then ends
         await self._releases_done.wait()
         self._flushing = True
-        self._notify()
+        self._outbox_wake.set()
         with anyio.move_on_after(self.flush_timeout):
             await self._outbox_done.wait()
         self._outbox_scope.cancel()
@@ -375,9 +393,9 @@ class Writer:
         self._counts["events_dropped"] += len(self._outbox)  # the bus did not take them
         self._outbox.clear()
 
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+    def _wake_all(self) -> None:
+        for wake in (self._jobs_wake, self._releases_wake, self._outbox_wake, self._job_done):
+            wake.set()
 
     # --- intake --------------------------------------------------------------------
 
@@ -447,7 +465,7 @@ class Writer:
                 Queued, job, queue_depth=len(self._queue), queued_bytes=str(self._queued_bytes)
             )
         )
-        self._notify()
+        self._jobs_wake.set()
         return job.ticket
 
     def _victim(self, job: _Job) -> _Job | None:
@@ -480,7 +498,7 @@ class Writer:
 
     def resume(self) -> None:
         self._paused = False
-        self._notify()
+        self._jobs_wake.set()
 
     def abandon_epoch(self, epoch: str, *, restored: str, new_epoch: str) -> None:
         """A restore of ``restored`` into ``new_epoch`` abandons ``epoch``: its queued
@@ -498,7 +516,7 @@ class Writer:
     async def wait_written(self, epoch: str) -> None:
         """Wait until no capture of ``epoch`` is being written."""
         while self._in_flight is not None and self._in_flight.epoch == epoch:
-            await self._changed.wait()
+            await self._job_done.wait()
 
     # --- the job task --------------------------------------------------------------
 
@@ -508,7 +526,7 @@ class Writer:
                 task_status.started()
                 while not self._jobs_scope.cancel_called:  # stopped: take no more
                     while (not self._queue or self._paused) and not self._closing:
-                        await self._changed.wait()
+                        await self._jobs_wake.wait()
                     if not self._queue:
                         return
                     await self._write(self._queue.popleft())
@@ -538,7 +556,7 @@ class Writer:
             raise
         finally:
             self._in_flight = None
-            self._notify()
+            self._job_done.set()
 
     async def _load(self, job: _Job) -> CoordinatorError | None:
         """Bring remote payloads here, verified; a payload that cannot be read
@@ -704,7 +722,7 @@ class Writer:
                 then()
             return
         self._to_release.append((handles, then))
-        self._notify()
+        self._releases_wake.set()
 
     async def _run_releases(
         self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -714,7 +732,7 @@ class Writer:
                 task_status.started()
                 while not self._releases_scope.cancel_called:
                     await self._release_queued()
-                    await self._changed.wait()
+                    await self._releases_wake.wait()
         finally:  # stopped: what is left is released here, shielded
             with anyio.CancelScope(shield=True):
                 await self._release_queued()
@@ -762,7 +780,7 @@ class Writer:
 
     def _emit(self, event: Event) -> None:
         self._outbox.append(event)
-        self._notify()
+        self._outbox_wake.set()
 
     async def _run_outbox(
         self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -772,7 +790,7 @@ class Writer:
                 task_status.started()
                 while True:
                     while not self._outbox and not self._flushing:
-                        await self._changed.wait()
+                        await self._outbox_wake.wait()
                     if not self._outbox:
                         return
                     await self._publish(self._outbox[0])
