@@ -426,9 +426,9 @@ class StorePoisonedError(CommitError):
 
 
 class DurabilityUnknownError(StoreError):
-    """The directory fsync right after the commit point (the manifest rename)
-    failed: this checkpoint may or may not be durable, and no later fsync can
-    tell. The store is poisoned; reopen it and look the checkpoint up."""
+    """The commit point's rename reported an error, or the directory fsync right
+    after it failed: this checkpoint may or may not be durable, and no later
+    fsync can tell. The store is poisoned; reopen it and look the checkpoint up."""
 
     code: ClassVar[str] = "store.durability_unknown"
 
@@ -437,9 +437,9 @@ class DurabilityUnknownError(StoreError):
         self.path = path
         self.errno = error.errno
         super().__init__(
-            f"commit of {checkpoint_id}: the directory fsync after the commit point failed "
-            f"({error.strerror or error}); whether it is durable is unknown until {path} "
-            "is reopened"
+            f"commit of {checkpoint_id}: the commit point's rename or the directory fsync "
+            f"after it failed ({error.strerror or error}); whether it is durable is "
+            f"unknown until {path} is reopened"
         )
 
 

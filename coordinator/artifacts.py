@@ -52,6 +52,7 @@ __all__ = [
     "BaseHandle",
     "MemoryArtifact",
     "capture",
+    "handle_size",
     "hashing_limiter",
     "is_verified",
     "mark_verified",
@@ -146,6 +147,8 @@ class BaseHandle:
     remote = False
 
     def __init__(self, name: str, byte_length: int, digest: str, ledger: ArtifactLedger) -> None:
+        if isinstance(byte_length, bool) or not isinstance(byte_length, int) or byte_length < 0:
+            raise UsageError(f"artifact {name!r}: byte length {byte_length!r} is no count")
         self.name = name
         self.byte_length = byte_length
         self.digest = digest
@@ -203,20 +206,23 @@ class MemoryArtifact(BaseHandle):
             data.close()  # BufferError while a view is held: then the last view frees it
 
 
-# Handles whose digest the coordinator computed itself, over memory it owns: the
-# writer trusts these without hashing again. Membership cannot be claimed.
-_VERIFIED: weakref.WeakSet[ArtifactHandle] = weakref.WeakSet()
+# Handles whose digest the coordinator computed itself, over memory it owns, with
+# the length and digest it computed: the writer trusts a handle without hashing
+# again only while it still declares exactly those. Membership cannot be claimed.
+_VERIFIED: weakref.WeakKeyDictionary[ArtifactHandle, tuple[int, str]] = weakref.WeakKeyDictionary()
 
 
 def mark_verified(handle: ArtifactHandle) -> None:
     """For the coordinator's own code only: ``handle``'s digest was computed here,
     over bytes nobody else can change."""
-    _VERIFIED.add(handle)
+    _VERIFIED[handle] = (handle.byte_length, handle.digest)
 
 
-def is_verified(handle: ArtifactHandle) -> bool:
+def is_verified(handle: ArtifactHandle, byte_length: int, digest: str) -> bool:
+    """Whether the coordinator computed ``digest`` over these ``byte_length`` bytes
+    of ``handle`` itself."""
     try:
-        return handle in _VERIFIED
+        return _VERIFIED.get(handle) == (byte_length, digest)
     except TypeError:  # not weak-referenceable: not one of ours
         return False
 
@@ -231,6 +237,10 @@ def release_all(handles: Iterable[ArtifactHandle]) -> list[Exception]:
                 handle.release()
         except Exception as error:
             errors.append(error)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:  # a cancellation a release raised on its own
+            errors.append(RuntimeError(f"release of a handle raised {error!r}"))
     return errors
 
 
@@ -240,7 +250,7 @@ async def release_off_loop(handles: Iterable[ArtifactHandle]) -> list[Exception]
     small: list[ArtifactHandle] = []
     large: list[ArtifactHandle] = []
     for handle in handles:
-        (large if _size(handle) >= RELEASE_IN_THREAD_BYTES else small).append(handle)
+        (large if handle_size(handle) >= RELEASE_IN_THREAD_BYTES else small).append(handle)
     errors = release_all(small)
     if large:
         with anyio.CancelScope(shield=True):
@@ -248,10 +258,10 @@ async def release_off_loop(handles: Iterable[ArtifactHandle]) -> list[Exception]
     return errors
 
 
-def _size(handle: ArtifactHandle) -> int:
+def handle_size(handle: ArtifactHandle) -> int:
     """A handle's byte length, or 0 when it lies about having one."""
     try:
-        return int(handle.byte_length)
+        return max(0, int(handle.byte_length))
     except Exception:
         return 0
 
@@ -273,7 +283,7 @@ def _take(data: BytesLike, spool_dir: str | None, spool_threshold: int) -> tuple
     with memoryview(data) as view:
         if spool_dir is not None and view.nbytes >= max(1, spool_threshold):
             return spool_copy(view, spool_dir)
-        owned = data if is_owned(data) else seal_copy(view)
+        owned = data if is_owned(data) and view.c_contiguous else seal_copy(view)
     return owned, sha256_hex(owned)
 
 
@@ -282,7 +292,7 @@ async def owned_bytes(data: object) -> BytesLike:
     seals (in a worker thread); ``UsageError`` if it is not a buffer."""
     try:
         with memoryview(data) as view:  # type: ignore[arg-type]
-            if is_owned(view):
+            if is_owned(view) and view.c_contiguous:
                 return data  # type: ignore[return-value]
             if view.nbytes < HASH_IN_THREAD_BYTES:
                 return view.tobytes()
@@ -323,8 +333,8 @@ async def capture(
         ) from None
     buffer: BytesLike = data  # type: ignore[assignment]
     if length < HASH_IN_THREAD_BYTES:  # faster inline than a thread hop
-        if not is_owned(buffer):
-            with memoryview(buffer) as view:
+        with memoryview(buffer) as view:
+            if not (is_owned(view) and view.c_contiguous):
                 buffer = view.tobytes()
         small = MemoryArtifact(name, buffer, sha256_hex(buffer), ledger)
         mark_verified(small)
@@ -335,10 +345,10 @@ async def capture(
     handle = MemoryArtifact(name, owned, digest, ledger)
     mark_verified(handle)
     # A cancellation that arrived while the thread ran is delivered here, after
-    # the thread finished: the handle is released rather than lost.
+    # the thread finished: the handle is released (off the loop) rather than lost.
     try:
         await anyio.lowlevel.checkpoint_if_cancelled()
     except BaseException:
-        handle.release()
+        await release_off_loop([handle])
         raise
     return handle

@@ -24,7 +24,8 @@ class FileSystem:
 
     def mkdir(self, path: str) -> None:
         """Create ``path`` (and missing parents) durably: each new directory's
-        entry is fsynced in its parent, or a power cut could lose the store."""
+        entry is fsynced in its parent, or a power cut could lose the store. If
+        nothing was created, ``path``'s own entry is fsynced (``sync_parent``)."""
         created = []
         probe = os.path.abspath(path)
         while not os.path.isdir(probe):
@@ -33,6 +34,12 @@ class FileSystem:
         os.makedirs(path, exist_ok=True)
         for directory in reversed(created):
             self.fsync_dir(os.path.dirname(directory))
+        if not created:
+            self.sync_parent(path)
+
+    def sync_parent(self, path: str) -> None:
+        """fsync the directory holding ``path``'s entry."""
+        self.fsync_dir(os.path.dirname(os.path.abspath(path)))
 
     def create(self, path: str) -> int:
         """A new file for writing; fails if ``path`` exists (never reuse an inode)."""
@@ -120,6 +127,17 @@ class FileSystem:
         """An exclusive, non-blocking flock on ``path``; ``None`` if someone holds it."""
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         fd = _regular(os.open(path, flags, 0o644), path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def lock_directory(self, path: str) -> int | None:
+        """An exclusive, non-blocking flock on the directory ``path`` itself;
+        ``None`` if someone holds it."""
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

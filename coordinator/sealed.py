@@ -22,6 +22,8 @@ import fcntl
 import hashlib
 import mmap
 import os
+import weakref
+from typing import TypeVar
 
 __all__ = [
     "SEALS",
@@ -38,17 +40,29 @@ __all__ = [
 #: The seals that make a memfd immutable (``F_SEAL_SEAL`` stops anyone adding more).
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _COPY_CHUNK = 64 << 20
+_M = TypeVar("_M", bound="OwnedMap")
 _SPOOL_CHUNK = 8 << 20
 
 
 class OwnedMap(mmap.mmap):
     """A read-only map of memory only the coordinator can reach. Made only by its
-    subclasses, each of which checks its own proof before it maps anything."""
+    subclasses, each of which checks its own proof before it maps anything; and
+    only maps this module made (``seal_fd``, ``spool_copy``) count as owned: a
+    participant that builds one over a descriptor it keeps is not trusted."""
 
     def __new__(cls, fd: int) -> OwnedMap:
         if cls is OwnedMap:
             raise TypeError("make a SealedMap or a SpooledMap")
         return super().__new__(cls, fd, 0, access=mmap.ACCESS_READ)
+
+
+# The maps this module made itself. Membership cannot be claimed from outside.
+_MADE_HERE: weakref.WeakSet[OwnedMap] = weakref.WeakSet()
+
+
+def _ours(made: _M) -> _M:
+    _MADE_HERE.add(made)
+    return made
 
 
 class SealedMap(OwnedMap):
@@ -74,11 +88,12 @@ class SpooledMap(OwnedMap):
 
 
 def is_owned(data: object) -> bool:
-    """``bytes``, a view of ``bytes``, or an ``OwnedMap``: memory nobody can change."""
+    """``bytes``, a view of ``bytes``, or a map this module made: memory nobody
+    can change."""
     owner = data
     while isinstance(owner, memoryview):
         owner = owner.obj
-    return isinstance(owner, bytes | OwnedMap)
+    return isinstance(owner, bytes) or (isinstance(owner, OwnedMap) and owner in _MADE_HERE)
 
 
 def sealable_fd(size: int, label: str = "coordinator-capture") -> int:
@@ -96,7 +111,7 @@ def seal_fd(fd: int) -> SealedMap:
     """Seal ``fd`` (no writable map of it may be left) and map it read-only. The
     caller still closes ``fd``; the map keeps the memory."""
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    return SealedMap(fd)
+    return _ours(SealedMap(fd))
 
 
 def seal_copy(data: memoryview) -> SealedMap | bytes:
@@ -139,6 +154,6 @@ def spool_copy(data: memoryview, directory: str) -> tuple[SpooledMap, str]:
                 view = view[os.write(fd, view) :]
         if os.fstat(fd).st_size == 0:
             raise ValueError("an empty capture is held in memory, not spooled")
-        return SpooledMap(fd), hasher.hexdigest()
+        return _ours(SpooledMap(fd)), hasher.hexdigest()
     finally:
         os.close(fd)

@@ -56,12 +56,13 @@ from ._errors import (
     StaleEpochError,
     StorePoisonedError,
     UsageError,
+    WriterBusyError,
     WriterClosedError,
     release_frames,
 )
 from .artifacts import ArtifactHandle, ArtifactLedger, capture, hashing_limiter, release_off_loop
 from .bus import Bus
-from .ids import check_id, format_u64
+from .ids import ID_MAX_LENGTH, U64_MAX, check_digest, check_id, format_u64
 from .manifest import ManifestBody, PayloadRecord, manifest_with_records
 from .participant import ArtifactSource, CaptureScope, Participant, RestoreScope
 from .store import FileStore, GenerationRecord
@@ -122,7 +123,7 @@ class Coordinator:
         self.bus = bus
         self.participants = tuple(participants)
         self.session_id = check_id(session_id)
-        self.epoch = check_id(epoch)
+        self.epoch = _check_epoch(epoch)
         self.describe = describe
         self.capture_timeout = capture_timeout
         self.spool_dir = spool_dir
@@ -131,12 +132,14 @@ class Coordinator:
         self.writer = Writer(store, bus, limits=limits, retry=retry, ledger=self.ledger)
         self._hashing: anyio.CapacityLimiter | None = None
         self._fenced: CoordinatorError | None = None
-        self._ids: set[str] = set()  # this epoch's checkpoint ids, reserved or used
+        self._ids: set[str] = set()  # the checkpoint ids this coordinator reserved or used
         self._last_step: int | None = None  # the newest step captured in this epoch
         self._acted = False  # captured or restored in this run: a restore is a rollback
         self._open = False
         self._claimed = False  # this coordinator holds its session on the store
-        self._restoring = False
+        self._restoring: anyio.CancelScope | None = None  # the restore in progress
+        self._restored = anyio.Event()  # set whenever no restore is in progress
+        self._restored.set()
 
     # --- the one close path --------------------------------------------------------
 
@@ -169,24 +172,53 @@ class Coordinator:
             final = self._open and self.final_step is not None and self._fenced is None
             if exc is None and final:
                 assert self.final_step is not None
-                await self.capture(self.final_step(), replaceable=False)  # drained below
+                await self._final_capture(self.final_step())
+        except BaseException as caught:
+            error = caught
+            raise
+        finally:
+            try:
+                await self._close(error)
+            finally:
+                await self.writer.leave_task_group()
+        if exc is None:
+            self.writer.raise_failure()
+
+    async def aclose(self) -> None:
+        """Close from any task, under any scope: a final capture (``final_step``),
+        then the writer's close. The block's end finishes the job (it leaves the
+        writer's task group, which belongs to the task and nesting that entered it)."""
+        error: BaseException | None = None
+        try:
+            final = self._open and self.final_step is not None and self._fenced is None
+            if final:
+                assert self.final_step is not None
+                await self._final_capture(self.final_step())
         except BaseException as caught:
             error = caught
             raise
         finally:
             await self._close(error)
-        if exc is None:
-            self.writer.raise_failure()
 
-    async def aclose(self) -> None:
-        """Close from any task (the block's end then just finishes the job)."""
-        await self.__aexit__(None, None, None)
+    async def _final_capture(self, step: int) -> None:
+        """The durable final checkpoint: it waits for the writer to have room."""
+        while True:
+            try:
+                await self.capture(step, replaceable=False)  # drained by the close
+                return
+            except WriterBusyError:
+                await self.writer.wait_for_room()
 
     async def _close(self, error: BaseException | None) -> None:
-        """Whatever happened: the writer drains (or stops, on a cancellation), and
-        the session is free for another coordinator."""
+        """Whatever happened: a restore in progress ends first (cancelled), the
+        writer drains (or stops, on a cancellation), and the session is free for
+        another coordinator."""
         self._open = False
         try:
+            if self._restoring is not None:
+                self._restoring.cancel()
+                with anyio.CancelScope(shield=True):
+                    await self._restored.wait()
             await self.writer.aclose(error=error)
         finally:
             if self._claimed:
@@ -198,7 +230,7 @@ class Coordinator:
     def _check_capturing(self) -> None:
         if not self._open:
             raise WriterClosedError("the coordinator is not open")
-        if self._restoring:
+        if self._restoring is not None:
             raise EpochFencedError(f"epoch {self.epoch}: a restore is in progress")
         if self._fenced is not None:
             raise EpochFencedError(
@@ -214,8 +246,8 @@ class Coordinator:
         Raises ``EpochFencedError`` after a participant failure or during a
         restore, a previous save's ``SaveFailedError`` once, ``WriterBusyError``
         when no slot is free, ``DuplicateCheckpointError`` for an id used before
-        (or being captured), ``CaptureFailedError`` (fencing the epoch), or
-        ``DeadlineExpiredError``.
+        (or being captured, by any coordinator of the store), ``CaptureFailedError``
+        (fencing the epoch), or ``DeadlineExpiredError``.
         """
         self._check_capturing()
         format_u64(step)
@@ -231,17 +263,19 @@ class Coordinator:
             session_id=self.session_id, epoch=self.epoch, step=step, checkpoint_id=checkpoint_id
         )
         with self.writer.reserve() as reservation:  # before any participant is asked
-            self._ids.add(checkpoint_id)  # ... and so is the id: one id, one job
+            self.store.claim_checkpoint(checkpoint_id)  # ... and so is the id, store-wide
+            self._ids.add(checkpoint_id)
             submitted = False
             try:
                 started = time.perf_counter()
-                handles = await self._capture_all(scope)
+                captured = await self._capture_all(scope)
+                handles = [handle for handle, _ in captured]
                 try:
-                    records = [
-                        PayloadRecord(name=h.name, byte_length=str(h.byte_length), digest=h.digest)
-                        for h in handles
-                    ]
+                    records = [record for _, record in captured]
                     manifest = manifest_with_records(_described(self.describe, scope), records)
+                    refusal = self.writer.refusal(manifest, replaceable=replaceable)
+                    if refusal is not None:
+                        raise refusal
                 except BaseException:
                     with anyio.CancelScope(shield=True):
                         await release_off_loop(handles)
@@ -257,33 +291,34 @@ class Coordinator:
             finally:
                 if not submitted:  # nothing was published under this id: free it
                     self._ids.discard(checkpoint_id)
+                    self.store.release_checkpoint(checkpoint_id)
         self._last_step = max(step, self._last_step or 0)
         self._acted = True
         return ticket
 
-    async def _capture_all(self, scope: CaptureScope) -> list[ArtifactHandle]:
-        """Every participant at once; on any failure, what was captured is released."""
-        captured: dict[str, ArtifactHandle] = {}
+    async def _capture_all(self, scope: CaptureScope) -> list[tuple[ArtifactHandle, PayloadRecord]]:
+        """Every participant at once: each handle with its record, read once and
+        checked (a handle's attributes may change, or fail, later). On any failure,
+        what was captured is released; a failure fences the epoch it belongs to."""
+        captured: dict[str, tuple[ArtifactHandle, PayloadRecord]] = {}
+        handles: list[ArtifactHandle] = []
         failure: list[CaptureFailedError] = []
 
         async def one(participant: Participant) -> None:
             try:
                 if isinstance(participant, ArtifactSource):
                     handle = await participant.capture_artifact(scope, self.ledger)
-                    captured[participant.name] = handle
-                    if handle.name != participant.name:
-                        raise UsageError(
-                            f"a handle named {handle.name!r}, not {participant.name!r}"
-                        )
-                    return
-                data = await participant.capture(scope)
-                captured[participant.name] = await capture(
-                    participant.name,
-                    data,
-                    ledger=self.ledger,
-                    spool_dir=self.spool_dir,
-                    limiter=self._hashing,
-                )
+                else:
+                    data = await participant.capture(scope)
+                    handle = await capture(
+                        participant.name,
+                        data,
+                        ledger=self.ledger,
+                        spool_dir=self.spool_dir,
+                        limiter=self._hashing,
+                    )
+                handles.append(handle)
+                captured[participant.name] = (handle, _record_of(handle, participant.name))
             except Exception as error:  # its own failure, or bytes we cannot take
                 failure.append(CaptureFailedError(participant.name, repr(error)))
                 raise
@@ -295,12 +330,15 @@ class Coordinator:
                         group.start_soon(one, participant)
         except BaseException as error:
             with anyio.CancelScope(shield=True):
-                await release_off_loop(captured.values())
+                await release_off_loop(handles)
+            current = scope.epoch == self.epoch  # a straggler never fences a newer epoch
             if isinstance(error, TimeoutError):
-                self._fenced = CaptureFailedError("(all)", "capture deadline expired")
+                if current:
+                    self._fenced = CaptureFailedError("(all)", "capture deadline expired")
                 raise DeadlineExpiredError(scope.checkpoint_id, "capture") from None
             if failure:
-                self._fenced = failure[0]
+                if current:
+                    self._fenced = failure[0]
                 raise failure[0] from error
             raise
         return [captured[p.name] for p in self.participants]
@@ -333,16 +371,17 @@ class Coordinator:
 
     # --- restore -------------------------------------------------------------------
 
-    @staticmethod
-    async def _abort(staged: Sequence[tuple[Participant, Any]]) -> None:
-        """Abort every staged participant, shielded, whatever one of them raises."""
-        with anyio.CancelScope(shield=True):
+    async def _abort(self, staged: Sequence[tuple[Participant, Any]]) -> None:
+        """Abort every staged participant, shielded, whatever one of them raises,
+        within ``capture_timeout``: one that does not answer stays tainted."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.capture_timeout):
             for participant, token in staged:
                 with contextlib.suppress(Exception):
                     await participant.abort_restore(token)
 
     def _check_new_epoch(self, epoch: str) -> None:
         """Refuse a used epoch before anything is staged (the fork checks again)."""
+        _check_epoch(epoch)
         if epoch == self.epoch:
             raise StaleEpochError(f"epoch {epoch} is the current one; restore into a new one")
         owner = self.store.epoch_owner(epoch)
@@ -354,27 +393,37 @@ class Coordinator:
 
     async def restore(self, checkpoint_id: str | None = None, *, new_epoch: str) -> RestoreReport:
         """Verify a generation of this session (named, or its high water) and
-        install it into ``new_epoch``: every participant stages, then the old epoch
-        is fenced, then all activate, then the fork is made durable. All or none.
+        install it into ``new_epoch``: every participant stages, new captures of the
+        old epoch are refused, all activate, the old epoch's queued captures are
+        superseded, and the fork is made durable. All or none.
         """
         if not self._open:
             raise WriterClosedError("the coordinator is not open")
-        if self._restoring:
+        if self._restoring is not None:
             raise UsageError("a restore is already in progress")
-        self._check_new_epoch(check_id(new_epoch))
-        self._restoring = True
+        self._check_new_epoch(new_epoch)
+        poisoned = self.store.poisoned
+        if poisoned is not None:  # before any participant is touched
+            raise StorePoisonedError(new_epoch, f"restore ({poisoned})", self.store.path)
+        self._restoring = anyio.CancelScope()
+        self._restored = anyio.Event()
         self.writer.pause()  # what is queued waits for the outcome
         try:
-            stored = await self.store.read(checkpoint_id, session_id=self.session_id)
-            try:
-                return await self._install(stored, new_epoch)
-            except BaseException as error:
-                release_frames(error)  # their locals may hold views of the mapped file
-                raise
-            finally:
-                stored.close()
+            with self._restoring:
+                stored = await self.store.read(checkpoint_id, session_id=self.session_id)
+                self.store.pin(stored.record.checkpoint_id)  # rotation keeps it: we fork from it
+                try:
+                    return await self._install(stored, new_epoch)
+                except BaseException as error:
+                    release_frames(error)  # their locals may hold views of the mapped file
+                    raise
+                finally:
+                    self.store.unpin(stored.record.checkpoint_id)
+                    stored.close()
+            raise WriterClosedError("the coordinator was closed during the restore")
         finally:
-            self._restoring = False
+            self._restoring = None
+            self._restored.set()
             self.writer.resume()
 
     async def _install(self, stored: Any, new_epoch: str) -> RestoreReport:
@@ -398,9 +447,9 @@ class Coordinator:
                 raise RestoreFailedError(participant.name, repr(error), tainted) from error
             staged.append((participant, token))
 
-        # Fence the old timeline: its queued captures are superseded, the one
-        # being written finishes first, and no later one is accepted.
-        self.writer.abandon_epoch(old_epoch, restored=record.checkpoint_id, new_epoch=new_epoch)
+        # Fence the old timeline: no new capture of it is accepted, and the one
+        # being written finishes first. What is queued waits for the outcome.
+        self.writer.fence_epoch(old_epoch, restored=record.checkpoint_id, new_epoch=new_epoch)
         try:
             await self.writer.wait_written(old_epoch)
         except BaseException:
@@ -408,22 +457,23 @@ class Coordinator:
             await self._abort(staged)
             raise
 
-        for index, (participant, token) in enumerate(staged):
-            try:
-                await participant.activate_restore(token)
-            except BaseException as error:
-                # Some are live in the new state, some not: nothing can undo that.
-                await self._abort(staged[index + 1 :])
-                everyone = tuple(p.name for p in self.participants)
-                self._fenced = RestoreFailedError(participant.name, repr(error), everyone)
-                if not isinstance(error, Exception):
-                    raise
-                raise self._fenced from error
+        with anyio.CancelScope(shield=True):  # from here the restore is taken whole
+            for index, (participant, token) in enumerate(staged):
+                try:
+                    await participant.activate_restore(token)
+                except BaseException as error:
+                    # Some are live in the new state, some not: nothing can undo that.
+                    await self._abort(staged[index + 1 :])
+                    everyone = tuple(p.name for p in self.participants)
+                    self._fenced = RestoreFailedError(participant.name, repr(error), everyone)
+                    if not isinstance(error, Exception):
+                        raise
+                    raise self._fenced from error
+            self.writer.abandon_epoch(old_epoch)  # its queued captures: superseded
 
-        # The fork, durable before we return: a crash from here on restarts on
-        # this timeline. Shielded: a fork that became durable is always taken.
-        reason: Literal["rollback", "recovery"] = "rollback" if self._acted else "recovery"
-        with anyio.CancelScope(shield=True):
+            # The fork, durable before we return: a crash from here on restarts on
+            # this timeline.
+            reason: Literal["rollback", "recovery"] = "rollback" if self._acted else "recovery"
             try:
                 await self.store.fork_epoch(
                     self.session_id,
@@ -438,10 +488,35 @@ class Coordinator:
                 self._fenced = RestoreFailedError("(store)", reason_text, everyone)
                 raise self._fenced from error
         self.epoch = new_epoch
-        self._ids.clear()
         self._last_step = None
         self._acted = True
         self._fenced = None
         return RestoreReport(
             record=record, epoch=new_epoch, participants=tuple(p.name for p, _ in staged)
         )
+
+
+# Room for "-<step>" (up to 20 digits) in a default checkpoint id of 64 characters.
+MAX_EPOCH_LENGTH = ID_MAX_LENGTH - 1 - len(str(U64_MAX))
+
+
+def _check_epoch(epoch: str) -> str:
+    """An Id short enough that ``<epoch>-<step>`` is an Id for every step."""
+    check_id(epoch)
+    if len(epoch) > MAX_EPOCH_LENGTH:
+        raise UsageError(
+            f"epoch {epoch!r} is {len(epoch)} characters: at most {MAX_EPOCH_LENGTH}, so that "
+            "'<epoch>-<step>' is a checkpoint id for every step"
+        )
+    return epoch
+
+
+def _record_of(handle: ArtifactHandle, name: str) -> PayloadRecord:
+    """A handle's name, length and digest, read once and checked."""
+    declared = handle.name
+    if declared != name:
+        raise UsageError(f"a handle named {declared!r}, not {name!r}")
+    length = handle.byte_length
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise UsageError(f"handle {name!r}: byte length {length!r} is no count")
+    return PayloadRecord(name=name, byte_length=str(length), digest=check_digest(handle.digest))

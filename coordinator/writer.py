@@ -69,6 +69,7 @@ from .artifacts import (
     RELEASE_IN_THREAD_BYTES,
     ArtifactHandle,
     ArtifactLedger,
+    handle_size,
     is_verified,
     release_all,
     release_off_loop,
@@ -109,6 +110,7 @@ _KEPT_RELEASE_ERRORS = 16
 class WriterLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_outstanding: int = 2
     max_queued_bytes: int = 64 << 20
+    load_timeout: float = 60.0  # a remote handle's load() that takes longer fails its job
 
 
 class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
@@ -200,7 +202,7 @@ class Reservation:
     def cancel(self) -> None:
         if self._held:
             self._held = False
-            self._writer._outstanding -= 1
+            self._writer._free_slot()
 
     def _claim(self) -> None:
         if not self._held:
@@ -216,8 +218,13 @@ class Reservation:
 
 @dataclass(eq=False)
 class _Job:
+    """One checkpoint in the writer. Its payloads' names, lengths and digests are
+    the manifest's records, read once; a handle is only asked to load, to give a
+    view and to release (a handle's attributes may change, or fail, later)."""
+
     manifest: CheckpointManifest
     handles: list[ArtifactHandle]
+    remote: tuple[bool, ...]  # each handle's ``remote``, read once at submit
     replaceable: bool
     ticket: Ticket
     byte_length: int
@@ -274,6 +281,7 @@ class Writer:
         self._releases_wake = _Wake()
         self._outbox_wake = _Wake()
         self._job_done = _Wake()  # a job left the writing state
+        self._room = _Wake()  # a slot was freed
         self._closing = False  # no more submits; the job task returns once drained
         self._paused = False  # a restore is deciding what happens to the queue
         self._close_started = False
@@ -290,6 +298,7 @@ class Writer:
         self._jobs_done = anyio.Event()
         self._outbox_done = anyio.Event()
         self._abandoned: dict[str, str] = {}  # epoch -> why
+        self._abandoned_by: dict[str, str] = {}  # epoch -> the checkpoint restored
         self._to_release: collections.deque[
             tuple[Sequence[ArtifactHandle], Callable[[], None] | None]
         ] = collections.deque()
@@ -325,9 +334,19 @@ class Writer:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        await self.aclose(error=exc)
+        try:
+            await self.aclose(error=exc)
+        finally:
+            await self.leave_task_group()
         if exc is None:
             self.raise_failure()
+
+    async def leave_task_group(self) -> None:
+        """Leave the writer's (by now empty) task group: only in the task that
+        entered it, at the nesting where it was entered (``__aexit__`` does)."""
+        if self._group is not None and anyio.get_current_task().id == self._owner:
+            group, self._group = self._group, None
+            await group.__aexit__(None, None, None)
 
     async def aclose(self, *, error: BaseException | None = None) -> None:
         """The one close path. With ``error`` ``None`` or an ``Exception`` (the
@@ -335,10 +354,11 @@ class Writer:
         if this wait is cancelled, the writer stops instead. Never raises a save
         failure (``raise_failure()`` does); a cancellation propagates.
 
-        Any task may close the writer; the task group is left by the task that
-        entered it (a task group belongs to its task), at its own ``aclose``.
+        Any task may close the writer, under any scope: the task group itself is
+        left by ``__aexit__`` (a task group belongs to the task, and the nesting,
+        that entered it).
         """
-        if self._group is None:
+        if self._group is None or self._stopped.is_set():
             return
         stop = error is not None and not isinstance(error, Exception)
         try:
@@ -354,12 +374,6 @@ class Writer:
             with anyio.CancelScope(shield=True):
                 await self._stopped.wait()
             raise
-        finally:
-            if self._stopped.is_set() and anyio.get_current_task().id == self._owner:
-                # Every task of the group has ended: leaving it waits for nothing.
-                group, self._group = self._group, None
-                if group is not None:
-                    await group.__aexit__(None, None, None)
 
     async def _close(self, *, stop: bool) -> None:
         self._closing = True
@@ -394,7 +408,14 @@ class Writer:
         self._outbox.clear()
 
     def _wake_all(self) -> None:
-        for wake in (self._jobs_wake, self._releases_wake, self._outbox_wake, self._job_done):
+        wakes = (
+            self._jobs_wake,
+            self._releases_wake,
+            self._outbox_wake,
+            self._job_done,
+            self._room,
+        )
+        for wake in wakes:
             wake.set()
 
     # --- intake --------------------------------------------------------------------
@@ -435,23 +456,36 @@ class Writer:
         restore abandoned this epoch), ``WriterClosedError``.
         """
         reservation._claim()
+        handles = list(handles)
+        try:
+            remote = tuple(bool(handle.remote) for handle in handles)
+        except BaseException as error:  # a handle that cannot say where it is
+            if _ours(error):
+                raise
+            remote = ()
+        byte_length = sum(int(record.byte_length) for record in manifest.payloads)
+        refusal = self.refusal(manifest, replaceable=replaceable)
+        if refusal is None and len(remote) != len(handles):
+            refusal = ArtifactUnavailableError("a handle failed to say whether it is remote")
+        if refusal is None and len(handles) != len(manifest.payloads):
+            refusal = WriterClosedError("the manifest does not list one payload per handle")
+        if refusal is not None:
+            self._free_slot()
+            self._discard(handles)
+            raise refusal
         job = _Job(
             manifest=manifest,
-            handles=list(handles),
+            handles=handles,
+            remote=remote,
             replaceable=replaceable,
             ticket=Ticket(manifest.checkpoint_id),
-            byte_length=sum(_length(handle) for handle in handles),
+            byte_length=byte_length,
             captured_at=self._clock(),
         )
-        refusal = self._refusal(job)
-        if refusal is not None:
-            self._outstanding -= 1
-            self._discard(job.handles)
-            raise refusal
         if capture_ms is not None:
             job.timings["capture_ms"] = capture_ms
         self._emit(self._captured(job))
-        victim = self._victim(job)
+        victim = self._victim(replaceable)
         if victim is not None:
             self._supersede(victim, superseded_by=job.checkpoint_id)
         job.queued_at = self._clock()
@@ -468,24 +502,30 @@ class Writer:
         self._jobs_wake.set()
         return job.ticket
 
-    def _victim(self, job: _Job) -> _Job | None:
-        return next((j for j in self._queue if j.replaceable), None) if job.replaceable else None
+    def _victim(self, replaceable: bool) -> _Job | None:
+        return next((j for j in self._queue if j.replaceable), None) if replaceable else None
 
-    def _refusal(self, job: _Job) -> CoordinatorError | None:
+    def refusal(
+        self, manifest: CheckpointManifest, *, replaceable: bool = True
+    ) -> CoordinatorError | None:
+        """What ``submit`` would refuse this checkpoint with (``None``: nothing). A
+        caller that asks first can release a refused capture off the loop."""
+        checkpoint_id = manifest.checkpoint_id
         if self._closing or self._group is None:  # the writer task may be gone
-            return WriterClosedError("the writer is closing; this capture was not queued")
-        if job.epoch in self._abandoned:
-            reason = self._abandoned[job.epoch]
-            return EpochFencedError(f"{reason}; {job.checkpoint_id} was not queued")
-        victim = self._victim(job)
+            return WriterClosedError(f"the writer is closing; {checkpoint_id} was not queued")
+        epoch = manifest.source_scope.epoch
+        if epoch in self._abandoned:
+            return EpochFencedError(f"{self._abandoned[epoch]}; {checkpoint_id} was not queued")
+        victim = self._victim(replaceable)
         freed = victim.byte_length if victim is not None else 0
         # A capture larger than the whole budget is taken when nothing else would
         # wait beside it: its bytes are captured already, and it could never fit.
         others = self._queued_bytes - freed
-        if others and others + job.byte_length > self.limits.max_queued_bytes:
+        size = sum(int(record.byte_length) for record in manifest.payloads)
+        if others and others + size > self.limits.max_queued_bytes:
             self._counts["rejected"] += 1
             return WriterBusyError(
-                f"{job.byte_length} bytes would exceed the queue's budget "
+                f"{size} bytes would exceed the queue's budget "
                 f"({others} of {self.limits.max_queued_bytes} queued)"
             )
         return None
@@ -500,18 +540,36 @@ class Writer:
         self._paused = False
         self._jobs_wake.set()
 
-    def abandon_epoch(self, epoch: str, *, restored: str, new_epoch: str) -> None:
-        """A restore of ``restored`` into ``new_epoch`` abandons ``epoch``: its queued
-        captures are superseded now, and a capture of it submitted later is refused.
-        The one being written, if any, finishes: ``wait_written`` waits for it."""
+    def fence_epoch(self, epoch: str, *, restored: str, new_epoch: str) -> None:
+        """A restore of ``restored`` into ``new_epoch`` is about to abandon ``epoch``:
+        a capture of it submitted from now on is refused. What is queued waits for
+        the restore's outcome (``abandon_epoch``, or ``readmit_epoch``); the one
+        being written finishes (``wait_written`` waits for it)."""
         reason = f"restore of {restored} into epoch {new_epoch} abandoned epoch {epoch}"
         self._abandoned[epoch] = reason
+        self._abandoned_by[epoch] = restored
+
+    def abandon_epoch(self, epoch: str) -> None:
+        """The restore happened: the fenced epoch's queued captures are superseded
+        (``supersededBy`` the checkpoint restored, and the reason)."""
+        reason, restored = self._abandoned[epoch], self._abandoned_by[epoch]
         for job in [j for j in self._queue if j.epoch == epoch]:
             self._supersede(job, superseded_by=restored, reason=reason)
 
     def readmit_epoch(self, epoch: str) -> None:
         """The restore did not happen after all: ``epoch`` may capture again."""
         self._abandoned.pop(epoch, None)
+        self._abandoned_by.pop(epoch, None)
+
+    def _free_slot(self) -> None:
+        self._outstanding -= 1
+        self._room.set()
+
+    async def wait_for_room(self) -> None:
+        """Wait until a capture would be taken: a slot free and nothing queued
+        (then even a capture larger than the byte budget is taken alone)."""
+        while self._outstanding >= self.limits.max_outstanding or self._queue:
+            await self._room.wait()
 
     async def wait_written(self, epoch: str) -> None:
         """Wait until no capture of ``epoch`` is being written."""
@@ -537,7 +595,7 @@ class Writer:
         """One job from taken to terminal; a stop (cancellation) during the load
         fails it, and nothing else can interrupt it."""
         self._queued_bytes -= job.byte_length
-        self._outstanding -= 1
+        self._free_slot()
         job.move(JobState.WRITING)
         job.timings["queue_wait_ms"] = (self._clock() - job.queued_at) * 1000
         self._in_flight = job
@@ -559,17 +617,25 @@ class Writer:
             self._job_done.set()
 
     async def _load(self, job: _Job) -> CoordinatorError | None:
-        """Bring remote payloads here, verified; a payload that cannot be read
-        fails the save (nothing was written), like a failed commit."""
+        """Bring remote payloads here, verified, within ``load_timeout``; a payload
+        that cannot be read fails the save (nothing was written), like a failed
+        commit. Only the writer's own stop interrupts it."""
+        if not any(job.remote):
+            return None
         started = self._clock()
+        limit = self.limits.load_timeout
         try:
-            for handle in job.handles:
-                if handle.remote:
-                    await handle.load()
-        except Exception as error:  # whatever a handle raised, the payload is not here
+            with anyio.fail_after(limit):
+                for handle, remote in zip(job.handles, job.remote, strict=True):
+                    if remote:
+                        await handle.load()
+        except BaseException as error:
+            if self._jobs_scope.cancel_called or _ours(error):
+                raise  # the writer is stopping
+            if isinstance(error, TimeoutError):
+                return ArtifactUnavailableError(f"a payload did not load within {limit} s")
             return _as_artifact_error(error, ArtifactUnavailableError)
-        if any(handle.remote for handle in job.handles):
-            job.timings["fetch_ms"] = (self._clock() - started) * 1000
+        job.timings["fetch_ms"] = (self._clock() - started) * 1000
         return None
 
     async def _commit(self, job: _Job) -> None:
@@ -577,12 +643,15 @@ class Writer:
         views: list[memoryview] = []
         try:
             views, trusted = await self._views(job)
-        except Exception as error:
+        except BaseException as error:
+            if _ours(error):
+                raise
             _release_views(views)
             unavailable = _as_artifact_error(error, ArtifactUnavailableError)
             await self._end(job, JobState.FAILED, unavailable)
             return
-        payloads = [(h.name, v) for h, v in zip(job.handles, views, strict=True)]
+        names = [record.name for record in job.manifest.payloads]
+        payloads = list(zip(names, views, strict=True))
         receipt, failure, tried = await self._attempts(job, payloads, trusted)
         del payloads
         _release_views(views)  # before the handles: a map with views cannot close
@@ -603,12 +672,13 @@ class Writer:
         views: list[memoryview] = []
         trusted = True
         try:
-            for handle in job.handles:
+            for handle, record in zip(job.handles, job.manifest.payloads, strict=True):
                 view = handle.view()
                 if not isinstance(view, memoryview):
                     raise TypeError(f"view() returned a {type(view).__name__}")
                 views.append(view)
-                if not (is_verified(handle) and is_owned(view)):
+                verified = is_verified(handle, int(record.byte_length), record.digest)
+                if not (verified and is_owned(view)):
                     trusted = False
                 if not is_owned(view):
                     copy = await anyio.to_thread.run_sync(seal_copy, view)
@@ -684,7 +754,7 @@ class Writer:
         released in a task of the writer's, then its ticket resolves."""
         self._queue.remove(victim)
         self._queued_bytes -= victim.byte_length
-        self._outstanding -= 1
+        self._free_slot()
         victim.move(JobState.SUPERSEDED)
         fields: dict[str, Any] = {"superseded_by": superseded_by}
         if reason is not None:
@@ -700,13 +770,13 @@ class Writer:
         while self._queue:
             job = self._queue.popleft()
             self._queued_bytes -= job.byte_length
-            self._outstanding -= 1
+            self._free_slot()
             closed = WriterClosedError("the writer stopped before this checkpoint was written")
             await self._end(job, JobState.FAILED, closed, attempt=0)
 
     def _discard(self, handles: Sequence[ArtifactHandle]) -> None:
         """Release refused handles: at once when small, else in the release task."""
-        if sum(map(_length, handles)) < RELEASE_IN_THREAD_BYTES:
+        if sum(map(handle_size, handles)) < RELEASE_IN_THREAD_BYTES:
             self._note_release_errors(release_all(handles))
         else:
             self._spawn_release(handles)
@@ -772,8 +842,8 @@ class Writer:
 
     def _captured(self, job: _Job) -> Captured:
         summaries = tuple(
-            PayloadSummary(name=h.name, byte_length=str(h.byte_length), digest=h.digest)
-            for h in job.handles
+            PayloadSummary(name=r.name, byte_length=r.byte_length, digest=r.digest)
+            for r in job.manifest.payloads
         )
         event: Captured = self._event(Captured, job, payloads=summaries)
         return event
@@ -801,7 +871,9 @@ class Writer:
     async def _publish(self, event: Event) -> None:
         try:
             await self.bus.publish(event)
-        except Exception:  # the bus is not the truth: count it, keep the order
+        except BaseException as error:  # the bus is not the truth: count it, keep order
+            if self._outbox_scope.cancel_called or _ours(error):
+                raise  # the writer is stopping
             self._counts["events_dropped"] += 1
         else:
             self._counts["events_published"] += 1
@@ -844,12 +916,11 @@ class Writer:
         )
 
 
-def _length(handle: ArtifactHandle) -> int:
-    """A handle's byte length, or 0 when it lies about having one."""
-    try:
-        return max(0, int(handle.byte_length))
-    except Exception:
-        return 0
+def _ours(error: BaseException) -> bool:
+    """An error no handle or bus may swallow: the process is being stopped. (A
+    cancellation a handle or a bus raises on its own is theirs: the writer's own
+    stop is told apart by its cancel scope.)"""
+    return isinstance(error, KeyboardInterrupt | SystemExit | GeneratorExit)
 
 
 def _release_views(views: list[memoryview]) -> None:
@@ -857,7 +928,7 @@ def _release_views(views: list[memoryview]) -> None:
         view.release()
 
 
-def _as_artifact_error(error: Exception, default: type[CoordinatorError]) -> CoordinatorError:
+def _as_artifact_error(error: BaseException, default: type[CoordinatorError]) -> CoordinatorError:
     """A handle's failure, as an error with an ``artifact.*`` (or its own) code."""
     if isinstance(error, CoordinatorError):
         return error

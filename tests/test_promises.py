@@ -379,20 +379,22 @@ async def test_an_epoch_is_refused_again_after_a_restart(tmp_path: Path) -> None
 
 
 def test_unlinking_lock_does_not_let_a_second_writer_commit(tmp_path: Path) -> None:
-    """Someone unlinks LOCK and a second writer takes a new one: the first writer
-    notices at its next commit point and refuses, so two never write at once."""
+    """Someone unlinks LOCK: a second writer still cannot open the store (the
+    directory itself is locked too), and the first notices at its next commit
+    point and refuses, so two never write at once."""
     from storekit import checkpoint
 
     with SyncStore(tmp_path) as first:
         first.commit(*checkpoint(1))
         (tmp_path / "LOCK").unlink()
-        with SyncStore(tmp_path) as second:
-            with pytest.raises(StoreLockedError) as caught:
-                first.commit(*checkpoint(2))
-            assert caught.value.code == "store.locked"
-            second.commit(*checkpoint(3))
+        with pytest.raises(StoreLockedError):
+            SyncStore(tmp_path)
+        with pytest.raises(StoreLockedError) as caught:
+            first.commit(*checkpoint(2))
+        assert caught.value.code == "store.locked"
     with SyncStore(tmp_path) as reopened:
-        assert [r.checkpoint_id for r in reopened.generations] == ["ckpt-1", "ckpt-3"]
+        assert [r.checkpoint_id for r in reopened.generations] == ["ckpt-1"]
+        reopened.commit(*checkpoint(3))
         assert reopened.verify().ok
 
 

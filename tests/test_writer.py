@@ -215,9 +215,10 @@ async def test_retry_then_release(tmp_path: Path) -> None:
 async def test_a_failed_fsync_is_never_retried(tmp_path: Path, rule: Any) -> None:
     """fsyncgate: whatever the retry policy, a failed fsync fails the job at once,
     and no fsync is tried again on that file or directory."""
-    fs = RecordingFS(rule(), keep_data=False)
+    fs = RecordingFS(keep_data=False)
     retry = RetryPolicy(attempts=5)
     async with FileStore(tmp_path, fs=fs) as store:
+        fs.rule = rule()
         with pytest.raises(SaveFailedError):
             async with Writer(store, MemoryBus(), retry=retry) as writer:
                 outcome = await (await submit(writer, 1)).wait()

@@ -175,17 +175,24 @@ class CommitSequence:
     ) -> None:
         """Step 5: write, fsync, rename (the commit point) and fsync the directory.
         Before the rename a failure leaves the old manifest (and ``cleanup`` goes);
-        after it, durability is unknown: ``DurabilityUnknownError``, poisoned."""
+        from the rename on, a failure leaves durability unknown
+        (``DurabilityUnknownError``) and the store poisoned."""
         temporary, final = self.join(TMP_MANIFEST), self.join(MANIFEST)
         try:
             self.write_file(checkpoint_id, temporary, [store_manifest_bytes(manifest)])
             self.check_usable(checkpoint_id)  # the lock, right before the commit point
-            self.rename(checkpoint_id, temporary, final)
         except BaseException:
             self.unlink(temporary)
             for path in cleanup:
                 self.unlink(path)
             raise
+        try:
+            self.fs.rename(temporary, final)
+        except OSError as error:
+            # The rename may have happened (a lost reply over NFS): unknown, like a
+            # failed fsync after it. Nothing is cleaned up; the reopen tells.
+            self.poisoned = f"the rename of {final} (the commit point) reported an error"
+            raise DurabilityUnknownError(checkpoint_id, self.path, error) from None
         try:
             self.fs.fsync_dir(self.path)
         except OSError as error:

@@ -4,7 +4,8 @@ The files go into a new staging directory beside the target: each is written
 and fsynced, then the staging directory itself is fsynced, renamed to the
 target only if the target does not exist (``renameat2(RENAME_NOREPLACE)``: a
 target that appeared in the meantime is never replaced), and the parent is
-fsynced. Any failure removes the staging directory and leaves no target.
+fsynced. Any failure removes what was written and leaves no target; a write or
+fsync failure is a ``CommitError`` (``SyncError`` for an fsync) naming its path.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import errno
 import os
 import secrets
 
+from .._errors import SyncError
 from ..canonical import canonical_bytes
 from ..fs import FileSystem
 from ._commit import CommitSequence
@@ -36,20 +38,24 @@ def export_payloads(stored: StoredCheckpoint, target: str, *, fs: FileSystem | N
         raise FileExistsError(errno.EEXIST, "exists; restore writes a new directory", target)
     staging = os.path.join(parent, f".{os.path.basename(target)}.staging-{secrets.token_hex(4)}")
     fs.make_dir(staging)
-    sequence = CommitSequence(fs, staging, None)
+    io = CommitSequence(fs, staging, None)
     checkpoint_id = stored.record.checkpoint_id
     try:
         names = stored.envelope.names
         for name in names:
-            sequence.write_file(checkpoint_id, os.path.join(staging, name), [stored.payload(name)])
+            io.write_file(checkpoint_id, os.path.join(staging, name), [stored.payload(name)])
         manifest = canonical_bytes(stored.envelope.manifest)
-        sequence.write_file(checkpoint_id, os.path.join(staging, MANIFEST_FILE), [manifest])
-        fs.fsync_dir(staging)  # the entries of the files, before the directory moves
+        io.write_file(checkpoint_id, os.path.join(staging, MANIFEST_FILE), [manifest])
+        io.sync_dir(checkpoint_id)  # the files' entries, before the directory moves
         fs.rename_new(staging, target)
     except BaseException:
         _remove(fs, staging)
         raise
-    fs.fsync_dir(parent)
+    try:
+        fs.fsync_dir(parent)
+    except OSError as error:  # in place, but not durably: take it back
+        _remove(fs, target)
+        raise SyncError(checkpoint_id, "fsync_dir", parent, error) from None
     return len(names)
 
 

@@ -11,7 +11,7 @@ from typing import Any, Literal, Self
 import anyio
 import anyio.to_thread
 
-from .._errors import StoreClosedError, UsageError
+from .._errors import DuplicateCheckpointError, StoreClosedError, UsageError
 from .._types import BytesLike
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest
@@ -51,6 +51,7 @@ class FileStore:
         self._core: SyncStore | None = None
         self._lock = anyio.Lock()
         self._claimed: set[str] = set()
+        self._capturing: set[str] = set()  # checkpoint ids being captured
 
     @property
     def core(self) -> SyncStore:
@@ -92,8 +93,30 @@ class FileStore:
     def release_session(self, session_id: str) -> None:
         self._claimed.discard(session_id)
 
+    def claim_checkpoint(self, checkpoint_id: str) -> None:
+        """A checkpoint id names a file in this store's one directory: one capture
+        of it at a time across the store's coordinators, and none of a listed one."""
+        if checkpoint_id in self._capturing or self.core.lookup(checkpoint_id) is not None:
+            raise DuplicateCheckpointError(
+                f"checkpoint {checkpoint_id} is captured or committed already in {self.path}; "
+                "ids are unique per store"
+            )
+        self._capturing.add(checkpoint_id)
+
+    def release_checkpoint(self, checkpoint_id: str) -> None:
+        """The id's capture was published (its file will say the rest) or dropped."""
+        self._capturing.discard(checkpoint_id)
+
     def session(self, session_id: str) -> SessionRecord | None:
         return self.core.session(session_id)
+
+    def pin(self, checkpoint_id: str) -> None:
+        """Rotation keeps ``checkpoint_id`` until ``unpin``."""
+        self.core.pin(checkpoint_id)
+
+    def unpin(self, checkpoint_id: str) -> None:
+        if self._core is not None:
+            self._core.unpin(checkpoint_id)
 
     def epoch_owner(self, epoch: str) -> str | None:
         return self.core.epoch_owner(epoch)

@@ -12,7 +12,8 @@ durable. The rules:
   current one.
 - **The timeline of an epoch** is its own generations, then its parent's
   timeline: all of it for an epoch opened without a restore, only up to the
-  restored step for an epoch that began with a restore (a fork).
+  restored generation, in commit order (its ``sequence``), for an epoch that
+  began with a restore (a fork).
 - **A session's high water** is the newest-committed generation on the current
   epoch's timeline. A default restore installs it, so a generation of an
   abandoned timeline is never installed unless named.
@@ -52,11 +53,11 @@ def on_timeline(session: SessionRecord, record: GenerationRecord, epoch: str | N
     """Whether ``record`` is on the timeline of ``epoch`` (default: the current one)."""
     epochs = {e.epoch: e for e in session.epochs}
     at = epochs.get(epoch or session.current)
-    cut: int | None = None  # the last step of ``at`` that is on the timeline
+    cut: int | None = None  # the last commit of ``at`` that is on the timeline
     while at is not None:
         if record.epoch == at.epoch:
-            return cut is None or int(record.boundary) <= cut
-        cut = int(at.fork.step) if at.fork is not None else None
+            return cut is None or int(record.sequence) <= cut
+        cut = int(at.fork.sequence) if at.fork is not None else None
         at = epochs.get(at.parent) if at.parent is not None else None
     return False
 
@@ -80,7 +81,8 @@ def _with_session(
         session, high_water=newest.checkpoint_id if newest is not None else None
     )
     others = [s for s in manifest.sessions if s.session_id != session.session_id]
-    return StoreManifest.of(generations, [*others, session])
+    last = max([int(manifest.last_sequence), *(int(g.sequence) for g in generations)])
+    return StoreManifest.of(generations, [*others, session], last_sequence=last)
 
 
 def _new_epoch(manifest: StoreManifest, session_id: str, epoch: str) -> SessionRecord | None:
@@ -128,6 +130,7 @@ def with_forked_epoch(
     fork = Fork(
         checkpoint_id=restored.checkpoint_id,
         step=restored.boundary,
+        sequence=restored.sequence,
         previous_epoch=session.current,
         abandoned_from=None,
         abandoned_to=None,
@@ -168,11 +171,17 @@ def check_commit(manifest: StoreManifest, session_id: str, epoch: str, checkpoin
 
 
 def with_generation(
-    manifest: StoreManifest, record: GenerationRecord, keep: int
+    manifest: StoreManifest,
+    record: GenerationRecord,
+    keep: int,
+    pinned: frozenset[str] = frozenset(),
 ) -> tuple[StoreManifest, list[GenerationRecord]]:
     """``record`` committed (replacing a listed record of the same id), and the
-    session's generations rotated to ``keep``: the new manifest, and what it drops."""
+    session's generations rotated to ``keep`` (never dropping one of ``pinned``):
+    the new manifest, and what it drops."""
     check_commit(manifest, record.session_id, record.epoch, record.checkpoint_id)
+    if int(record.sequence) != int(manifest.last_sequence) + 1:
+        raise ValueError(f"sequence {record.sequence} does not follow {manifest.last_sequence}")
     session = manifest.session(record.session_id)
     if session is None or session.epoch(record.epoch) is None:
         manifest = with_opened_epoch(manifest, record.session_id, record.epoch)
@@ -185,7 +194,8 @@ def with_generation(
     if len(mine) > keep:
         off = [g for g in mine if not on_timeline(session, g)]
         on = [g for g in mine if on_timeline(session, g)]
-        dropped = (off + on)[: len(mine) - keep]
+        candidates = [g for g in off + on if g.checkpoint_id not in pinned]
+        dropped = candidates[: len(mine) - keep]
         generations = [g for g in generations if g not in dropped]
     return _with_session(manifest, session, generations), dropped
 
@@ -195,30 +205,54 @@ def check_consistent(manifest: StoreManifest) -> str | None:
     ids = [g.checkpoint_id for g in manifest.generations]
     if len(set(ids)) != len(ids):
         return "a checkpoint id is listed twice"
+    sequences = [int(g.sequence) for g in manifest.generations]
+    if sequences != sorted(set(sequences)) or any(
+        s > int(manifest.last_sequence) for s in sequences
+    ):
+        return "generations are not in commit order, or lastSequence is behind them"
     names = [s.session_id for s in manifest.sessions]
     if names != sorted(set(names)):
         return "sessions are not listed once each, in id order"
-    seen: set[str] = set()
     for session in manifest.sessions:
-        if not session.epochs:
-            return f"session {session.session_id} has no epoch"
-        earlier: set[str] = set()
-        for record in session.epochs:
-            if record.epoch in seen:
-                return f"epoch {record.epoch} is opened twice"
-            links = [record.parent] + ([record.fork.previous_epoch] if record.fork else [])
-            if any(link is not None and link not in earlier for link in links):
-                return f"epoch {record.epoch} continues an epoch its session did not open before"
-            seen.add(record.epoch)
-            earlier.add(record.epoch)
+        problem = _session_problem(manifest, session)
+        if problem is not None:
+            return f"session {session.session_id}: {problem}"
     for generation in manifest.generations:
         if not file_name_ok(generation):  # never a path that leaves the store
             return f"{generation.checkpoint_id}: bad file {generation.file!r}"
         owner = manifest.session(generation.session_id)
         if owner is None or owner.epoch(generation.epoch) is None:
             return f"{generation.checkpoint_id}: epoch {generation.epoch} is not its session's"
-    for session in manifest.sessions:
-        newest = high_water_of(session, manifest.generations)
-        if session.high_water != (newest.checkpoint_id if newest is not None else None):
-            return f"session {session.session_id}: highWater is not its timeline's newest"
+    return None
+
+
+def _session_problem(manifest: StoreManifest, session: SessionRecord) -> str | None:
+    """One session's epochs: each opened once, each continuing an epoch opened
+    before it, each fork naming a generation of its parent that it describes
+    truly; and a high water that is its timeline's newest."""
+    if not session.epochs:
+        return "no epoch"
+    earlier: set[str] = set()
+    for record in session.epochs:
+        if record.epoch in earlier:
+            return f"epoch {record.epoch} is opened twice"
+        fork = record.fork
+        links = [record.parent] + ([fork.previous_epoch] if fork else [])
+        if any(link is not None and link not in earlier for link in links):
+            return f"epoch {record.epoch} continues an epoch not opened before it"
+        if fork is not None:
+            if record.parent is None or int(fork.sequence) > int(manifest.last_sequence):
+                return f"epoch {record.epoch}: a fork with no parent, or from the future"
+            restored = manifest.lookup(fork.checkpoint_id)
+            if restored is not None and (
+                restored.session_id != session.session_id
+                or restored.epoch != record.parent
+                or restored.boundary != fork.step
+                or restored.sequence != fork.sequence
+            ):
+                return f"epoch {record.epoch}: its fork does not describe {fork.checkpoint_id}"
+        earlier.add(record.epoch)
+    newest = high_water_of(session, manifest.generations)
+    if session.high_water != (newest.checkpoint_id if newest is not None else None):
+        return "highWater is not its timeline's newest"
     return None

@@ -2,7 +2,7 @@
 
 ``manifest.json`` is canonical JSON. Version 2::
 
-    {storeManifestVersion: 2, stateFormatId: "flysess-1",
+    {storeManifestVersion: 2, stateFormatId: "flysess-1", lastSequence: U64,
      generations: [GenerationRecord, ...],          commit order, oldest first
      sessions: [{sessionId, highWater, epochs: [EpochRecord, ...]}, ...]}   by id
 
@@ -11,9 +11,14 @@ rewritten as version 2 by the next commit. Parsing checks every rule a writer
 keeps, so a file that breaks one is refused (``StoreManifestError``), never
 read as something else.
 
-File names in the store: ``<id>.flysess`` is a generation, ``tmp+<name>`` a
-temporary. ``+`` is no Id character, so no checkpoint id can name a temporary
-and no temporary can be taken for a generation.
+File names in the store: ``<id>.flysess`` (or ``<id>~1.flysess``) is a
+generation, ``tmp+<name>`` a temporary. ``+`` and ``~`` are no Id characters, so
+no checkpoint id can name a temporary, and a file the manifest lists is never
+taken for one.
+
+Every generation carries its ``sequence``: the store's commit counter when it was
+committed (``lastSequence`` is the counter now). Timelines are cut by it, so
+commit order, not step numbers, decides what a restore abandoned.
 """
 
 from __future__ import annotations
@@ -54,8 +59,11 @@ LEGACY_TMP_PREFIX = "tmp-"
 LOCK = "LOCK"
 SUFFIX = ".flysess"
 # A re-commit of a listed id is written beside the listed file, never over it:
-# until the commit point the old generation must stay intact.
-ALTERNATE = "+1"
+# until the commit point the old generation must stay intact. "~" is no Id
+# character, and "<id>~1" can never begin with "tmp+" (earlier versions wrote
+# "<id>+1", which for the id "tmp" is a temporary's name: still read, never written).
+ALTERNATE = "~1"
+LEGACY_ALTERNATE = "+1"
 # A manifest of thousands of generations is well under this; a bigger file is hostile.
 MAX_STORE_MANIFEST_BYTES = 16 << 20
 
@@ -78,6 +86,7 @@ class GenerationRecord(_Record, frozen=True, kw_only=True):
     compatibility_digest: Digest
     envelope_digest: Digest
     byte_length: U64
+    sequence: U64  # the store's commit counter when this generation was committed
 
 
 class Fork(_Record, frozen=True, kw_only=True):
@@ -86,6 +95,7 @@ class Fork(_Record, frozen=True, kw_only=True):
 
     checkpoint_id: Id  # the generation restored
     step: U64  # its boundary: the new epoch goes on from here
+    sequence: U64  # its commit sequence: the parent's timeline ends there
     previous_epoch: Id  # the epoch that was current before the restore
     abandoned_from: U64 | None
     abandoned_to: U64 | None
@@ -123,6 +133,7 @@ class StoreManifest(_Record, frozen=True, kw_only=True):
 
     store_manifest_version: Literal[2]
     state_format_id: Literal["flysess-1"]
+    last_sequence: U64
     generations: tuple[GenerationRecord, ...]
     sessions: tuple[SessionRecord, ...]
 
@@ -131,11 +142,14 @@ class StoreManifest(_Record, frozen=True, kw_only=True):
         cls,
         generations: Sequence[GenerationRecord] = (),
         sessions: Sequence[SessionRecord] = (),
+        *,
+        last_sequence: int = 0,
     ) -> StoreManifest:
         ordered = tuple(sorted(sessions, key=lambda s: s.session_id))
         return cls(
             store_manifest_version=2,
             state_format_id="flysess-1",
+            last_sequence=str(last_sequence),
             generations=tuple(generations),
             sessions=ordered,
         )
@@ -154,32 +168,49 @@ class StoreManifest(_Record, frozen=True, kw_only=True):
         return None
 
 
+class _GenerationRecordV1(_Record, frozen=True, kw_only=True):
+    checkpoint_id: Id
+    file: str
+    session_id: Id
+    epoch: Id
+    episode_id: Id
+    boundary: U64
+    compatibility_digest: Digest
+    envelope_digest: Digest
+    byte_length: U64
+
+
 class _StoreManifestV1(_Record, frozen=True, kw_only=True):
     store_manifest_version: Literal[1]
     state_format_id: Literal["flysess-1"]
     high_water: Id | None
-    generations: tuple[GenerationRecord, ...]
+    generations: tuple[_GenerationRecordV1, ...]
 
 
 def _upgraded(old: _StoreManifestV1, path: str) -> StoreManifest:
-    """A version 1 manifest as version 2: each session's epochs in the order its
-    generations first name them, each continuing the one before."""
+    """A version 1 manifest as version 2: sequences in list order, and each
+    session's epochs in the order its generations first name them, each
+    continuing the one before."""
     expected_high = old.generations[-1].checkpoint_id if old.generations else None
     if old.high_water != expected_high:
         raise StoreManifestError(path, f"highWater {old.high_water!r} is not the newest generation")
+    generations = [
+        GenerationRecord(**msgspec.structs.asdict(record), sequence=str(index))
+        for index, record in enumerate(old.generations, start=1)
+    ]
     epochs: dict[str, list[EpochRecord]] = {}
     newest: dict[str, str] = {}
-    for record in old.generations:
+    for record in generations:
         known = epochs.setdefault(record.session_id, [])
         if all(e.epoch != record.epoch for e in known):
             parent = known[-1].epoch if known else None
             known.append(EpochRecord(epoch=record.epoch, parent=parent, fork=None))
         newest[record.session_id] = record.checkpoint_id
-    sessions = tuple(
+    sessions = [
         SessionRecord(session_id=sid, high_water=newest[sid], epochs=tuple(epochs[sid]))
         for sid in sorted(epochs)
-    )
-    return StoreManifest.of(old.generations, sessions)
+    ]
+    return StoreManifest.of(generations, sessions, last_sequence=len(generations))
 
 
 def parse_store_manifest(data: bytes, path: str) -> StoreManifest:
@@ -206,8 +237,9 @@ def store_manifest_bytes(manifest: StoreManifest) -> bytes:
 
 
 def file_name_ok(record: GenerationRecord) -> bool:
-    """A record's file is its id's name (or the alternate): never a path elsewhere."""
+    """A record's file is its id's name (or an alternate): never a path elsewhere."""
     return record.file in (
         f"{record.checkpoint_id}{SUFFIX}",
         f"{record.checkpoint_id}{ALTERNATE}{SUFFIX}",
+        f"{record.checkpoint_id}{LEGACY_ALTERNATE}{SUFFIX}",
     )

@@ -125,17 +125,25 @@ class SyncStore:
         self._bytes = 0
         self._removed: list[str] = []
         self._unreferenced: list[str] = []
+        self._pinned: set[str] = set()  # generations rotation must keep for now
         lock_fd = None
+        self._dir_lock: int | None = None
         if not read_only:
-            if create:
-                try:
-                    self._fs.mkdir(self.path)
-                except OSError as error:
-                    raise StoreDirectoryError(
-                        f"{self.path}: cannot create it durably: {error.strerror or error}"
-                    ) from None
-            lock_fd = self._lock()
-        self._sequence = CommitSequence(self._fs, self.path, lock_fd)
+            try:
+                # created or not, its entry in its parent is made durable: an earlier
+                # open whose fsync failed may have left it only in the page cache
+                self._fs.mkdir(self.path) if create else self._fs.sync_parent(self.path)
+            except OSError as error:
+                raise StoreDirectoryError(
+                    f"{self.path}: cannot make it durable: {error.strerror or error}"
+                ) from None
+            self._dir_lock = self._lock_directory()
+            try:
+                lock_fd = self._lock()
+            except BaseException:
+                self._fs.close(self._dir_lock)
+                raise
+        self._io = CommitSequence(self._fs, self.path, lock_fd)
         try:
             self._manifest = self._load_manifest()
             self._scan()
@@ -147,6 +155,19 @@ class SyncStore:
 
     def _join(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    def _lock_directory(self) -> int:
+        """flock the store directory itself: unlinking or replacing ``LOCK`` can
+        never let a second writer in."""
+        try:
+            fd = self._fs.lock_directory(self.path)
+        except OSError as error:
+            raise StoreDirectoryError(
+                f"{self.path}: cannot lock the directory: {error.strerror or error}"
+            ) from None
+        if fd is None:
+            raise StoreLockedError(self.path, "locked by another writer (flock on the directory)")
+        return fd
 
     def _lock(self) -> int:
         """flock ``LOCK``, and make sure the file locked is the one the path names
@@ -191,7 +212,7 @@ class SyncStore:
         listed = {record.file for record in self._manifest.generations}
         for name in self._fs.list(self.path):
             if is_temporary(name, listed):
-                if not self.read_only and self._sequence.unlink(self._join(name)):
+                if not self.read_only and self._io.unlink(self._join(name)):
                     self._removed.append(name)
             elif name.endswith(SUFFIX) and name not in listed:
                 self._unreferenced.append(name)
@@ -217,7 +238,7 @@ class SyncStore:
     @property
     def poisoned(self) -> str | None:
         """Why commits are refused until the store is reopened (``None``: they aren't)."""
-        return self._sequence.poisoned
+        return self._io.poisoned
 
     def _only_session(self) -> SessionRecord | None:
         sessions = self._manifest.sessions
@@ -311,7 +332,7 @@ class SyncStore:
         self._check_open()
         if self.read_only:
             raise StoreReadOnlyError(f"{self.path} was opened read-only")
-        self._sequence.check_usable(checkpoint_id)
+        self._io.check_usable(checkpoint_id)
 
     def commit(
         self,
@@ -371,7 +392,7 @@ class SyncStore:
 
         bulk = envelope_plan.size >= BULK_BYTES
         pieces = envelope_plan.stream(thread_setup=lower_thread_priority if bulk else None)
-        final = self._sequence.write_generation(checkpoint_id, name, pieces, timings)
+        final = self._io.write_generation(checkpoint_id, name, pieces, timings)
         sealed = envelope_plan.sealed
         if sealed is None:  # stream() always seals before its footer; never reached
             raise RuntimeError("envelope stream ended without a footer")
@@ -387,9 +408,12 @@ class SyncStore:
             compatibility_digest=_compatibility_digest(manifest.compatibility),
             envelope_digest=sealed.envelope_digest,
             byte_length=str(envelope_plan.size),
+            sequence=str(int(self._manifest.last_sequence) + 1),
         )
-        updated, dropped = with_generation(self._manifest, record, self.keep)
-        self._sequence.publish(checkpoint_id, updated, cleanup=[final])
+        updated, dropped = with_generation(
+            self._manifest, record, self.keep, frozenset(self._pinned)
+        )
+        self._io.publish(checkpoint_id, updated, cleanup=[final])
         self._manifest = updated
         timings["manifest"] = round((time.perf_counter() - clock) * 1000, 3)
 
@@ -398,7 +422,7 @@ class SyncStore:
         if previous is not None and previous.file != name:
             unlisted.add(previous.file)
         for file in sorted(unlisted):
-            self._sequence.unlink(self._join(file))
+            self._io.unlink(self._join(file))
         return CommitReceipt(
             record=record,
             high_water=checkpoint_id,
@@ -436,7 +460,7 @@ class SyncStore:
         return self._record(epoch, updated, session_id)
 
     def _record(self, epoch: str, updated: StoreManifest, session_id: str) -> SessionRecord:
-        self._sequence.publish(epoch, updated)
+        self._io.publish(epoch, updated)
         self._manifest = updated
         session = updated.session(session_id)
         assert session is not None
@@ -454,21 +478,32 @@ class SyncStore:
             read_only=self.read_only,
             generations=len(self._manifest.generations),
             sessions=len(self._manifest.sessions),
-            poisoned=self._sequence.poisoned,
+            poisoned=self._io.poisoned,
             commits=self._commits,
             failed_commits=self._failed,
             bytes_committed=self._bytes,
             removed_temporaries=tuple(self._removed),
             unreferenced=tuple(self._unreferenced),
-            unlink_failures=tuple(self._sequence.unlink_failures),
+            unlink_failures=tuple(self._io.unlink_failures),
         )
 
     def close(self) -> None:
-        sequence = getattr(self, "_sequence", None)
-        if sequence is not None and sequence.lock_fd is not None:
-            self._fs.close(sequence.lock_fd)
-            sequence.lock_fd = None
+        io = getattr(self, "_io", None)
+        if io is not None and io.lock_fd is not None:
+            self._fs.close(io.lock_fd)
+            io.lock_fd = None
+        if getattr(self, "_dir_lock", None) is not None:
+            assert self._dir_lock is not None
+            self._fs.close(self._dir_lock)
+            self._dir_lock = None
         self._closed = True
+
+    def pin(self, checkpoint_id: str) -> None:
+        """Rotation keeps ``checkpoint_id`` until ``unpin`` (a restore reading it)."""
+        self._pinned.add(checkpoint_id)
+
+    def unpin(self, checkpoint_id: str) -> None:
+        self._pinned.discard(checkpoint_id)
 
     def __enter__(self) -> Self:
         return self

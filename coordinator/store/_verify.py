@@ -4,7 +4,8 @@
 then the whole-file SHA-256 against ``envelopeDigest`` (taken in the same pass
 as the envelope's own digests; only a refused file pays another pass), then
 every envelope check, then the typed manifest and that it names the same
-checkpoint. Any failure is ``GenerationCorruptError`` with ``check``.
+checkpoint, session, epoch, step and episode as the record (a relabelled record
+never installs another session's bytes). Any failure is ``GenerationCorruptError`` with ``check``.
 """
 
 from __future__ import annotations
@@ -96,11 +97,17 @@ def read_generation(fs: FileSystem, path: str, record: GenerationRecord) -> Stor
             raise GenerationCorruptError(
                 record.checkpoint_id, path, "manifest", str(error)
             ) from None
-        if manifest.checkpoint_id != record.checkpoint_id:
+        scope = manifest.source_scope
+        held = (manifest.checkpoint_id, scope.session_id, scope.epoch, scope.step,
+                manifest.episode_id)  # fmt: skip
+        listed = (record.checkpoint_id, record.session_id, record.epoch, record.boundary,
+                  record.episode_id)  # fmt: skip
+        if held != listed:
             envelope.release()
             raise GenerationCorruptError(
                 record.checkpoint_id, path, "identity",
-                f"the envelope holds checkpoint {manifest.checkpoint_id!r}",
+                f"the envelope holds (checkpoint, session, epoch, step, episode) {held}, "
+                f"the store manifest lists {listed}",
             )  # fmt: skip
     except BaseException:
         mapped.close()
@@ -132,10 +139,10 @@ def _decode(record: GenerationRecord, path: str, mapped: mmap.mmap) -> Envelope:
 
 
 def is_temporary(name: str, listed: set[str]) -> bool:
-    """A temporary's name: ours, or an earlier version's that nothing lists."""
-    return name.startswith(TMP_PREFIX) or (
-        name.startswith(LEGACY_TMP_PREFIX) and name not in listed
-    )
+    """A temporary's name (ours, or an earlier version's) that nothing lists: a
+    file the manifest lists is never a temporary, whatever its name."""
+    prefix = name.startswith(TMP_PREFIX) or name.startswith(LEGACY_TMP_PREFIX)
+    return prefix and name not in listed
 
 
 def verify_generations(

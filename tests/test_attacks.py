@@ -1,0 +1,847 @@
+"""The breaks a hostile review found in the runtime's and the store's promises,
+each kept as a test (the review's scripts, made small)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from fsmodel import RecordingFS, fail_nth
+from hostkit import NAMES, GateFS, Part, RecordingBus, coordinator, parts
+
+from coordinator import (
+    DuplicateCheckpointError,
+    StoreLockedError,
+    StorePoisonedError,
+    UsageError,
+)
+from coordinator._sample import sample_body
+from coordinator.artifacts import ArtifactLedger, BaseHandle, capture
+from coordinator.canonical import canonical_bytes, parse_canonical
+from coordinator.events import Committed, Failed, Superseded
+from coordinator.manifest import build_manifest
+from coordinator.session import CaptureScope
+from coordinator.store import FileStore, SyncStore, export_payloads
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def plain_checkpoint(checkpoint_id: str, step: int, *, session: str = "s1", epoch: str = "e1",
+                     text: bytes | None = None) -> tuple[Any, list[tuple[str, bytes]]]:  # fmt: skip
+    body = sample_body(checkpoint_id, step=step, session_id=session, epoch=epoch)
+    payloads = [(n, text or f"{checkpoint_id}:{n}".encode()) for n in NAMES]
+    return build_manifest(body, payloads), payloads
+
+
+class Handle(BaseHandle):
+    """A participant's own handle over plain bytes (honest unless told otherwise)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, name: str, data: bytes, ledger: ArtifactLedger) -> None:
+        super().__init__(name, len(data), hashlib.sha256(data).hexdigest(), ledger)
+        self.data = data
+
+    def view(self) -> memoryview:
+        return memoryview(self.data)
+
+
+class Source(Part):
+    """An ArtifactSource participant; ``make`` builds its handle (default: an
+    honest capture of the library's own)."""
+
+    make: Any = None
+
+    async def capture_artifact(self, scope: CaptureScope, ledger: ArtifactLedger) -> Any:
+        if self.make is None:
+            return await capture(self.name, self.state, ledger=ledger)
+        return self.make(self.name, self.state, ledger)
+
+
+def with_source(make: Any = None) -> tuple[list[Part], Source]:
+    participants: list[Part] = parts()
+    source = Source("agent-fly-a")
+    source.make = make
+    participants[1] = source
+    return participants, source
+
+
+async def committed(ticket: Any) -> Committed:
+    outcome = await ticket.wait()
+    assert isinstance(outcome, Committed), outcome
+    return outcome
+
+
+# --- owned bytes ----------------------------------------------------------------------
+
+
+def test_an_alternate_file_is_never_taken_for_a_temporary(tmp_path: Path) -> None:
+    """Re-committing id 'tmp' wrote 'tmp+1.flysess', a temporary's name: the next
+    open deleted a listed generation."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*plain_checkpoint("tmp", 1, epoch="tmp", text=b"first"))
+        store.commit(*plain_checkpoint("tmp", 1, epoch="tmp", text=b"second"))
+    with SyncStore(tmp_path) as store:
+        assert store.statistics().removed_temporaries == ()
+        with store.read(store.select("tmp")) as stored:
+            assert bytes(stored.payload("world")) == b"second"
+
+
+@pytest.mark.asyncio
+async def test_a_spooled_map_made_by_a_participant_is_not_trusted(tmp_path: Path) -> None:
+    """A participant built a SpooledMap over a file it still writes: it was taken as
+    owned, committed, and never restored."""
+    from coordinator.sealed import SpooledMap
+
+    path = tmp_path / "agent.state"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(fd, os.urandom(4096))
+    os.unlink(path)
+    participants = parts()
+
+    async def forged(scope: CaptureScope) -> Any:
+        return SpooledMap(fd)
+
+    participants[1].capture = forged  # type: ignore[method-assign]
+    fs = GateFS()
+    async with FileStore(tmp_path / "store", fs=fs) as store:
+        async with coordinator(store, participants) as c:
+            ticket = await c.capture(1, replaceable=False)
+            await anyio.to_thread.run_sync(fs.waiting.wait)
+            os.pwrite(fd, b"changed after capture", 0)
+            fs.open_all()
+            await committed(ticket)
+            await c.restore("epoch-1-1", new_epoch="epoch-2")
+        assert (await store.verify()).ok
+    os.close(fd)
+
+
+@pytest.mark.asyncio
+async def test_a_verified_handle_whose_digest_changed_is_not_trusted(tmp_path: Path) -> None:
+    """A handle the library made, whose digest field was then rewritten, was trusted
+    without hashing: committed, and never restored."""
+
+    async def rewritten(name: str, data: bytes, ledger: ArtifactLedger) -> Any:
+        handle = await capture(name, data, ledger=ledger)
+        handle.digest = hashlib.sha256(b"another state").hexdigest()
+        return handle
+
+    participants, source = with_source()
+
+    async def capture_artifact(scope: CaptureScope, ledger: ArtifactLedger) -> Any:
+        return await rewritten(source.name, source.state, ledger)
+
+    source.capture_artifact = capture_artifact  # type: ignore[method-assign]
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        with pytest.raises(Exception, match=r"artifact\.corrupt"):
+            outcome = await (await c.capture(1, replaceable=False)).wait()
+            assert isinstance(outcome, Failed) and outcome.code == "artifact.corrupt"
+            c.writer.raise_failure()
+        assert (await store.verify()).ok
+
+
+@pytest.mark.asyncio
+async def test_a_strided_view_of_bytes_is_copied_not_refused(tmp_path: Path) -> None:
+    """memoryview(bytes)[::2] failed its capture (BufferError) and fenced the epoch."""
+    participants = parts()
+    data = bytes(range(256)) * 4096
+
+    async def strided(scope: CaptureScope) -> memoryview:
+        return memoryview(data)[::2]
+
+    participants[0].capture = strided  # type: ignore[method-assign]
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        await committed(await c.capture(1))
+        with await store.read("epoch-1-1") as stored:
+            assert bytes(stored.payload("world")) == data[::2]
+
+
+# --- a handle cannot kill the writer --------------------------------------------------
+
+
+class FlakyRemote(Handle):
+    """``remote`` raises on its second read (a connection's state)."""
+
+    __slots__ = ("reads",)
+
+    def __init__(self, name: str, data: bytes, ledger: ArtifactLedger) -> None:
+        self.reads = 0
+        super().__init__(name, data, ledger)
+
+    @property  # type: ignore[override]
+    def remote(self) -> bool:
+        self.reads += 1
+        if self.reads >= 2:
+            raise ConnectionError("remote: link dropped")
+        return False
+
+
+class FlakyName(Handle):
+    __slots__ = ("_name", "reads")
+
+    def __init__(self, name: str, data: bytes, ledger: ArtifactLedger) -> None:
+        self.reads = 0
+        self._name = name
+        super().__init__(name, data, ledger)
+
+    @property  # type: ignore[override]
+    def name(self) -> str:
+        self.reads += 1
+        if self.reads >= 4:
+            raise ConnectionError("name: link dropped")
+        return self._name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = value
+
+
+class CancelledLoad(Handle):
+    __slots__ = ()
+    remote = True
+
+    async def load(self) -> None:
+        raise asyncio.CancelledError()  # an asyncio client's future, cancelled inside
+
+
+class FlakyDigest(Handle):
+    __slots__ = ("_digest", "reads")
+
+    def __init__(self, name: str, data: bytes, ledger: ArtifactLedger) -> None:
+        self.reads = 0
+        self._digest = hashlib.sha256(data).hexdigest()
+        super().__init__(name, data, ledger)
+
+    @property  # type: ignore[override]
+    def digest(self) -> str:
+        self.reads += 1
+        if self.reads > 1:
+            raise LookupError("digest cache evicted")
+        return self._digest
+
+    @digest.setter
+    def digest(self, value: str) -> None:
+        pass
+
+
+class StringLength(Handle):
+    """Passes its byte length on as a JSON reply gave it: a string."""
+
+    __slots__ = ()
+
+    def __init__(self, name: str, data: bytes, ledger: ArtifactLedger) -> None:
+        BaseHandle.__init__(self, name, str(len(data)), hashlib.sha256(data).hexdigest(), ledger)  # type: ignore[arg-type]
+        self.data = data
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(FlakyRemote, id="remote-raises"),
+        pytest.param(FlakyName, id="name-raises"),
+        pytest.param(CancelledLoad, id="load-raises-cancelled"),
+        pytest.param(FlakyDigest, id="digest-raises"),
+        pytest.param(StringLength, id="length-not-an-int"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_a_handle_whose_attributes_fail_fails_only_itself(tmp_path: Path, make: Any) -> None:
+    """A property that raises on a later read, or a load that raises a cancellation
+    nobody asked for, killed the writer (or leaked a slot and handles). Now the job
+    ends (the coordinator reads each attribute once), the writer goes on, the host's
+    block leaves cleanly and nothing leaks."""
+    from coordinator import CaptureFailedError, SaveFailedError
+
+    participants, source = with_source()
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        await c.checkpoint(0)
+        source.make = make
+        try:
+            outcome = await (await c.capture(1, replaceable=False)).wait()
+        except CaptureFailedError:  # refused at capture: that participant failed
+            await c.restore(new_epoch="epoch-2")
+        else:
+            assert isinstance(outcome, Committed | Failed), outcome
+            if isinstance(outcome, Failed):
+                assert outcome.code.startswith("artifact."), outcome
+                with pytest.raises(SaveFailedError):
+                    c.writer.raise_failure()
+        source.make = None
+        await committed(await c.capture(2))
+        assert c.writer.statistics().outstanding == 0
+    assert c.ledger.statistics().live == 0
+    with SyncStore(tmp_path, read_only=True) as reader:
+        assert reader.verify().ok
+
+
+@pytest.mark.asyncio
+async def test_a_hanging_load_has_a_deadline(tmp_path: Path) -> None:
+    """A handle whose load never returns stalled the writer for good."""
+    from coordinator.writer import WriterLimits
+
+    class Stuck(Handle):
+        __slots__ = ()
+        remote = True
+
+        async def load(self) -> None:
+            await anyio.sleep_forever()
+
+    participants, source = with_source(Stuck)
+    async with FileStore(tmp_path) as store:
+        limits = WriterLimits(load_timeout=0.2)
+        with anyio.fail_after(10):
+            async with coordinator(store, participants, limits=limits) as c:
+                stuck = await c.capture(1, replaceable=False)
+                source.make = None
+                outcome = await stuck.wait()
+                assert isinstance(outcome, Failed) and outcome.code == "artifact.unavailable"
+                with pytest.raises(Exception, match="did not load within"):
+                    c.writer.raise_failure()
+                await committed(await c.capture(2, replaceable=False))
+
+
+@pytest.mark.asyncio
+async def test_a_bus_raising_cancelled_does_not_cancel_the_host(tmp_path: Path) -> None:
+    """bus.publish raising CancelledError (inside a client library) cancelled the
+    host's block, though nobody had cancelled it."""
+
+    class FlakyBus(RecordingBus):
+        calls = 0
+
+        async def publish(self, event: Any) -> None:
+            self.calls += 1
+            if self.calls == 2:
+                raise asyncio.CancelledError()
+            await super().publish(event)
+
+    bus = FlakyBus()
+    async with FileStore(tmp_path) as store, coordinator(store, parts(), bus) as c:
+        for step in (1, 2, 3):
+            with anyio.fail_after(5):
+                await committed(await c.capture(step, replaceable=False))
+    assert c.writer.statistics().events_dropped == 1
+
+
+# --- restore ----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_restored_generation_is_not_rotated_out_by_the_writer(tmp_path: Path) -> None:
+    """keep=2: restoring epoch-1-1 while epoch-1-3 was being written; that commit
+    rotated epoch-1-1 out after every participant had activated, and the fork failed."""
+
+    class Slow(Handle):
+        __slots__ = ()
+        remote = True
+        gate: anyio.Event
+
+        async def load(self) -> None:
+            await Slow.gate.wait()
+
+    participants, source = with_source()
+    async with FileStore(tmp_path, keep=2) as store, coordinator(store, participants) as c:
+        for step in (1, 2):
+            participants[0].state = f"world@{step}".encode()
+            await c.checkpoint(step)
+        Slow.gate = anyio.Event()
+        source.make = Slow
+        participants[0].state = b"world@3"
+        third = await c.capture(3, replaceable=False)
+        source.make = None
+        while c.writer.statistics().queued:  # the writer took it: it is loading
+            await anyio.sleep(0.005)
+        async with anyio.create_task_group() as group:
+
+            async def open_later() -> None:
+                await anyio.sleep(0.2)
+                Slow.gate.set()
+
+            group.start_soon(open_later)
+            report = await c.restore("epoch-1-1", new_epoch="epoch-2")
+        assert report.record.checkpoint_id == "epoch-1-1"
+        assert isinstance(await third.wait(), Committed)
+        assert participants[0].state == b"world@1"
+        assert store.select(session_id="session-1").checkpoint_id == "epoch-1-1"
+        await committed(await c.capture(4))
+
+
+@pytest.mark.asyncio
+async def test_the_timeline_is_cut_by_commit_order_not_by_step(tmp_path: Path) -> None:
+    """Steps 10, 20, then 5 committed; after restore(epoch-1-10) and a crash, the
+    default restore installed epoch-1-5, captured after 20 on the abandoned timeline."""
+    participants = parts()
+    async with FileStore(tmp_path, keep=10) as store, coordinator(store, participants) as c:
+        for step in (10, 20, 5):
+            participants[0].state = f"world@{step}".encode()
+            await c.checkpoint(step)
+        await c.restore("epoch-1-10", new_epoch="epoch-2")
+    with SyncStore(tmp_path, read_only=True) as store:
+        assert store.select(session_id="session-1").checkpoint_id == "epoch-1-10"
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_restore_keeps_the_queue(tmp_path: Path) -> None:
+    """A restore cancelled while waiting for the job in flight was undone, but had
+    already superseded a queued durable capture of the epoch that goes on."""
+
+    class Slow(Handle):
+        __slots__ = ()
+        remote = True
+        gate: anyio.Event
+
+        async def load(self) -> None:
+            await Slow.gate.wait()
+
+    participants, source = with_source()
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        await c.checkpoint(1)
+        Slow.gate = anyio.Event()
+        source.make = Slow
+        await c.capture(2, replaceable=False)
+        await anyio.sleep(0.05)
+        source.make = None
+        queued = await c.capture(3, replaceable=False)
+        with anyio.move_on_after(0.3):
+            await c.restore("epoch-1-1", new_epoch="epoch-2")
+        assert c.epoch == "epoch-1"
+        Slow.gate.set()
+        assert isinstance(await queued.wait(), Committed)
+        await committed(await c.capture(4, replaceable=False))
+
+
+@pytest.mark.asyncio
+async def test_a_straggler_of_the_old_epoch_does_not_fence_the_new(tmp_path: Path) -> None:
+    """An epoch-1 capture still asking its participants failed after the restore
+    into epoch-2 returned, and its failure fenced epoch-2."""
+    participants = parts()
+    gate = anyio.Event()
+    plain = participants[3].capture
+
+    async def sensor(scope: CaptureScope) -> bytes:
+        if scope.checkpoint_id == "epoch-1-2":
+            await gate.wait()
+            raise RuntimeError("sensor offline")
+        return await plain(scope)
+
+    participants[3].capture = sensor  # type: ignore[method-assign]
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        await c.checkpoint(1)
+        async with anyio.create_task_group() as group:
+
+            async def straggler() -> None:
+                with pytest.raises(Exception):  # noqa: B017 - fenced or failed: either
+                    await c.capture(2)
+
+            group.start_soon(straggler)
+            await anyio.sleep(0.05)
+            await c.restore("epoch-1-1", new_epoch="epoch-2")
+            gate.set()
+        await committed(await c.capture(11))
+
+
+@pytest.mark.asyncio
+async def test_a_restore_in_a_poisoned_store_is_refused_before_staging(tmp_path: Path) -> None:
+    """Restore activated every participant in a store known to be poisoned, then
+    failed at the fork, leaving everything tainted."""
+    fs = RecordingFS(keep_data=False)
+    participants = parts()
+    async with FileStore(tmp_path, fs=fs) as store:
+        with pytest.raises(Exception, match="durability_unknown"):
+            async with coordinator(store, participants) as c:
+                participants[0].state = b"world@1"
+                await c.checkpoint(1)
+                participants[0].state = b"world@2"
+                fs.rule = fail_nth("fsync_dir", 2)
+                await (await c.capture(2, replaceable=False)).wait()
+                fs.rule = None
+                with pytest.raises(StorePoisonedError):
+                    await c.restore("epoch-1-1", new_epoch="epoch-2")
+                assert participants[0].state == b"world@2"  # nobody touched
+
+
+@pytest.mark.asyncio
+async def test_a_hanging_abort_does_not_outlive_the_hosts_deadline(tmp_path: Path) -> None:
+    """Staging failed and an abort_restore hung: the shielded abort had no deadline."""
+    participants = parts()
+
+    async def hang(token: Any) -> None:
+        await anyio.sleep_forever()
+
+    participants[0].abort_restore = hang  # type: ignore[method-assign]
+    async with (
+        FileStore(tmp_path) as store,
+        coordinator(store, participants, capture_timeout=0.3) as c,
+    ):
+        await c.checkpoint(1)
+        participants[2].refuse_restore = True
+        with (
+            anyio.fail_after(5),
+            pytest.raises(Exception, match=r"restore\.failed|incompatible"),
+        ):
+            await c.restore("epoch-1-1", new_epoch="epoch-2")
+
+
+@pytest.mark.asyncio
+async def test_a_restore_never_outlives_the_close(tmp_path: Path) -> None:
+    """aclose() from another task returned while a restore was staging; the restore
+    then recorded its fork after the session's next coordinator had begun."""
+    participants = parts()
+    staging, gate = anyio.Event(), anyio.Event()
+    original = participants[0].stage_restore
+
+    async def slow_stage(payload: memoryview, scope: Any) -> Any:
+        token = await original(payload, scope)
+        staging.set()
+        await gate.wait()
+        return token
+
+    participants[0].stage_restore = slow_stage  # type: ignore[method-assign]
+    outcome: dict[str, Any] = {}
+    async with FileStore(tmp_path) as store:
+        async with coordinator(store, participants) as first:
+            await first.checkpoint(1)
+            async with anyio.create_task_group() as group:
+
+                async def restore() -> None:
+                    try:
+                        outcome["restore"] = await first.restore(new_epoch="epoch-2")
+                    except Exception as error:
+                        outcome["restore"] = error
+
+                group.start_soon(restore)
+                await staging.wait()
+                await first.aclose()
+                assert "restore" in outcome  # the close waited for (or stopped) the restore
+                assert isinstance(outcome["restore"], Exception)
+        async with coordinator(store, parts(), epoch="epoch-3") as second:
+            gate.set()
+            await committed(await second.capture(5))
+        assert store.session("session-1").current == "epoch-3"  # type: ignore[union-attr]
+
+
+@pytest.mark.asyncio
+async def test_an_id_is_one_job_across_restores(tmp_path: Path) -> None:
+    """An explicit id published (and failed) in epoch-1 was accepted again after a
+    restore: two jobs and two terminal events for one checkpoint id."""
+    from coordinator import SaveFailedError
+
+    fail = {"on": False}
+    fs = RecordingFS(
+        lambda op, name: errno.ENOSPC if fail["on"] and name.startswith("tmp+nightly") else None,
+        keep_data=False,
+    )
+    bus = RecordingBus()
+    async with FileStore(tmp_path, fs=fs) as store, coordinator(store, parts(), bus) as c:
+        await c.checkpoint(1)
+        fail["on"] = True
+        first = await (await c.capture(2, checkpoint_id="nightly", replaceable=False)).wait()
+        assert isinstance(first, Failed)
+        fail["on"] = False
+        with pytest.raises(SaveFailedError):
+            c.writer.raise_failure()
+        await c.restore("epoch-1-1", new_epoch="epoch-2")
+        with pytest.raises(DuplicateCheckpointError):
+            await c.capture(2, checkpoint_id="nightly")
+    terminal = [e for e in bus.events if e.checkpoint_id == "nightly"]
+    assert len([e for e in terminal if isinstance(e, Committed | Failed | Superseded)]) == 1
+
+
+@pytest.mark.asyncio
+async def test_explicit_ids_are_refused_up_front_across_sessions(tmp_path: Path) -> None:
+    """Two sessions' explicit 'final' on one store: the second is refused at capture
+    (ids name files in one directory), never failed late at commit."""
+    fs = GateFS()
+    async with FileStore(tmp_path, fs=fs) as store:
+        alice = coordinator(store, parts(), session_id="alice", epoch="a1")
+        bob = coordinator(store, parts(), session_id="bob", epoch="b1")
+        async with alice, bob:
+            first = await alice.capture(7, checkpoint_id="final", replaceable=False)
+            with pytest.raises(DuplicateCheckpointError):
+                await bob.capture(3, checkpoint_id="final", replaceable=False)
+            fs.open_all()
+            await committed(first)
+
+
+@pytest.mark.asyncio
+async def test_an_epoch_too_long_for_default_ids_is_refused_up_front(tmp_path: Path) -> None:
+    """A 64-character epoch was recorded durably, then every capture failed."""
+    async with FileStore(tmp_path) as store:
+        with pytest.raises(UsageError, match="43"):
+            async with coordinator(store, parts(), epoch="e" * 44):
+                pass
+        async with coordinator(store, parts(), epoch="run-1") as c:
+            await c.checkpoint(1)
+            with pytest.raises(UsageError, match="43"):
+                await c.restore("run-1-1", new_epoch="r" * 64)
+            await committed(await c.capture(2))
+        async with coordinator(store, parts(), session_id="s2", epoch="e" * 43) as c:
+            await committed(await c.capture(1844674407370955161))
+
+
+# --- the close path ------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_aclose_works_inside_a_nested_scope(tmp_path: Path) -> None:
+    """aclose() under a deadline, or closing the first of two coordinators early,
+    raised anyio's cancel-scope RuntimeError."""
+    async with FileStore(tmp_path) as store:
+        async with coordinator(store, parts()) as c:
+            await c.checkpoint(1)
+            with anyio.fail_after(30):
+                await c.aclose()
+        async with (
+            coordinator(store, parts(), session_id="a", epoch="a1") as first,
+            coordinator(store, parts(), session_id="b", epoch="b1") as second,
+        ):
+            await first.checkpoint(1)
+            await first.aclose()
+            await committed(await second.capture(2))
+
+
+@pytest.mark.asyncio
+async def test_the_final_capture_waits_for_a_free_slot(tmp_path: Path) -> None:
+    """A clean exit with a slow disk and two queued captures: final_step got
+    WriterBusyError, and the durable final checkpoint was never taken."""
+    fs = GateFS()
+    async with FileStore(tmp_path, fs=fs) as store:
+        async with coordinator(store, parts(), final_step=lambda: 100) as c:
+            await c.capture(1)
+            await anyio.to_thread.run_sync(fs.waiting.wait)
+            await c.capture(2, replaceable=False)
+            await c.capture(3, replaceable=False)
+            threading.Timer(0.3, fs.open_all).start()
+        assert store.lookup("epoch-1-100") is not None
+
+
+@pytest.mark.asyncio
+async def test_large_releases_stay_off_the_loop_on_every_path(tmp_path: Path) -> None:
+    """A copy finishing after the capture deadline, and a capture refused after
+    aclose, freed their large copies on the event loop."""
+    from coordinator import sealed
+
+    on_loop: list[int] = []
+    close = sealed.OwnedMap.close
+
+    def spy(self: Any) -> None:
+        size = len(self)
+        close(self)
+        if threading.current_thread() is threading.main_thread():
+            on_loop.append(size)
+
+    sealed.OwnedMap.close = spy  # type: ignore[method-assign]
+    try:
+        participants = parts()
+        big = bytearray(64 << 20)
+
+        async def large(scope: CaptureScope) -> bytearray:
+            return big
+
+        participants[0].capture = large  # type: ignore[method-assign]
+        async with (
+            FileStore(tmp_path / "a") as store,
+            coordinator(store, participants, capture_timeout=0.001) as c,
+        ):
+            with pytest.raises(Exception, match="deadline"):
+                await c.capture(1)
+        gate = anyio.Event()
+
+        async def gated(scope: CaptureScope) -> bytearray:
+            await gate.wait()
+            return big
+
+        participants[0].capture = gated  # type: ignore[method-assign]
+        async with (
+            FileStore(tmp_path / "b") as store,
+            coordinator(store, participants) as c,
+            anyio.create_task_group() as group,
+        ):
+
+            async def host() -> None:
+                with pytest.raises(Exception, match=r"closed|closing|not open"):
+                    await c.capture(1)
+
+            group.start_soon(host)
+            await anyio.sleep(0.05)
+            await c.aclose()
+            gate.set()
+    finally:
+        sealed.OwnedMap.close = close  # type: ignore[method-assign]
+    assert [size for size in on_loop if size >= 16 << 20] == []
+
+
+# --- the store -----------------------------------------------------------------------------
+
+
+def test_a_second_writer_is_excluded_even_between_the_lock_check_and_the_commit(
+    tmp_path: Path,
+) -> None:
+    """LOCK unlinked between writer 1's check and its commit point: a second writer
+    locked a fresh LOCK, loaded the old manifest, and dropped writer 1's commit."""
+    folder = tmp_path / "store"
+    with SyncStore(folder) as first:
+        first.commit(*plain_checkpoint("e1-1", 1))
+        (folder / "LOCK").unlink()
+        with pytest.raises(StoreLockedError):
+            SyncStore(folder)  # the directory itself is locked too: no window at all
+    with SyncStore(folder) as reopened:
+        assert [g.checkpoint_id for g in reopened.generations] == ["e1-1"]
+
+
+def test_the_store_directory_entry_is_fsynced_on_every_writable_open(tmp_path: Path) -> None:
+    """The parent fsync failed on the first open; the second open fsynced nothing
+    and reported commits durable."""
+    path = tmp_path / "store"
+    fail = {"on": True}
+    fs = RecordingFS(
+        lambda op, name: errno.EIO if fail["on"] and op == "fsync_dir" else None, keep_data=False
+    )
+    with pytest.raises(Exception, match="durable"):
+        SyncStore(path, fs=fs)
+    fail["on"] = False
+    second = RecordingFS(keep_data=False)
+    with SyncStore(path, fs=second):
+        pass
+    assert ("fsync_dir", str(tmp_path)) in second.ops
+
+
+def test_a_commit_point_rename_error_is_unknown_not_failed(tmp_path: Path) -> None:
+    """The manifest rename took effect but reported an error (a lost NFS reply): the
+    job was told 'not durable', its file unlinked, and the manifest listed it."""
+    from coordinator import DurabilityUnknownError
+
+    class LostReply(RecordingFS):
+        armed = False
+
+        def rename(self, source: str, target: str) -> None:
+            super().rename(source, target)
+            if self.armed and target.endswith("/manifest.json"):
+                self.armed = False
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", source)
+
+    fs = LostReply(keep_data=False)
+    with SyncStore(tmp_path, fs=fs) as store:
+        store.commit(*plain_checkpoint("e1-1", 1))
+        fs.armed = True
+        with pytest.raises(DurabilityUnknownError):
+            store.commit(*plain_checkpoint("e1-2", 2))
+        assert store.poisoned is not None
+    with SyncStore(tmp_path, read_only=True) as reopened:
+        assert reopened.verify().ok
+
+
+def test_a_failed_export_leaves_no_target(tmp_path: Path) -> None:
+    """The last fsync of an export failed: the target stayed, not durable, and a
+    retry was refused."""
+    with SyncStore(tmp_path / "store") as store:
+        store.commit(*plain_checkpoint("e1-1", 1))
+    parent = tmp_path / "out"
+    parent.mkdir()
+    target = parent / "restored"
+    fs = RecordingFS(lambda op, name: errno.EIO if op == "fsync_dir" and name == "out" else None)
+    with (
+        SyncStore(tmp_path / "store", read_only=True) as store,
+        store.read(store.select()) as stored,
+    ):
+        with pytest.raises(Exception, match="fsync") as caught:
+            export_payloads(stored, str(target), fs=fs)
+        assert getattr(caught.value, "code", "") == "store.fsync"
+        assert not target.exists()
+        assert export_payloads(stored, str(target)) == 5
+
+
+def test_a_version_1_store_of_two_sessions_sharing_an_epoch_is_read(tmp_path: Path) -> None:
+    """The previous release let two sessions use one epoch; reading its store failed
+    with 'epoch epoch-1 is opened twice'."""
+    with SyncStore(tmp_path / "build") as builder:
+        for session, checkpoint_id, epoch in [("alice", "alice-1", "x"), ("bob", "bob-1", "y")]:
+            builder.commit(*plain_checkpoint(checkpoint_id, 1, session=session, epoch=epoch))
+        records = [
+            {"boundary": r.boundary, "byteLength": r.byte_length, "checkpointId": r.checkpoint_id,
+             "compatibilityDigest": r.compatibility_digest, "envelopeDigest": r.envelope_digest,
+             "episodeId": r.episode_id, "epoch": "epoch-1", "file": r.file,
+             "sessionId": r.session_id}
+            for r in builder.generations
+        ]  # fmt: skip
+    folder = tmp_path / "v1"
+    folder.mkdir()
+    for record in records:
+        (folder / record["file"]).write_bytes((tmp_path / "build" / record["file"]).read_bytes())
+    document = {
+        "generations": records,
+        "highWater": records[-1]["checkpointId"],
+        "stateFormatId": "flysess-1",
+        "storeManifestVersion": 1,
+    }
+    (folder / "manifest.json").write_bytes(canonical_bytes(document))
+    with SyncStore(folder, read_only=True) as store:
+        assert [g.checkpoint_id for g in store.generations] == ["alice-1", "bob-1"]
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", "ls", str(folder)],
+        capture_output=True, text=True, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.asyncio
+async def test_a_relabelled_record_never_installs_another_sessions_bytes(tmp_path: Path) -> None:
+    """A hand-edited manifest relabelled bob's generation as alice's: read() checked
+    only the checkpoint id, and alice's restore installed bob's state."""
+    async with FileStore(tmp_path) as store:
+        bob = parts()
+        for p in bob:
+            p.state = b"BOB'S SECRET STATE"
+        async with coordinator(store, bob, session_id="bob", epoch="b1") as c:
+            await c.checkpoint(7)
+        async with coordinator(store, parts(), session_id="alice", epoch="a1") as c:
+            await c.checkpoint(1)
+    path = tmp_path / "manifest.json"
+    document = parse_canonical(path.read_bytes())
+    for record in document["generations"]:
+        if record["checkpointId"] == "b1-7":
+            record.update(sessionId="alice", epoch="a1", boundary="1")
+    for session in document["sessions"]:
+        session["highWater"] = {"alice": "a1-1", "bob": None}[session["sessionId"]]
+    path.write_bytes(canonical_bytes(document))
+    alice = parts()
+    async with FileStore(tmp_path) as store:
+        async with coordinator(store, alice, session_id="alice", epoch="a2") as c:
+            with pytest.raises(Exception, match="identity"):
+                await c.restore("b1-7", new_epoch="a3")
+        assert alice[0].state != b"BOB'S SECRET STATE"
+
+
+@pytest.mark.parametrize("edit", ["other-session", "moved-step"])
+@pytest.mark.asyncio
+async def test_a_hostile_fork_record_is_refused(tmp_path: Path, edit: str) -> None:
+    """Fork records were not checked: one naming another session's checkpoint, or a
+    step that is not the restored checkpoint's, was accepted."""
+    from coordinator import StoreManifestError
+
+    async with FileStore(tmp_path, keep=10) as store:
+        async with coordinator(store, parts(), session_id="bob", epoch="b1") as c:
+            await c.checkpoint(1)
+        async with coordinator(store, parts(), epoch="e1") as c:
+            await c.checkpoint(10)
+            await c.checkpoint(20)
+            await c.restore("e1-10", new_epoch="e2")
+    path = tmp_path / "manifest.json"
+    document = parse_canonical(path.read_bytes())
+    session = next(s for s in document["sessions"] if s["sessionId"] == "session-1")
+    fork = session["epochs"][-1]["fork"]
+    if edit == "other-session":
+        fork["checkpointId"] = "b1-1"
+    else:
+        fork["step"] = "20"
+    path.write_bytes(canonical_bytes(document))
+    with pytest.raises(StoreManifestError):
+        SyncStore(tmp_path, read_only=True)
