@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from hostkit import NAMES, GateFS, Part, RecordingBus, coordinator, parts
 
 from coordinator import (
     DuplicateCheckpointError,
+    EpochFencedError,
     StoreLockedError,
     StorePoisonedError,
     UsageError,
@@ -845,3 +847,550 @@ async def test_a_hostile_fork_record_is_refused(tmp_path: Path, edit: str) -> No
     path.write_bytes(canonical_bytes(document))
     with pytest.raises(StoreManifestError):
         SyncStore(tmp_path, read_only=True)
+
+
+# --- the second review's breaks ----------------------------------------------------------
+
+
+class SlowRemote(Handle):
+    """A remote handle whose load waits; ``on_cancel`` is what its client raises
+    when the load is cancelled (a cancellation, or its own error)."""
+
+    __slots__ = ()
+    remote = True
+    on_cancel: Any = None
+
+    async def load(self) -> None:
+        try:
+            await anyio.sleep(30)
+        except anyio.get_cancelled_exc_class():
+            if SlowRemote.on_cancel is not None:
+                raise SlowRemote.on_cancel from None
+            raise
+
+
+@pytest.mark.asyncio
+async def test_a_load_that_turns_the_writers_stop_into_its_own_error(tmp_path: Path) -> None:
+    """A load that converts the writer's stop into ConnectionError escaped the
+    writer's task group: the cancelled block ended with an ExceptionGroup."""
+    SlowRemote.on_cancel = ConnectionError("connection aborted")
+    participants, _ = with_source(SlowRemote)
+    tickets: list[Any] = []
+    async with FileStore(tmp_path) as store:
+        c = coordinator(store, participants)
+        with anyio.move_on_after(0.5) as scope:
+            async with c:
+                tickets.append(await c.capture(1))
+                await anyio.sleep_forever()
+        assert scope.cancelled_caught
+    assert all(t.done() for t in tickets) and c.ledger.statistics().live == 0
+
+
+@pytest.mark.asyncio
+async def test_a_bus_that_turns_the_flush_deadline_into_its_own_error(tmp_path: Path) -> None:
+    """A bus that reports its interrupted publish as ConnectionResetError made a
+    clean exit raise an ExceptionGroup."""
+
+    class SlowBus(RecordingBus):
+        stall = False
+
+        async def publish(self, event: Any) -> None:
+            if self.stall:
+                try:
+                    await anyio.sleep(60)
+                except anyio.get_cancelled_exc_class():
+                    raise ConnectionResetError("publish interrupted") from None
+            await super().publish(event)
+
+    bus = SlowBus()
+    async with FileStore(tmp_path) as store:
+        c = coordinator(store, parts(), bus)
+        c.writer.flush_timeout = 0.3
+        async with c:
+            await c.checkpoint(1)
+            bus.stall = True
+            await c.checkpoint(2)
+        assert c.writer.statistics().events_dropped >= 1
+
+
+@pytest.mark.parametrize("when", ["final-asking", "final-waiting-for-room", "restoring"])
+@pytest.mark.asyncio
+async def test_aclose_from_another_task_joins_the_close_in_progress(
+    tmp_path: Path, when: str
+) -> None:
+    """aclose() from another task while the block's final capture was asking the
+    participants (or waiting for room), or while a restore staged, started a second
+    final capture: DuplicateCheckpointError, WriterClosedError, no final checkpoint."""
+    participants = parts()
+    fs = GateFS()
+    if when != "final-waiting-for-room":
+        fs.open_all()
+    results: dict[str, str] = {}
+    async with FileStore(tmp_path, fs=fs) as store:
+        c = coordinator(store, participants, final_step=lambda: 100)
+
+        async def supervisor() -> None:
+            if when == "final-asking":
+                await participants[0].started.wait()
+            else:
+                await anyio.sleep(0.3)
+            try:
+                await c.aclose()
+                results["aclose"] = "returned"
+            except BaseException as error:
+                results["aclose"] = repr(error)
+            if participants[0].gate is not None:
+                participants[0].gate.set()
+
+        async with anyio.create_task_group() as group, c:
+            if when == "final-waiting-for-room":
+                for step in (1, 2, 3):
+                    await c.capture(step, replaceable=False)
+                group.start_soon(supervisor)
+                threading.Timer(0.6, fs.open_all).start()
+            else:
+                await c.checkpoint(1)
+                if when == "final-asking":
+                    participants[0].started = anyio.Event()
+                    participants[0].gate = anyio.Event()
+                    group.start_soon(supervisor)
+                else:
+                    staging = anyio.Event()
+                    plain = participants[2].stage_restore
+
+                    async def slow_stage(payload: memoryview, scope: Any) -> Any:
+                        staging.set()
+                        await anyio.sleep(1)
+                        return await plain(payload, scope)
+
+                    participants[2].stage_restore = slow_stage  # type: ignore[method-assign]
+                    group.start_soon(supervisor)
+                    with pytest.raises(Exception, match="closed during the restore"):
+                        await c.restore("epoch-1-1", new_epoch="epoch-2")
+        assert results["aclose"] == "returned", results
+        assert store.lookup("epoch-1-100") is not None
+
+
+@pytest.mark.asyncio
+async def test_an_unseen_failure_does_not_cost_the_final_checkpoint(tmp_path: Path) -> None:
+    """An earlier failed save made the final capture's reserve() raise it first: the
+    final checkpoint was never attempted though the disk was fine again."""
+    from coordinator import SaveFailedError
+
+    fail = {"on": False}
+    fs = RecordingFS(
+        lambda op, name: (
+            errno.ENOSPC
+            if fail["on"] and op == "create" and name.startswith("tmp+epoch-1-2")
+            else None
+        ),
+        keep_data=False,
+    )
+    async with FileStore(tmp_path, fs=fs) as store:
+        with pytest.raises(SaveFailedError, match="epoch-1-2"):  # still raised, once
+            async with coordinator(store, parts(), final_step=lambda: 100) as c:
+                await c.checkpoint(1)
+                fail["on"] = True
+                await (await c.capture(2)).wait()
+                fail["on"] = False
+        assert store.lookup("epoch-1-100") is not None
+
+
+@pytest.mark.asyncio
+async def test_aclose_while_entering_closes_what_opens(tmp_path: Path) -> None:
+    """aclose() during __aenter__ was a no-op that freed the session: the coordinator
+    then opened and committed beside a second one of the same session."""
+
+    class SlowBus(RecordingBus):
+        async def last_seq(self, session_id: str) -> int:
+            await anyio.sleep(0.3)
+            return 0
+
+    async with FileStore(tmp_path) as store:
+        c = coordinator(store, parts(), SlowBus())
+
+        async def supervisor() -> None:
+            await anyio.sleep(0.1)
+            await c.aclose()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(supervisor)
+            with pytest.raises(Exception, match="closed"):
+                async with c:
+                    await c.checkpoint(1)
+        async with coordinator(store, parts(), epoch="e2") as second:
+            await committed(await second.capture(1))
+
+
+@pytest.mark.asyncio
+async def test_a_hanging_activation_has_a_deadline(tmp_path: Path) -> None:
+    """activate_restore ran in an unbounded shield: a hanging one kept the host
+    (and its close) stuck for good."""
+    participants = parts()
+
+    async def hang(token: Any) -> None:
+        await anyio.sleep_forever()
+
+    participants[3].activate_restore = hang  # type: ignore[method-assign]
+    async with FileStore(tmp_path) as store:
+        with anyio.fail_after(10):
+            async with coordinator(store, participants, capture_timeout=0.3) as c:
+                await c.checkpoint(1)
+                with pytest.raises(Exception, match="restore"):
+                    await c.restore("epoch-1-1", new_epoch="epoch-2")
+                with pytest.raises(EpochFencedError):  # some activated, some not: fenced
+                    await c.capture(2)
+
+
+@pytest.mark.parametrize("where", ["capture", "stage"])
+@pytest.mark.asyncio
+async def test_a_participant_raising_cancelled_on_its_own_fails_only_itself(
+    tmp_path: Path, where: str
+) -> None:
+    """A participant raising CancelledError nobody asked for surfaced as a KeyError
+    (capture; 8 handles left live), or cancelled a host nobody cancelled (stage)."""
+    from coordinator import CaptureFailedError, RestoreFailedError
+
+    participants = parts()
+
+    async def stray(*args: Any) -> Any:
+        raise asyncio.CancelledError()
+
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        await c.checkpoint(1)
+        if where == "capture":
+            participants[3].capture = stray  # type: ignore[method-assign]
+            with pytest.raises(CaptureFailedError):
+                await c.capture(2)
+        else:
+            queued = await c.capture(2, replaceable=False)
+            participants[2].stage_restore = stray  # type: ignore[method-assign]
+            with pytest.raises(RestoreFailedError):
+                await c.restore("epoch-1-1", new_epoch="epoch-2")
+            await committed(queued)
+    assert c.ledger.statistics().live == 0
+
+
+def test_a_sequence_counter_at_its_end_is_refused_not_overflowed(tmp_path: Path) -> None:
+    """lastSequence = 2**64 - 1: the next commit wrote 2**64, reported it committed,
+    and the store could never be opened again."""
+    from coordinator import CommitError
+
+    with SyncStore(tmp_path) as store:
+        store.commit(*plain_checkpoint("e1-1", 1))
+    path = tmp_path / "manifest.json"
+    document = parse_canonical(path.read_bytes())
+    document["lastSequence"] = "18446744073709551615"
+    path.write_bytes(canonical_bytes(document))
+    with SyncStore(tmp_path) as store, pytest.raises(CommitError):
+        store.commit(*plain_checkpoint("e1-2", 2))
+    with SyncStore(tmp_path, read_only=True) as reopened:
+        assert reopened.verify().ok
+
+
+@pytest.mark.asyncio
+async def test_a_fork_of_an_unlisted_checkpoint_cannot_borrow_a_listed_sequence(
+    tmp_path: Path,
+) -> None:
+    """A fork naming an unlisted checkpoint carried the sequence of the abandoned
+    e1-20: accepted, and the default restore installed the abandoned timeline."""
+    from coordinator import StoreManifestError
+
+    async with (
+        FileStore(tmp_path, keep=10) as store,
+        coordinator(store, parts(), epoch="e1") as c,
+    ):
+        await c.checkpoint(10)
+        await c.checkpoint(20)
+        await c.restore("e1-10", new_epoch="e2")
+    path = tmp_path / "manifest.json"
+    document = parse_canonical(path.read_bytes())
+    session = document["sessions"][0]
+    fork = session["epochs"][-1]["fork"]
+    twenty = next(g["sequence"] for g in document["generations"] if g["checkpointId"] == "e1-20")
+    fork.update(checkpointId="e1-gone", sequence=twenty, step="20", abandonedFrom=None,
+                abandonedTo=None)  # fmt: skip
+    session["highWater"] = "e1-20"
+    path.write_bytes(canonical_bytes(document))
+    with pytest.raises(StoreManifestError):
+        SyncStore(tmp_path, read_only=True)
+
+
+@pytest.mark.asyncio
+async def test_a_pin_never_rotates_away_the_commit_just_made(tmp_path: Path) -> None:
+    """keep=1: a commit finishing while a restore pinned its checkpoint rotated
+    itself away: reported committed, yet not listed."""
+    from coordinator import RestoreFailedError
+
+    SlowRemote.on_cancel = None
+    participants, source = with_source()
+
+    class Quick(Handle):
+        __slots__ = ()
+        remote = True
+
+        async def load(self) -> None:
+            await anyio.sleep(0.3)
+
+    async def slow_refusal(payload: memoryview, scope: Any) -> Any:
+        await anyio.sleep(0.8)
+        raise ValueError("incompatible state")
+
+    async with FileStore(tmp_path, keep=1) as store, coordinator(store, participants) as c:
+        await c.checkpoint(1)
+        source.make = Quick
+        second = await c.capture(2, replaceable=False)
+        await anyio.sleep(0.05)
+        participants[2].stage_restore = slow_refusal  # type: ignore[method-assign]
+        with pytest.raises(RestoreFailedError):
+            await c.restore("epoch-1-1", new_epoch="epoch-2")
+        await committed(second)
+        assert c.resolve("epoch-1-2") is not None
+
+
+def test_a_failing_flock_leaks_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flock failing with ENOLCK (NFS) leaked a descriptor on every open attempt."""
+    import fcntl
+
+    from coordinator import StoreDirectoryError
+
+    def nfs_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    (tmp_path / "store").mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(fcntl, "flock", nfs_flock)
+    for _ in range(20):
+        with pytest.raises(StoreDirectoryError):
+            SyncStore(tmp_path / "store")
+    monkeypatch.undo()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_forked_child_does_not_keep_the_store_locked(tmp_path: Path) -> None:
+    """Lock descriptors were inherited by fork(): after a clean close the host could
+    not reopen its store while a forked worker lived."""
+    import multiprocessing
+
+    store = SyncStore(tmp_path / "store")
+    ready = multiprocessing.get_context("fork").Event()
+    worker = multiprocessing.get_context("fork").Process(
+        target=lambda: (ready.set(), time.sleep(20)), daemon=True
+    )
+    worker.start()
+    try:
+        ready.wait(10)
+        store.close()
+        SyncStore(tmp_path / "store").close()
+    finally:
+        worker.terminate()
+        worker.join()
+
+
+@pytest.mark.asyncio
+async def test_a_kept_payload_view_does_not_fail_a_restore_that_happened(tmp_path: Path) -> None:
+    """A participant kept a slice of its payload view: closing the map raised
+    BufferError after the fork was durable, and the host was told it failed."""
+    participants = parts()
+    kept: list[memoryview] = []
+
+    async def stage(payload: memoryview, scope: Any) -> bytes:
+        kept.append(payload[1:])
+        return bytes(payload)
+
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        await c.checkpoint(1)
+        participants[2].stage_restore = stage  # type: ignore[method-assign]
+        report = await c.restore("epoch-1-1", new_epoch="epoch-2")
+        assert report.epoch == "epoch-2"
+    kept.clear()
+
+
+@pytest.mark.asyncio
+async def test_an_unknown_fork_says_unknown(tmp_path: Path) -> None:
+    """The fork's commit-point fsync failed: the restore was reported failed ('the
+    fork could not be recorded') though the reopened store was forked."""
+    from coordinator import DurabilityUnknownError
+
+    class FlakyDir(RecordingFS):
+        armed = False
+
+        def fsync_dir(self, path: str) -> None:
+            if self.armed:
+                self.armed = False
+                raise OSError(errno.EIO, "Input/output error", path)
+            super().fsync_dir(path)
+
+    fs = FlakyDir(keep_data=False)
+    async with FileStore(tmp_path, fs=fs) as store, coordinator(store, parts(), epoch="e1") as c:
+        await c.checkpoint(1)
+        fs.armed = True
+        with pytest.raises(DurabilityUnknownError):
+            await c.restore("e1-1", new_epoch="e2")
+        with pytest.raises(EpochFencedError):
+            await c.capture(3)
+
+
+@pytest.mark.asyncio
+async def test_an_explicit_id_cannot_take_another_epochs_default_id(tmp_path: Path) -> None:
+    """bob's explicit 'alice-run-1-5' made alice's ordinary capture(5) fail."""
+    async with FileStore(tmp_path) as store:
+        alice = coordinator(store, parts(), session_id="alice", epoch="alice-run-1")
+        bob = coordinator(store, parts(), session_id="bob", epoch="bob-run-1")
+        async with alice, bob:
+            with pytest.raises(UsageError, match="default id"):
+                await bob.capture(1, checkpoint_id="alice-run-1-5")
+            await committed(await alice.capture(5))
+
+
+@pytest.mark.asyncio
+async def test_a_handles_swapped_bytes_are_not_trusted(tmp_path: Path) -> None:
+    """A handle the library made, whose bytes were then swapped (same length), kept
+    its trusted status: committed, and never restored."""
+    from coordinator.artifacts import MemoryArtifact
+
+    class Other(MemoryArtifact):
+        __slots__ = ()
+
+        def view(self) -> memoryview:
+            return memoryview(b"other state!!!!!!")
+
+    participants, source = with_source()
+    how = {"value": "attribute"}
+
+    async def capture_artifact(scope: CaptureScope, ledger: ArtifactLedger) -> Any:
+        handle = await capture(source.name, b"state as verified", ledger=ledger)
+        if how["value"] == "attribute":
+            handle._data = b"other state!!!!!!"  # type: ignore[attr-defined]
+        else:
+            handle.__class__ = Other
+        return handle
+
+    source.capture_artifact = capture_artifact  # type: ignore[method-assign]
+    from coordinator import SaveFailedError
+
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        for value in ("attribute", "class"):
+            how["value"] = value
+            outcome = await (await c.capture(len(value), replaceable=False)).wait()
+            assert isinstance(outcome, Failed) and outcome.code == "artifact.corrupt", outcome
+            with pytest.raises(SaveFailedError):
+                c.writer.raise_failure()
+        assert (await store.verify()).ok
+
+
+@pytest.mark.asyncio
+async def test_a_handles_strided_view_is_copied_by_the_writer(tmp_path: Path) -> None:
+    """A handle whose view was a strided view of bytes (declared truly) failed."""
+    backing = bytes(range(256)) * 8
+    data = backing[::2]
+
+    class Strided(Handle):
+        __slots__ = ()
+
+        def view(self) -> memoryview:
+            return memoryview(backing)[::2]
+
+    participants, _ = with_source(lambda name, state, ledger: Strided(name, data, ledger))
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        await committed(await c.capture(1))
+
+
+def test_a_released_property_that_raises_does_not_keep_a_handle(tmp_path: Path) -> None:
+    """A handle whose `released` raised was never released: live 1 after the close."""
+    from coordinator.artifacts import release_all
+
+    class Flaky(Handle):
+        __slots__ = ()
+
+        @property  # type: ignore[override]
+        def released(self) -> bool:
+            raise ConnectionError("status service unavailable")
+
+    ledger = ArtifactLedger()
+    handle = Flaky("world", b"x", ledger)
+    release_all([handle])
+    assert ledger.statistics().live == 0
+
+
+@pytest.mark.asyncio
+async def test_claims_end_with_their_jobs(tmp_path: Path) -> None:
+    """A submitted capture's store-wide id claim was never released: claims grew
+    forever, and a later coordinator was refused an id nothing ran or listed."""
+    fail = {"on": False}
+    fs = RecordingFS(
+        lambda op, name: (
+            errno.ENOSPC
+            if fail["on"] and op == "create" and name.startswith("tmp+nightly")
+            else None
+        ),
+        keep_data=False,
+    )
+    from coordinator import SaveFailedError
+
+    async with FileStore(tmp_path, fs=fs) as store:
+        async with coordinator(store, parts(), epoch="run-1") as first:
+            for step in range(1, 6):
+                await first.checkpoint(step)
+            fail["on"] = True
+            assert isinstance(await first.checkpoint(6, checkpoint_id="nightly"), Failed)
+            fail["on"] = False
+            with pytest.raises(SaveFailedError):
+                first.writer.raise_failure()
+        assert store.claimed_checkpoints() == 0
+        async with coordinator(store, parts(), epoch="run-2") as second:
+            await committed(await second.capture(1, checkpoint_id="nightly"))
+
+
+@pytest.mark.asyncio
+async def test_capture_digests_share_one_limit_across_coordinators(tmp_path: Path) -> None:
+    """The hashing limiter was per coordinator: two sessions ran two digests at once
+    on two cores (the promise is at most cpu_count - 1)."""
+    from coordinator.artifacts import hashing_limiter
+
+    async with FileStore(tmp_path) as store:
+        first = coordinator(store, parts(), session_id="a", epoch="a1")
+        second = coordinator(store, parts(), session_id="b", epoch="b1")
+        async with first, second:
+            assert first._hashing is second._hashing is hashing_limiter()
+
+
+def test_a_file_backed_map_that_shrinks_fails_cleanly(tmp_path: Path) -> None:
+    """A participant's map of a file another process truncated killed the host with
+    SIGBUS (the inline copy and the spool copy read it in user space)."""
+    child = f"""
+import anyio, mmap, os, sys
+sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT)!r}]
+from hostkit import coordinator, parts
+from coordinator.store import FileStore
+size, spool = int(sys.argv[1]), sys.argv[2] == "spool"
+d = sys.argv[3]; state = os.path.join(d, "state.bin")
+open(state, "wb").write(b"s" * size)
+fd = os.open(state, os.O_RDONLY); m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+async def main():
+    ps = parts()
+    async def cap(scope):
+        os.truncate(state, 0)
+        return m
+    ps[0].capture = cap
+    os.makedirs(os.path.join(d, "spool"))
+    options = {{"spool_dir": os.path.join(d, "spool"), "spool_threshold": 1}} if spool else {{}}
+    async with FileStore(os.path.join(d, "store")) as store, coordinator(store, ps, **options) as c:
+        try:
+            await c.capture(1)
+        except Exception as error:
+            print("capture refused:", type(error).__name__, flush=True)
+anyio.run(main)
+print("host survived")
+"""
+    for index, (size, mode) in enumerate([(16 << 10, "memory"), (1 << 20, "spool")]):
+        folder = tmp_path / f"run-{index}"
+        folder.mkdir()
+        result = subprocess.run(
+            [sys.executable, "-c", child, str(size), mode, str(folder)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert result.returncode == 0, (mode, result.returncode, result.stderr[-400:])
+        assert "host survived" in result.stdout
