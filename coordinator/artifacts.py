@@ -26,7 +26,9 @@ milliseconds the event loop should not wait.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import mmap
 import os
 import threading
 import weakref
@@ -37,6 +39,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import msgspec
+from anyio.lowlevel import RunVar
 
 from ._errors import ArtifactReleasedError, UsageError
 from ._types import BytesLike
@@ -58,6 +61,7 @@ __all__ = [
     "mark_verified",
     "owned_bytes",
     "release_all",
+    "release_copies",
     "release_off_loop",
     "sha256_hex",
 ]
@@ -145,6 +149,7 @@ class BaseHandle:
 
     __slots__ = ("__weakref__", "_ledger", "_released", "byte_length", "digest", "name")
     remote = False
+    release_in_thread = True  # freeing it unmaps its memory: large ones in a worker thread
 
     def __init__(self, name: str, byte_length: int, digest: str, ledger: ArtifactLedger) -> None:
         if isinstance(byte_length, bool) or not isinstance(byte_length, int) or byte_length < 0:
@@ -203,26 +208,30 @@ class MemoryArtifact(BaseHandle):
     def _free(self) -> None:
         data, self._data = self._data, None
         if isinstance(data, OwnedMap):
-            data.close()  # BufferError while a view is held: then the last view frees it
+            _close_quietly(data)
 
 
 # Handles whose digest the coordinator computed itself, over memory it owns, with
 # the length and digest it computed: the writer trusts a handle without hashing
 # again only while it still declares exactly those. Membership cannot be claimed.
-_VERIFIED: weakref.WeakKeyDictionary[ArtifactHandle, tuple[int, str]] = weakref.WeakKeyDictionary()
+_VERIFIED: weakref.WeakKeyDictionary[ArtifactHandle, tuple[int, str, int, type]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def mark_verified(handle: ArtifactHandle) -> None:
     """For the coordinator's own code only: ``handle``'s digest was computed here,
-    over bytes nobody else can change."""
-    _VERIFIED[handle] = (handle.byte_length, handle.digest)
+    over bytes nobody else can change: the object holding them is remembered too."""
+    with handle.view() as view:
+        held = id(view.obj)
+    _VERIFIED[handle] = (handle.byte_length, handle.digest, held, type(handle))
 
 
-def is_verified(handle: ArtifactHandle, byte_length: int, digest: str) -> bool:
-    """Whether the coordinator computed ``digest`` over these ``byte_length`` bytes
-    of ``handle`` itself."""
+def is_verified(handle: ArtifactHandle, byte_length: int, digest: str, view: memoryview) -> bool:
+    """Whether the coordinator computed ``digest`` itself over these ``byte_length``
+    bytes, held by the very object ``view`` shows, of this very kind of handle."""
     try:
-        return _VERIFIED.get(handle) == (byte_length, digest)
+        return _VERIFIED.get(handle) == (byte_length, digest, id(view.obj), type(handle))
     except TypeError:  # not weak-referenceable: not one of ours
         return False
 
@@ -233,8 +242,9 @@ def release_all(handles: Iterable[ArtifactHandle]) -> list[Exception]:
     errors: list[Exception] = []
     for handle in handles:
         try:
-            if not handle.released:
-                handle.release()
+            handle.release()  # (not asking ``released`` first: that too may fail)
+        except ArtifactReleasedError:
+            pass  # released already: never twice
         except Exception as error:
             errors.append(error)
         except (KeyboardInterrupt, SystemExit):
@@ -250,12 +260,36 @@ async def release_off_loop(handles: Iterable[ArtifactHandle]) -> list[Exception]
     small: list[ArtifactHandle] = []
     large: list[ArtifactHandle] = []
     for handle in handles:
-        (large if handle_size(handle) >= RELEASE_IN_THREAD_BYTES else small).append(handle)
+        heavy = getattr(handle, "release_in_thread", True) is True
+        (large if heavy and handle_size(handle) >= RELEASE_IN_THREAD_BYTES else small).append(
+            handle
+        )
     errors = release_all(small)
     if large:
         with anyio.CancelScope(shield=True):
             errors += await anyio.to_thread.run_sync(release_all, large)
     return errors
+
+
+async def release_copies(copies: Iterable[object]) -> None:
+    """Close maps the coordinator made for itself (large ones in a worker thread)."""
+    maps = [c for c in copies if isinstance(c, OwnedMap) and not c.closed]
+    large = [m for m in maps if len(m) >= RELEASE_IN_THREAD_BYTES]
+    for small in (m for m in maps if len(m) < RELEASE_IN_THREAD_BYTES):
+        _close_quietly(small)
+    if large:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(_close_all, large)
+
+
+def _close_all(maps: list[OwnedMap]) -> None:
+    for mapped in maps:
+        _close_quietly(mapped)
+
+
+def _close_quietly(mapped: OwnedMap) -> None:
+    with contextlib.suppress(BufferError):  # a view is still held: the last one frees it
+        mapped.close()
 
 
 def handle_size(handle: ArtifactHandle) -> int:
@@ -271,10 +305,18 @@ def sha256_hex(data: BytesLike) -> str:
         return hashlib.sha256(view).hexdigest()
 
 
+_HASHING: RunVar[anyio.CapacityLimiter] = RunVar("coordinator.hashing")
+
+
 def hashing_limiter() -> anyio.CapacityLimiter:
-    """Worker threads for capture digests: one fewer than the cores, so hashing a
-    large capture never takes the core the host's event loop runs on."""
-    return anyio.CapacityLimiter(max(1, (os.cpu_count() or 2) - 1))
+    """Worker threads for capture digests, shared by every coordinator of this event
+    loop: one fewer than the cores, so hashing never takes the loop's core."""
+    try:
+        return _HASHING.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(max(1, (os.cpu_count() or 2) - 1))
+        _HASHING.set(limiter)
+        return limiter
 
 
 def _take(data: BytesLike, spool_dir: str | None, spool_threshold: int) -> tuple[BytesLike, str]:
@@ -307,6 +349,13 @@ def _sealed_copy(data: object) -> BytesLike:
         return seal_copy(view)
 
 
+def _maps_a_file(data: object) -> bool:
+    owner = data
+    while isinstance(owner, memoryview):
+        owner = owner.obj
+    return isinstance(owner, mmap.mmap) and not is_owned(owner)
+
+
 async def capture(
     name: str,
     data: object,
@@ -332,7 +381,10 @@ async def capture(
             f"capture {name!r} is a {type(data).__name__}: return bytes or a buffer"
         ) from None
     buffer: BytesLike = data  # type: ignore[assignment]
-    if length < HASH_IN_THREAD_BYTES:  # faster inline than a thread hop
+    # Small captures are faster inline than a thread hop, except maps: a map of a
+    # file someone truncates would fault (SIGBUS) under a Python copy, while the
+    # kernel's copy (``seal_copy``) fails cleanly.
+    if length < HASH_IN_THREAD_BYTES and not _maps_a_file(buffer):
         with memoryview(buffer) as view:
             if not (is_owned(view) and view.c_contiguous):
                 buffer = view.tobytes()

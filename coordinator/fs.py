@@ -9,6 +9,7 @@ no other test hook.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -63,6 +64,7 @@ class FileSystem:
         os.fsync(fd)
 
     def close(self, fd: int) -> None:
+        _HELD_LOCKS.discard(fd)
         os.close(fd)
 
     def rename(self, source: str, target: str) -> None:
@@ -126,24 +128,12 @@ class FileSystem:
     def lock(self, path: str) -> int | None:
         """An exclusive, non-blocking flock on ``path``; ``None`` if someone holds it."""
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-        fd = _regular(os.open(path, flags, 0o644), path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
+        return _flock(_regular(os.open(path, flags, 0o644), path))
 
     def lock_directory(self, path: str) -> int | None:
         """An exclusive, non-blocking flock on the directory ``path`` itself;
         ``None`` if someone holds it."""
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
+        return _flock(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
 
     def same_file(self, fd: int, path: str) -> bool:
         """Whether ``path`` still names the file open as ``fd`` (a lock file that was
@@ -155,6 +145,36 @@ class FileSystem:
         held = os.fstat(fd)
         return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
+
+# Lock descriptors this process holds. A child made by fork() (not exec) inherits
+# them, and a flock lasts while any copy is open: the child closes its copies, so
+# that the store is free once this process closes it.
+_HELD_LOCKS: set[int] = set()
+
+
+def _flock(fd: int) -> int | None:
+    """flock ``fd`` (exclusive, non-blocking): the fd, or ``None`` if someone holds
+    it; on any failure the fd is closed."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    _HELD_LOCKS.add(fd)
+    return fd
+
+
+def _drop_inherited_locks() -> None:
+    for fd in _HELD_LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1

@@ -139,21 +139,19 @@ def seal_copy(data: memoryview) -> SealedMap | bytes:
 
 def spool_copy(data: memoryview, directory: str) -> tuple[SpooledMap, str]:
     """Blocking: one copy of ``data`` into a nameless file in ``directory``, and
-    the SHA-256 of exactly the bytes written (each chunk is copied before it is
-    hashed and written, so a source that changes meanwhile cannot split them)."""
-    hasher = hashlib.sha256()
+    the SHA-256 of the copy (taken after it is written and mapped: a source that
+    changes meanwhile cannot split the two). The kernel copies from the source, so
+    a map of a file someone truncates fails cleanly (EFAULT) instead of faulting."""
     fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
         source = data if data.c_contiguous else memoryview(data.tobytes())
         flat = source.cast("B") if source.format != "B" or source.ndim != 1 else source
-        for start in range(0, flat.nbytes, _SPOOL_CHUNK):
-            chunk = bytes(flat[start : start + _SPOOL_CHUNK])
-            hasher.update(chunk)
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(fd, view) :]
-        if os.fstat(fd).st_size == 0:
+        offset = 0
+        while offset < flat.nbytes:
+            offset += os.pwrite(fd, flat[offset : offset + _SPOOL_CHUNK], offset)
+        if offset == 0:
             raise ValueError("an empty capture is held in memory, not spooled")
-        return _ours(SpooledMap(fd)), hasher.hexdigest()
+        spooled = _ours(SpooledMap(fd))
     finally:
         os.close(fd)
+    return spooled, hashlib.sha256(spooled).hexdigest()

@@ -37,7 +37,6 @@ it, and a lost reply, from the store manifest, and never saves again.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -46,13 +45,16 @@ from typing import Any, Literal, Self
 import anyio
 import msgspec
 
+from ._cancel import raised_on_its_own
 from ._errors import (
     CaptureFailedError,
     CoordinatorError,
     DeadlineExpiredError,
     DuplicateCheckpointError,
+    DurabilityUnknownError,
     EpochFencedError,
     RestoreFailedError,
+    SaveFailedError,
     StaleEpochError,
     StorePoisonedError,
     UsageError,
@@ -140,11 +142,15 @@ class Coordinator:
         self._restoring: anyio.CancelScope | None = None  # the restore in progress
         self._restored = anyio.Event()  # set whenever no restore is in progress
         self._restored.set()
+        self._entering = anyio.Event()  # set once __aenter__ has ended, either way
+        self._shutting = False  # the one close has begun
+        self._shut = anyio.Event()  # ... and ended
+        self._earlier_failure: SaveFailedError | None = None
 
     # --- the one close path --------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        if self._open or self._claimed:
+        if self._claimed or self._entering.is_set():
             raise UsageError("a coordinator is entered once")
         self.store.claim_session(self.session_id)
         self._claimed = True
@@ -156,9 +162,12 @@ class Coordinator:
         except BaseException:
             self._claimed = False
             self.store.release_session(self.session_id)
+            self._entering.set()
+            self._shut.set()
             raise
         self.writer.resume_seq(self.session_id, last_seq)
         self._open = True
+        self._entering.set()
         return self
 
     async def __aexit__(
@@ -167,69 +176,78 @@ class Coordinator:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        error = exc
         try:
-            final = self._open and self.final_step is not None and self._fenced is None
-            if exc is None and final:
-                assert self.final_step is not None
-                await self._final_capture(self.final_step())
-        except BaseException as caught:
-            error = caught
-            raise
+            await self._shut_down(exc)
         finally:
-            try:
-                await self._close(error)
-            finally:
-                await self.writer.leave_task_group()
+            await self.writer.leave_task_group()
         if exc is None:
-            self.writer.raise_failure()
+            self._raise_unseen()
 
     async def aclose(self) -> None:
-        """Close from any task, under any scope: a final capture (``final_step``),
-        then the writer's close. The block's end finishes the job (it leaves the
-        writer's task group, which belongs to the task and nesting that entered it)."""
-        error: BaseException | None = None
-        try:
-            final = self._open and self.final_step is not None and self._fenced is None
-            if final:
-                assert self.final_step is not None
-                await self._final_capture(self.final_step())
-        except BaseException as caught:
-            error = caught
-            raise
-        finally:
-            await self._close(error)
+        """Close from any task, under any scope: the same close as the block's end
+        (an unseen save failure is raised here, once). The block's end still
+        leaves the writer's task group, which belongs to the task and nesting that
+        entered it: use ``async with``."""
+        await self._shut_down(None)
+        self._raise_unseen()
 
-    async def _final_capture(self, step: int) -> None:
-        """The durable final checkpoint: it waits for the writer to have room."""
-        while True:
-            try:
-                await self.capture(step, replaceable=False)  # drained by the close
-                return
-            except WriterBusyError:
-                await self.writer.wait_for_room()
+    def _raise_unseen(self) -> None:
+        earlier, self._earlier_failure = self._earlier_failure, None
+        if earlier is not None:
+            raise earlier
+        self.writer.raise_failure()
 
-    async def _close(self, error: BaseException | None) -> None:
-        """Whatever happened: a restore in progress ends first (cancelled), the
-        writer drains (or stops, on a cancellation), and the session is free for
-        another coordinator."""
-        self._open = False
+    async def _shut_down(self, error: BaseException | None) -> None:
+        """The one close: once, whoever asks first; anyone else waits for it. A
+        coordinator still entering is closed once it has entered. A restore in
+        progress ends first (cancelled); a clean close takes the final capture
+        (``final_step``); then the writer drains (or stops, on a cancellation), and
+        the session is free for another coordinator."""
+        if not self._entering.is_set():  # (an await would fail a cancelled close here)
+            await self._entering.wait()
+        if self._shutting:
+            if not self._shut.is_set():
+                await self._shut.wait()
+            return
+        self._shutting = True
         try:
             if self._restoring is not None:
                 self._restoring.cancel()
                 with anyio.CancelScope(shield=True):
                     await self._restored.wait()
-            await self.writer.aclose(error=error)
+            final = self._open and self.final_step is not None and self._fenced is None
+            if error is None and final:
+                assert self.final_step is not None
+                # An older unseen failure is raised after it, not instead of it.
+                self._earlier_failure = self.writer.take_failure()
+                await self._final_capture(self.final_step())
+        except BaseException as caught:
+            error = caught
+            raise
         finally:
-            if self._claimed:
-                self._claimed = False
-                self.store.release_session(self.session_id)
+            self._open = False
+            try:
+                await self.writer.aclose(error=error)
+            finally:
+                if self._claimed:
+                    self._claimed = False
+                    self.store.release_session(self.session_id)
+                self._shut.set()
+
+    async def _final_capture(self, step: int) -> None:
+        """The durable final checkpoint: it waits for the writer to have room."""
+        while True:
+            try:
+                await self.capture(step, replaceable=False, closing=True)
+                return
+            except WriterBusyError:
+                await self.writer.wait_for_room()
 
     # --- capture -------------------------------------------------------------------
 
-    def _check_capturing(self) -> None:
-        if not self._open:
-            raise WriterClosedError("the coordinator is not open")
+    def _check_capturing(self, closing: bool = False) -> None:
+        if not self._open or (self._shutting and not closing):
+            raise WriterClosedError("the coordinator is closed (or not open yet)")
         if self._restoring is not None:
             raise EpochFencedError(f"epoch {self.epoch}: a restore is in progress")
         if self._fenced is not None:
@@ -238,7 +256,12 @@ class Coordinator:
             )
 
     async def capture(
-        self, step: int, *, replaceable: bool = True, checkpoint_id: str | None = None
+        self,
+        step: int,
+        *,
+        replaceable: bool = True,
+        checkpoint_id: str | None = None,
+        closing: bool = False,
     ) -> Ticket:
         """Capture every participant at this committed step boundary and queue it.
 
@@ -249,8 +272,10 @@ class Coordinator:
         (or being captured, by any coordinator of the store), ``CaptureFailedError``
         (fencing the epoch), or ``DeadlineExpiredError``.
         """
-        self._check_capturing()
+        self._check_capturing(closing)
         format_u64(step)
+        if checkpoint_id is not None:
+            self._check_explicit_id(check_id(checkpoint_id), step)
         checkpoint_id = check_id(checkpoint_id or f"{self.epoch}-{step}")
         poisoned = self.store.poisoned
         if poisoned is not None:  # refused before any participant is asked
@@ -292,9 +317,22 @@ class Coordinator:
                 if not submitted:  # nothing was published under this id: free it
                     self._ids.discard(checkpoint_id)
                     self.store.release_checkpoint(checkpoint_id)
+        # The store-wide claim ends with the job (a committed id is listed anyway).
+        ticket.add_done_callback(lambda: self.store.release_checkpoint(checkpoint_id))
         self._last_step = max(step, self._last_step or 0)
         self._acted = True
         return ticket
+
+    def _check_explicit_id(self, checkpoint_id: str, step: int) -> None:
+        """An explicit id may not be another epoch's default id (``<epoch>-<step>``):
+        that epoch's ordinary capture would then be refused."""
+        epoch, _, number = checkpoint_id.rpartition("-")
+        mine = epoch == self.epoch and number == str(step)
+        if number.isdigit() and not mine and self.store.epoch_owner(epoch) is not None:
+            raise UsageError(
+                f"checkpoint id {checkpoint_id!r} has the shape of epoch {epoch}'s default id; "
+                "choose another"
+            )
 
     async def _capture_all(self, scope: CaptureScope) -> list[tuple[ArtifactHandle, PayloadRecord]]:
         """Every participant at once: each handle with its record, read once and
@@ -319,9 +357,11 @@ class Coordinator:
                     )
                 handles.append(handle)
                 captured[participant.name] = (handle, _record_of(handle, participant.name))
-            except Exception as error:  # its own failure, or bytes we cannot take
+            except BaseException as error:  # its own failure, or bytes we cannot take
+                if not isinstance(error, Exception) and not await raised_on_its_own(error):
+                    raise  # we are cancelled
                 failure.append(CaptureFailedError(participant.name, repr(error)))
-                raise
+                raise failure[-1] from None
 
         try:
             with anyio.fail_after(self.capture_timeout):
@@ -376,8 +416,13 @@ class Coordinator:
         within ``capture_timeout``: one that does not answer stays tainted."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.capture_timeout):
             for participant, token in staged:
-                with contextlib.suppress(Exception):
+                try:
                     await participant.abort_restore(token)
+                except Exception:
+                    pass  # tainted, and reported so
+                except BaseException as error:
+                    if not await raised_on_its_own(error):
+                        raise
 
     def _check_new_epoch(self, epoch: str) -> None:
         """Refuse a used epoch before anything is staged (the fork checks again)."""
@@ -397,8 +442,8 @@ class Coordinator:
         old epoch are refused, all activate, the old epoch's queued captures are
         superseded, and the fork is made durable. All or none.
         """
-        if not self._open:
-            raise WriterClosedError("the coordinator is not open")
+        if not self._open or self._shutting:
+            raise WriterClosedError("the coordinator is closed (or not open yet)")
         if self._restoring is not None:
             raise UsageError("a restore is already in progress")
         self._check_new_epoch(new_epoch)
@@ -442,9 +487,9 @@ class Coordinator:
             except BaseException as error:
                 tainted = tuple(p.name for p, _ in staged)
                 await self._abort(staged)
-                if not isinstance(error, Exception):
+                if not isinstance(error, Exception) and not await raised_on_its_own(error):
                     raise  # cancelled: staged ones were aborted
-                raise RestoreFailedError(participant.name, repr(error), tainted) from error
+                raise RestoreFailedError(participant.name, repr(error), tainted) from None
             staged.append((participant, token))
 
         # Fence the old timeline: no new capture of it is accepted, and the one
@@ -457,18 +502,21 @@ class Coordinator:
             await self._abort(staged)
             raise
 
-        with anyio.CancelScope(shield=True):  # from here the restore is taken whole
+        # From here the restore is taken whole (shielded), each participant within
+        # capture_timeout: one that does not answer is a failed activation.
+        with anyio.CancelScope(shield=True):
             for index, (participant, token) in enumerate(staged):
                 try:
-                    await participant.activate_restore(token)
+                    with anyio.fail_after(self.capture_timeout):
+                        await participant.activate_restore(token)
                 except BaseException as error:
                     # Some are live in the new state, some not: nothing can undo that.
                     await self._abort(staged[index + 1 :])
                     everyone = tuple(p.name for p in self.participants)
                     self._fenced = RestoreFailedError(participant.name, repr(error), everyone)
-                    if not isinstance(error, Exception):
+                    if not isinstance(error, Exception) and not await raised_on_its_own(error):
                         raise
-                    raise self._fenced from error
+                    raise self._fenced from None
             self.writer.abandon_epoch(old_epoch)  # its queued captures: superseded
 
             # The fork, durable before we return: a crash from here on restarts on
@@ -482,6 +530,9 @@ class Coordinator:
                     last_step=self._last_step,
                     reason=reason,
                 )
+            except DurabilityUnknownError as error:
+                self._fenced = error  # every participant is live in it; durable or not
+                raise
             except CoordinatorError as error:
                 everyone = tuple(p.name for p in self.participants)
                 reason_text = f"the fork could not be recorded: {error}"

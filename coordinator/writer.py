@@ -72,6 +72,7 @@ from .artifacts import (
     handle_size,
     is_verified,
     release_all,
+    release_copies,
     release_off_loop,
 )
 from .bus import Bus
@@ -177,6 +178,7 @@ class Ticket:
         self.checkpoint_id = checkpoint_id
         self.outcome: Outcome | None = None
         self._done = anyio.Event()
+        self._callbacks: list[Callable[[], None]] = []
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -186,9 +188,19 @@ class Ticket:
         assert self.outcome is not None
         return self.outcome
 
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the outcome is known (at once if it is)."""
+        if self.done():
+            callback()
+        else:
+            self._callbacks.append(callback)
+
     def _resolve(self, outcome: Outcome) -> None:
         self.outcome = outcome
         self._done.set()
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 
 
 class Reservation:
@@ -602,10 +614,15 @@ class Writer:
         try:
             failure = await self._load(job)
             with anyio.CancelScope(shield=True):
-                if failure is None:
-                    await self._commit(job)
-                else:
-                    await self._end(job, JobState.FAILED, failure)
+                try:
+                    if failure is None:
+                        await self._commit(job)
+                    else:
+                        await self._end(job, JobState.FAILED, failure)
+                except Exception as error:  # a bug of ours: this job fails, the writer goes on
+                    if job.state is JobState.WRITING:
+                        internal = CoordinatorError(f"the writer failed this job: {error!r}")
+                        await self._end(job, JobState.FAILED, internal)
         except BaseException:  # stopped while loading
             with anyio.CancelScope(shield=True):
                 if job.state is JobState.WRITING:
@@ -630,8 +647,10 @@ class Writer:
                     if remote:
                         await handle.load()
         except BaseException as error:
-            if self._jobs_scope.cancel_called or _ours(error):
+            if _ours(error) or (self._jobs_scope.cancel_called and _is_cancellation(error)):
                 raise  # the writer is stopping
+            if self._jobs_scope.cancel_called:  # stopping, and the handle said so its way
+                return WriterClosedError("the writer stopped while loading this checkpoint")
             if isinstance(error, TimeoutError):
                 return ArtifactUnavailableError(f"a payload did not load within {limit} s")
             return _as_artifact_error(error, ArtifactUnavailableError)
@@ -640,13 +659,13 @@ class Writer:
 
     async def _commit(self, job: _Job) -> None:
         """Shielded: views, the commit step, then release and the outcome."""
-        views: list[memoryview] = []
+        copies: list[object] = []  # the writer's own copies of memory it did not own
         try:
-            views, trusted = await self._views(job)
+            views, trusted = await self._views(job, copies)
         except BaseException as error:
             if _ours(error):
                 raise
-            _release_views(views)
+            await release_copies(copies)
             unavailable = _as_artifact_error(error, ArtifactUnavailableError)
             await self._end(job, JobState.FAILED, unavailable)
             return
@@ -655,6 +674,7 @@ class Writer:
         receipt, failure, tried = await self._attempts(job, payloads, trusted)
         del payloads
         _release_views(views)  # before the handles: a map with views cannot close
+        await release_copies(copies)
         job.timings["total_ms"] = (self._clock() - job.captured_at) * 1000
         if receipt is None:
             assert failure is not None
@@ -665,10 +685,11 @@ class Writer:
         self._durable = job.checkpoint_id
         await self._end(job, JobState.COMMITTED, receipt)
 
-    async def _views(self, job: _Job) -> tuple[list[memoryview], bool]:
+    async def _views(self, job: _Job, copies: list[object]) -> tuple[list[memoryview], bool]:
         """Every handle's bytes, and whether their digests may be trusted without
-        hashing again: only for handles the coordinator digested over memory it
-        owns. A view of memory someone else can change is copied first."""
+        hashing again: only for handles the coordinator digested itself, over the
+        very memory it owns. A view of memory someone else can change, or one that
+        is not contiguous, is copied first (into ``copies``)."""
         views: list[memoryview] = []
         trusted = True
         try:
@@ -677,13 +698,14 @@ class Writer:
                 if not isinstance(view, memoryview):
                     raise TypeError(f"view() returned a {type(view).__name__}")
                 views.append(view)
-                verified = is_verified(handle, int(record.byte_length), record.digest)
-                if not (verified and is_owned(view)):
+                verified = is_verified(handle, int(record.byte_length), record.digest, view)
+                if not (verified and is_owned(view) and view.c_contiguous):
                     trusted = False
-                if not is_owned(view):
-                    copy = await anyio.to_thread.run_sync(seal_copy, view)
-                    view.release()
-                    views[-1] = memoryview(copy)
+                    if not (is_owned(view) and view.c_contiguous):
+                        copy = await anyio.to_thread.run_sync(seal_copy, view)
+                        copies.append(copy)
+                        view.release()
+                        views[-1] = memoryview(copy)
         except BaseException:
             _release_views(views)
             raise
@@ -872,7 +894,7 @@ class Writer:
         try:
             await self.bus.publish(event)
         except BaseException as error:  # the bus is not the truth: count it, keep order
-            if self._outbox_scope.cancel_called or _ours(error):
+            if _ours(error) or (self._outbox_scope.cancel_called and _is_cancellation(error)):
                 raise  # the writer is stopping
             self._counts["events_dropped"] += 1
         else:
@@ -884,6 +906,11 @@ class Writer:
         """A save that was not made durable: published now, raised once later."""
         if self._failure is None:
             self._failure = SaveFailedError(job.checkpoint_id, code, reason)
+
+    def take_failure(self) -> SaveFailedError | None:
+        """The last save failure nobody has seen yet, handed over (and forgotten)."""
+        failure, self._failure = self._failure, None
+        return failure
 
     def raise_failure(self) -> None:
         """Raise the last save failure nobody has seen yet (once)."""
@@ -914,6 +941,10 @@ class Writer:
             accepted=self._accepted,
             durable=self._durable,
         )
+
+
+def _is_cancellation(error: BaseException) -> bool:
+    return isinstance(error, anyio.get_cancelled_exc_class())
 
 
 def _ours(error: BaseException) -> bool:

@@ -104,8 +104,12 @@ class FileStore:
         self._capturing.add(checkpoint_id)
 
     def release_checkpoint(self, checkpoint_id: str) -> None:
-        """The id's capture was published (its file will say the rest) or dropped."""
+        """The id's capture is over: committed (then listed), failed or dropped."""
         self._capturing.discard(checkpoint_id)
+
+    def claimed_checkpoints(self) -> int:
+        """How many checkpoint ids are being captured now."""
+        return len(self._capturing)
 
     def session(self, session_id: str) -> SessionRecord | None:
         return self.core.session(session_id)

@@ -86,13 +86,21 @@ def _with_session(
 
 
 def _new_epoch(manifest: StoreManifest, session_id: str, epoch: str) -> SessionRecord | None:
-    """The session's record, after checking that ``epoch`` was never opened here."""
+    """The session's record, after checking that ``epoch`` was never opened here,
+    and that no listed checkpoint already has one of its default ids."""
     owner = manifest.epoch_owner(epoch)
     if owner is not None:
         raise StaleEpochError(
             f"epoch {epoch} was opened before in this store (session {owner}); "
             "epochs are used once: choose a new one"
         )
+    for record in manifest.generations:
+        head, _, number = record.checkpoint_id.rpartition("-")
+        if head == epoch and number.isdigit():
+            raise StaleEpochError(
+                f"checkpoint {record.checkpoint_id} is listed: epoch {epoch}'s default ids "
+                "would collide with it; choose another epoch"
+            )
     return manifest.session(session_id)
 
 
@@ -194,7 +202,8 @@ def with_generation(
     if len(mine) > keep:
         off = [g for g in mine if not on_timeline(session, g)]
         on = [g for g in mine if on_timeline(session, g)]
-        candidates = [g for g in off + on if g.checkpoint_id not in pinned]
+        keep_now = pinned | {record.checkpoint_id}  # never the commit just made
+        candidates = [g for g in off + on if g.checkpoint_id not in keep_now]
         dropped = candidates[: len(mine) - keep]
         generations = [g for g in generations if g not in dropped]
     return _with_session(manifest, session, generations), dropped
@@ -251,6 +260,9 @@ def _session_problem(manifest: StoreManifest, session: SessionRecord) -> str | N
                 or restored.sequence != fork.sequence
             ):
                 return f"epoch {record.epoch}: its fork does not describe {fork.checkpoint_id}"
+            borrowed = next((g for g in manifest.generations if g.sequence == fork.sequence), None)
+            if restored is None and borrowed is not None:
+                return f"epoch {record.epoch}: its fork claims {borrowed.checkpoint_id}'s sequence"
         earlier.add(record.epoch)
     newest = high_water_of(session, manifest.generations)
     if session.high_water != (newest.checkpoint_id if newest is not None else None):

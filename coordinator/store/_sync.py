@@ -17,6 +17,7 @@ from typing import Literal, Self
 import msgspec
 
 from .._errors import (
+    CommitError,
     GenerationCorruptError,
     GenerationNotFoundError,
     StoreClosedError,
@@ -30,7 +31,7 @@ from .._types import BytesLike
 from ..canonical import canonical_bytes
 from ..envelope import plan
 from ..fs import FileSystem
-from ..ids import check_id
+from ..ids import U64_MAX, check_id
 from ..manifest import CheckpointManifest, Compatibility, manifest_to_builtins
 from ..sealed import is_owned
 from ._commit import CommitSequence, UnlinkFailure
@@ -381,6 +382,7 @@ class SyncStore:
     ) -> CommitReceipt:
         checkpoint_id = manifest.checkpoint_id
         started = time.perf_counter()
+        sequence = self._next_sequence(checkpoint_id)  # before anything is written
         envelope_plan = plan(
             manifest_to_builtins(manifest), payloads, payloads_verified=payloads_verified
         )
@@ -408,7 +410,7 @@ class SyncStore:
             compatibility_digest=_compatibility_digest(manifest.compatibility),
             envelope_digest=sealed.envelope_digest,
             byte_length=str(envelope_plan.size),
-            sequence=str(int(self._manifest.last_sequence) + 1),
+            sequence=sequence,
         )
         updated, dropped = with_generation(
             self._manifest, record, self.keep, frozenset(self._pinned)
@@ -429,6 +431,12 @@ class SyncStore:
             dropped=tuple(r.checkpoint_id for r in dropped),
             timings_ms=timings,
         )
+
+    def _next_sequence(self, checkpoint_id: str) -> str:
+        following = int(self._manifest.last_sequence) + 1
+        if following > U64_MAX:  # only a hostile manifest gets here: refuse, write nothing
+            raise CommitError(checkpoint_id, "sequence", self._join(MANIFEST))
+        return str(following)
 
     def open_epoch(self, session_id: str, epoch: str) -> SessionRecord:
         """Record durably that ``session_id`` goes on in ``epoch`` (continuing its

@@ -10,6 +10,7 @@ never installs another session's bytes). Any failure is ``GenerationCorruptError
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 from collections.abc import Callable, Sequence
@@ -60,8 +61,12 @@ class StoredCheckpoint:
         return self.envelope.payload(name)
 
     def close(self) -> None:
+        """Release the views and unmap the file. If someone kept a view of a payload
+        (a participant should copy what it stages), the map stays until that view
+        goes: closing never fails for it."""
         self.envelope.release()
-        self._closer()
+        with contextlib.suppress(BufferError):
+            self._closer()
 
     def __enter__(self) -> Self:
         return self
