@@ -87,6 +87,7 @@ def test_store_manifest_is_canonical_with_every_field(tmp_path: Path) -> None:
         "sessionId": "session-1",
         "highWater": "ckpt-7",
         "epochs": [{"epoch": "epoch-1", "parent": None, "fork": None}],
+        "retiredEpochs": [],
     }
     (record,) = document["generations"]
     assert set(record) == {
@@ -762,3 +763,26 @@ def test_a_failed_commit_point_rename_says_unknown(tmp_path: Path) -> None:
         assert reopened.verify().ok
         assert listed(reopened) == ["ckpt-1"]  # here the rename did not happen
         reopened.commit(*checkpoint(3))
+
+
+def test_epochs_nothing_needs_keep_only_their_names(tmp_path: Path) -> None:
+    """A host that restarts or restores often opens an epoch each time: records
+    nothing needs shrink to names (still never reusable), so the manifest does not
+    grow ~200 bytes per epoch for ever."""
+    from coordinator import StaleEpochError
+
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+        size = (tmp_path / "manifest.json").stat().st_size
+        for run in range(200):
+            store.open_epoch("session-1", f"run-{run:04d}")
+        session = store.session("session-1")
+        assert session is not None
+        assert [e.epoch for e in session.epochs] == ["epoch-1", "run-0199"]
+        assert len(session.retired_epochs) == 199
+        grown = (tmp_path / "manifest.json").stat().st_size - size
+        assert grown < 200 * 20, grown
+        with pytest.raises(StaleEpochError):
+            store.open_epoch("session-1", "run-0042")
+    with SyncStore(tmp_path, read_only=True) as reopened:
+        assert reopened.select(session_id="session-1").checkpoint_id == "ckpt-1"

@@ -75,14 +75,55 @@ def high_water_of(
 def _with_session(
     manifest: StoreManifest, session: SessionRecord, generations: Sequence[GenerationRecord]
 ) -> StoreManifest:
-    """``manifest`` with ``session`` (its high water recomputed) and ``generations``."""
+    """``manifest`` with ``session`` (its high water recomputed, its unneeded epochs
+    retired) and ``generations``."""
     newest = high_water_of(session, generations)
-    session = msgspec.structs.replace(
-        session, high_water=newest.checkpoint_id if newest is not None else None
+    session = _retired(
+        msgspec.structs.replace(
+            session, high_water=newest.checkpoint_id if newest is not None else None
+        ),
+        generations,
     )
     others = [s for s in manifest.sessions if s.session_id != session.session_id]
     last = max([int(manifest.last_sequence), *(int(g.sequence) for g in generations)])
     return StoreManifest.of(generations, [*others, session], last_sequence=last)
+
+
+def _retired(session: SessionRecord, generations: Sequence[GenerationRecord]) -> SessionRecord:
+    """``session`` keeping the records its timelines need, and only the names of
+    the rest. Needed: the current epoch, every epoch with a listed generation, and
+    their ancestors; an ancestor that merely continued its parent and holds no
+    generation is spliced out (its child continues its parent: the same timeline)."""
+    by_name = {record.epoch: record for record in session.epochs}
+    holding = {g.epoch for g in generations if g.session_id == session.session_id}
+
+    def ancestor(name: str | None) -> str | None:
+        """The nearest epoch from ``name`` up that a timeline cannot do without."""
+        while name is not None and name in by_name:
+            record = by_name[name]
+            if record.fork is not None or name in holding or name == session.current:
+                return name
+            name = record.parent
+        return None
+
+    parents: dict[str, str | None] = {}
+    pending = [session.current, *holding]
+    while pending:
+        name = pending.pop()
+        if name in parents or name not in by_name:
+            continue
+        parents[name] = ancestor(by_name[name].parent)
+        if parents[name] is not None:
+            pending.append(parents[name])  # type: ignore[arg-type]
+    if len(parents) == len(session.epochs):
+        return session
+    kept = tuple(
+        msgspec.structs.replace(record, parent=parents[record.epoch])
+        for record in session.epochs
+        if record.epoch in parents
+    )
+    retired = {*session.retired_epochs, *(name for name in by_name if name not in parents)}
+    return msgspec.structs.replace(session, epochs=kept, retired_epochs=tuple(sorted(retired)))
 
 
 def _new_epoch(manifest: StoreManifest, session_id: str, epoch: str) -> SessionRecord | None:
@@ -110,7 +151,9 @@ def with_opened_epoch(manifest: StoreManifest, session_id: str, epoch: str) -> S
     parent = session.current if session is not None else None
     opened = EpochRecord(epoch=epoch, parent=parent, fork=None)
     if session is None:
-        session = SessionRecord(session_id=session_id, high_water=None, epochs=(opened,))
+        session = SessionRecord(
+            session_id=session_id, high_water=None, epochs=(opened,), retired_epochs=()
+        )
     else:
         session = msgspec.structs.replace(session, epochs=(*session.epochs, opened))
     return _with_session(manifest, session, manifest.generations)
@@ -241,17 +284,21 @@ def _session_problem(manifest: StoreManifest, session: SessionRecord) -> str | N
     truly; and a high water that is its timeline's newest."""
     if not session.epochs:
         return "no epoch"
+    retired = set(session.retired_epochs)
+    if list(session.retired_epochs) != sorted(retired):
+        return "retiredEpochs is not sorted, or names one twice"
     earlier: set[str] = set()
     for record in session.epochs:
-        if record.epoch in earlier:
+        if record.epoch in earlier or record.epoch in retired:
             return f"epoch {record.epoch} is opened twice"
         fork = record.fork
-        links = [record.parent] + ([fork.previous_epoch] if fork else [])
-        if any(link is not None and link not in earlier for link in links):
+        if record.parent is not None and record.parent not in earlier:
             return f"epoch {record.epoch} continues an epoch not opened before it"
+        if fork is not None and fork.previous_epoch not in earlier | retired:
+            return f"epoch {record.epoch} follows an epoch its session never opened"
         if fork is not None:
-            if record.parent is None or int(fork.sequence) > int(manifest.last_sequence):
-                return f"epoch {record.epoch}: a fork with no parent, or from the future"
+            if int(fork.sequence) > int(manifest.last_sequence):
+                return f"epoch {record.epoch}: a fork from the future"
             restored = manifest.lookup(fork.checkpoint_id)
             if restored is not None and (
                 restored.session_id != session.session_id

@@ -114,11 +114,16 @@ class EpochRecord(_Record, frozen=True, kw_only=True):
 
 class SessionRecord(_Record, frozen=True, kw_only=True):
     """A session's epochs in the order they were opened (the last is current), and
-    its high water: the newest generation on the current epoch's timeline."""
+    its high water: the newest generation on the current epoch's timeline.
+    Epochs nothing needs any more (not on a timeline that leads to a listed
+    generation or to the current epoch) keep only their names, in
+    ``retiredEpochs``: an epoch is used once, but its record need not grow the
+    manifest for ever."""
 
     session_id: Id
     high_water: Id | None
     epochs: tuple[EpochRecord, ...]
+    retired_epochs: tuple[Id, ...]
 
     @property
     def current(self) -> str:
@@ -163,7 +168,7 @@ class StoreManifest(_Record, frozen=True, kw_only=True):
     def epoch_owner(self, epoch: str) -> str | None:
         """The session that opened ``epoch`` in this store, if any."""
         for session in self.sessions:
-            if session.epoch(epoch) is not None:
+            if session.epoch(epoch) is not None or epoch in session.retired_epochs:
                 return session.session_id
         return None
 
@@ -207,7 +212,9 @@ def _upgraded(old: _StoreManifestV1, path: str) -> StoreManifest:
             known.append(EpochRecord(epoch=record.epoch, parent=parent, fork=None))
         newest[record.session_id] = record.checkpoint_id
     sessions = [
-        SessionRecord(session_id=sid, high_water=newest[sid], epochs=tuple(epochs[sid]))
+        SessionRecord(
+            session_id=sid, high_water=newest[sid], epochs=tuple(epochs[sid]), retired_epochs=()
+        )
         for sid in sorted(epochs)
     ]
     return StoreManifest.of(generations, sessions, last_sequence=len(generations))
