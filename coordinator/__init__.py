@@ -23,6 +23,7 @@ from ._errors import InvalidScalarError as InvalidScalarError
 from ._errors import JsonError as JsonError
 from ._errors import JsonValueError as JsonValueError
 from ._errors import ManifestError as ManifestError
+from ._errors import ManifestFullError as ManifestFullError
 from ._errors import NoSpaceError as NoSpaceError
 from ._errors import NotCanonicalError as NotCanonicalError
 from ._errors import RemoteWorkerError as RemoteWorkerError
@@ -97,6 +98,7 @@ __all__ = [
     "JsonValueError",
     "Layout",
     "ManifestError",
+    "ManifestFullError",
     "NoSpaceError",
     "NotCanonicalError",
     "RemoteWorkerError",

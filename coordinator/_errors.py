@@ -42,6 +42,7 @@ into typed attributes; the message is built once, here.
         │   ├── NoSpaceError              store.no_space   ENOSPC / EDQUOT
         │   ├── SyncError                 store.fsync      a file or directory fsync failed
         │   ├── RenameError               store.rename
+        │   ├── ManifestFullError         store.manifest_full  the manifest would pass 16 MiB
         │   └── StorePoisonedError        store.poisoned   refused: a directory fsync failed
         └── DurabilityUnknownError        store.durability_unknown  the commit point's fsync
                                                            failed: durable or not, unknown
@@ -77,6 +78,7 @@ __all__ = [
     "JsonError",
     "JsonValueError",
     "ManifestError",
+    "ManifestFullError",
     "NoSpaceError",
     "NotCanonicalError",
     "RemoteWorkerError",
@@ -406,6 +408,13 @@ class CommitError(StoreError):
 
 class NoSpaceError(CommitError):
     code: ClassVar[str] = "store.no_space"
+
+
+class ManifestFullError(CommitError):
+    """The store manifest would outgrow the size every reader refuses: it is not
+    written (a store never writes a manifest it would refuse to open)."""
+
+    code: ClassVar[str] = "store.manifest_full"
 
 
 class SyncError(CommitError):

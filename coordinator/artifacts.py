@@ -33,7 +33,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Protocol, cast
 
 import anyio
 import anyio.lowlevel
@@ -177,6 +177,7 @@ class BaseHandle:
             raise ArtifactReleasedError(f"artifact {self.name!r} was already released")
         self._released = True
         self._ledger._closed(self.byte_length)
+        _VERIFIED.pop(cast(ArtifactHandle, self), None)  # drops the held object too
         self._free()
 
     def _free(self) -> None:
@@ -214,7 +215,9 @@ class MemoryArtifact(BaseHandle):
 # Handles whose digest the coordinator computed itself, over memory it owns, with
 # the length and digest it computed: the writer trusts a handle without hashing
 # again only while it still declares exactly those. Membership cannot be claimed.
-_VERIFIED: weakref.WeakKeyDictionary[ArtifactHandle, tuple[int, str, int, type]] = (
+# The object holding the bytes is kept (not its id, which a new object may reuse)
+# until the handle is released.
+_VERIFIED: weakref.WeakKeyDictionary[ArtifactHandle, tuple[int, str, object, type]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -223,7 +226,7 @@ def mark_verified(handle: ArtifactHandle) -> None:
     """For the coordinator's own code only: ``handle``'s digest was computed here,
     over bytes nobody else can change: the object holding them is remembered too."""
     with handle.view() as view:
-        held = id(view.obj)
+        held = view.obj
     _VERIFIED[handle] = (handle.byte_length, handle.digest, held, type(handle))
 
 
@@ -231,9 +234,15 @@ def is_verified(handle: ArtifactHandle, byte_length: int, digest: str, view: mem
     """Whether the coordinator computed ``digest`` itself over these ``byte_length``
     bytes, held by the very object ``view`` shows, of this very kind of handle."""
     try:
-        return _VERIFIED.get(handle) == (byte_length, digest, id(view.obj), type(handle))
+        known = _VERIFIED.get(handle)
     except TypeError:  # not weak-referenceable: not one of ours
         return False
+    return (
+        known is not None
+        and known[0] == byte_length
+        and known[1] == digest
+        and (known[2] is view.obj and known[3] is type(handle))
+    )
 
 
 def release_all(handles: Iterable[ArtifactHandle]) -> list[Exception]:
@@ -260,10 +269,7 @@ async def release_off_loop(handles: Iterable[ArtifactHandle]) -> list[Exception]
     small: list[ArtifactHandle] = []
     large: list[ArtifactHandle] = []
     for handle in handles:
-        heavy = getattr(handle, "release_in_thread", True) is True
-        (large if heavy and handle_size(handle) >= RELEASE_IN_THREAD_BYTES else small).append(
-            handle
-        )
+        (large if _heavy(handle) else small).append(handle)
     errors = release_all(small)
     if large:
         with anyio.CancelScope(shield=True):
@@ -290,6 +296,16 @@ def _close_all(maps: list[OwnedMap]) -> None:
 def _close_quietly(mapped: OwnedMap) -> None:
     with contextlib.suppress(BufferError):  # a view is still held: the last one frees it
         mapped.close()
+
+
+def _heavy(handle: ArtifactHandle) -> bool:
+    """Whether freeing ``handle`` unmaps enough memory to go to a worker thread (a
+    handle that cannot say is taken at its word: heavy)."""
+    try:
+        in_thread = getattr(handle, "release_in_thread", True) is not False
+    except Exception:
+        in_thread = True
+    return in_thread and handle_size(handle) >= RELEASE_IN_THREAD_BYTES
 
 
 def handle_size(handle: ArtifactHandle) -> int:

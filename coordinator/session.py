@@ -203,6 +203,8 @@ class Coordinator:
         progress ends first (cancelled); a clean close takes the final capture
         (``final_step``); then the writer drains (or stops, on a cancellation), and
         the session is free for another coordinator."""
+        if not self._claimed and not self._entering.is_set():
+            return  # never entered: nothing to close
         if not self._entering.is_set():  # (an await would fail a cancelled close here)
             await self._entering.wait()
         if self._shutting:
@@ -223,6 +225,10 @@ class Coordinator:
                 await self._final_capture(self.final_step())
         except BaseException as caught:
             error = caught
+            earlier, self._earlier_failure = self._earlier_failure, None
+            if earlier is not None:  # never swallowed: chained and noted on what is raised
+                _chain_last(caught).__context__ = earlier
+                caught.add_note(f"an earlier save had failed too: {earlier}")
             raise
         finally:
             self._open = False
@@ -571,3 +577,13 @@ def _record_of(handle: ArtifactHandle, name: str) -> PayloadRecord:
     if isinstance(length, bool) or not isinstance(length, int) or length < 0:
         raise UsageError(f"handle {name!r}: byte length {length!r} is no count")
     return PayloadRecord(name=name, byte_length=str(length), digest=check_digest(handle.digest))
+
+
+def _chain_last(error: BaseException) -> BaseException:
+    """The end of ``error``'s context chain, where another error can be chained
+    without hiding any."""
+    seen = {id(error)}
+    while error.__context__ is not None and id(error.__context__) not in seen:
+        error = error.__context__
+        seen.add(id(error))
+    return error

@@ -1398,3 +1398,221 @@ print("host survived")
         )  # fmt: skip
         assert result.returncode == 0, (mode, result.returncode, result.stderr[-400:])
         assert "host survived" in result.stdout
+
+
+# --- the third review's breaks -----------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_an_id_reused_after_rotation_keeps_the_store_readable(tmp_path: Path) -> None:
+    """A restore's fork named 'snap'; rotation dropped it; a later run committed a new
+    'snap' (legal): the fork no longer described its checkpoint and the store refused
+    its own manifest on the next open."""
+    async with FileStore(tmp_path, keep=3) as store:
+        async with coordinator(store, parts(), epoch="r1-a") as c:
+            await c.checkpoint(1, checkpoint_id="snap")
+            await c.checkpoint(2)
+            await c.restore("snap", new_epoch="r1-b")
+            for step in range(2, 7):
+                await c.checkpoint(step)
+        assert store.lookup("snap") is None
+        async with coordinator(store, parts(), epoch="r2") as again:
+            assert isinstance(await again.checkpoint(10, checkpoint_id="snap"), Committed)
+    with SyncStore(tmp_path, read_only=True, create=False) as reopened:
+        assert reopened.select("snap").checkpoint_id == "snap"
+        assert reopened.verify().ok
+
+
+@pytest.mark.asyncio
+async def test_aclose_of_a_coordinator_never_entered_returns(tmp_path: Path) -> None:
+    """A host whose setup failed before `async with` called aclose() in its cleanup:
+    it waited for an __aenter__ that never came."""
+    async with FileStore(tmp_path) as store:
+        never_entered = coordinator(store, parts())
+        with anyio.fail_after(5):
+            await never_entered.aclose()
+        async with coordinator(store, parts()) as c:  # the session is free
+            await committed(await c.capture(1))
+
+
+@pytest.mark.asyncio
+async def test_a_handle_whose_attributes_raise_still_resolves_its_ticket(tmp_path: Path) -> None:
+    """A handle whose `release_in_thread` raised escaped the release after the job was
+    committed: no event, a ticket never resolved, a claim and the handles kept."""
+
+    class Prickly(Handle):
+        __slots__ = ()
+
+        @property
+        def release_in_thread(self) -> bool:
+            raise RuntimeError("no opinion")
+
+    participants, _ = with_source(Prickly)
+    bus = RecordingBus()
+    async with FileStore(tmp_path) as store:
+        async with coordinator(store, participants, bus=bus) as c:
+            with anyio.fail_after(10):
+                assert isinstance(await c.checkpoint(1), Committed)
+                await committed(await c.capture(2))
+        assert c.ledger.statistics().live == 0
+        assert store.claimed_checkpoints() == 0
+    kinds = [type(event).__name__ for event in bus.events if event.checkpoint_id == "epoch-1-1"]
+    assert kinds.count("Committed") == 1, kinds
+
+
+@pytest.mark.asyncio
+async def test_trust_is_not_fooled_by_a_reused_address(tmp_path: Path) -> None:
+    """The trusted object was remembered by id(): a new bytes object at the dead one's
+    address was trusted, committed under the old digest, and never restored."""
+    participants, source = with_source()
+    swaps: list[bool] = []
+
+    async def capture_artifact(scope: CaptureScope, ledger: ArtifactLedger) -> Any:
+        handle = await capture(source.name, os.urandom(200), ledger=ledger)
+        before = id(handle._data)  # type: ignore[attr-defined]
+        for _ in range(200):
+            handle._data = None  # type: ignore[attr-defined]
+            handle._data = os.urandom(200)  # type: ignore[attr-defined]
+            if id(handle._data) == before:  # type: ignore[attr-defined]
+                swaps.append(True)
+                break
+        return handle
+
+    source.capture_artifact = capture_artifact  # type: ignore[method-assign]
+    from coordinator import SaveFailedError
+
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        outcome = await (await c.capture(1)).wait()
+        assert isinstance(outcome, Failed) and outcome.code == "artifact.corrupt", outcome
+        with pytest.raises(SaveFailedError):
+            c.writer.raise_failure()
+        assert (await store.verify()).ok
+    assert not swaps  # the digested object is held: its address cannot be reused
+
+
+@pytest.mark.asyncio
+async def test_an_epoch_is_refused_whose_default_id_is_being_captured(tmp_path: Path) -> None:
+    """bob's explicit 'e9-5' was in flight when alice opened epoch e9 (nothing listed
+    it yet): it committed, and alice's ordinary capture(5) was refused."""
+    from coordinator import StaleEpochError
+
+    async with FileStore(tmp_path) as store:
+        bob_parts = parts()
+        bob_parts[0].gate = anyio.Event()
+        outcomes: list[Any] = []
+        bob = coordinator(store, bob_parts, session_id="bob", epoch="b1")
+
+        async def bob_saves() -> None:
+            outcomes.append(await bob.checkpoint(3, checkpoint_id="e9-5"))
+
+        async with bob, anyio.create_task_group() as tg:
+            tg.start_soon(bob_saves)
+            await bob_parts[0].started.wait()
+            alice = coordinator(store, parts(), session_id="alice", epoch="e9")
+            with pytest.raises(StaleEpochError, match="e9-5"):
+                await alice.__aenter__()
+            bob_parts[0].gate.set()
+        assert isinstance(outcomes[0], Committed), outcomes
+        async with coordinator(store, parts(), session_id="alice", epoch="e10") as alice:
+            await committed(await alice.capture(5))
+
+
+@pytest.mark.asyncio
+async def test_a_failing_final_capture_still_raises_the_earlier_save_failure(
+    tmp_path: Path,
+) -> None:
+    """An unseen save failure, then a final capture that failed too: the close raised
+    only the final capture's error; the save failure was never raised anywhere."""
+    from coordinator import CaptureFailedError, SaveFailedError
+
+    fail = {"on": True}
+    fs = RecordingFS(
+        lambda op, name: (
+            errno.ENOSPC if fail["on"] and op == "create" and name.startswith("tmp+epoch-1-1")
+            else None
+        ),
+        keep_data=False,
+    )  # fmt: skip
+    participants = parts()
+    raised: BaseException | None = None
+    async with FileStore(tmp_path, fs=fs) as store:
+        try:
+            async with coordinator(store, participants, final_step=lambda: 2) as c:
+                assert isinstance(await (await c.capture(1)).wait(), Failed)
+                participants[2].fail_capture = True
+        except CaptureFailedError as error:
+            raised = error
+    assert raised is not None
+    chain, seen = [], raised
+    while seen is not None and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    assert any(isinstance(link, SaveFailedError) for link in chain), chain
+    assert any("earlier save" in note for note in getattr(raised, "__notes__", []))
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_released_remote_object_wakes_the_bus_on_its_loop(debug: bool) -> None:
+    """A large remote handle was released in a worker thread, which set the bus's
+    deletion event off the loop: in debug mode an error, otherwise a deletion task
+    asleep until something else woke the loop."""
+    from coordinator.artifacts import release_off_loop
+    from coordinator.bus._nats import NatsBus
+    from coordinator.bus._objects import ObjectArtifact
+
+    released_on: list[int] = []
+    errors: list[Exception] = []
+
+    async def main() -> None:
+        bus = NatsBus("nats://127.0.0.1:1")  # never connected: its deletion backlog only
+        woke = anyio.Event()
+
+        def on_release(name: str, local_copy: Any) -> None:
+            released_on.append(threading.get_ident())
+            bus.delete_object_soon(name, local_copy)
+
+        async def deletion_task() -> None:
+            await bus._deletions.ready(bus, "objects_left_to_ttl")
+            woke.set()
+
+        handle = ObjectArtifact(
+            "agent-fly-a", 32 << 20, "0" * 64, ArtifactLedger(), bucket=None,
+            object_name="s/ckpt/agent", on_release=on_release,
+        )  # fmt: skip
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(deletion_task)
+            await anyio.sleep(0.05)
+            errors.extend(await release_off_loop([handle]))
+            with anyio.move_on_after(5):
+                await woke.wait()
+            tg.cancel_scope.cancel()
+        assert woke.is_set()
+
+    anyio.run(main, backend_options={"debug": debug})
+    assert errors == []
+    assert released_on == [threading.get_ident()]  # on the loop's thread
+
+
+def test_a_manifest_over_the_limit_is_never_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retired epochs' names grow the manifest for ever: at the limit the store wrote
+    a manifest it then refused to open, and every generation became unreachable."""
+    from coordinator import ManifestFullError
+    from coordinator.store import _commit
+
+    with SyncStore(tmp_path) as store:
+        store.open_epoch("s1", "e1")
+        store.commit(*plain_checkpoint("e1-1", 1))
+        size = (tmp_path / "manifest.json").stat().st_size
+        monkeypatch.setattr(_commit, "MAX_STORE_MANIFEST_BYTES", size + 200)
+        with pytest.raises(ManifestFullError) as caught:
+            for run in range(2, 50):
+                store.open_epoch("s1", f"e{run}")
+                store.commit(*plain_checkpoint(f"e{run}-1", 1, epoch=f"e{run}"))
+        assert caught.value.code == "store.manifest_full"
+        assert (tmp_path / "manifest.json").stat().st_size <= size + 200
+    monkeypatch.undo()
+    with SyncStore(tmp_path, read_only=True, create=False) as reopened:
+        assert reopened.verify().ok
+        assert not [name for name in os.listdir(tmp_path) if name.startswith("tmp")]

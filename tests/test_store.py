@@ -786,3 +786,77 @@ def test_epochs_nothing_needs_keep_only_their_names(tmp_path: Path) -> None:
             store.open_epoch("session-1", "run-0042")
     with SyncStore(tmp_path, read_only=True) as reopened:
         assert reopened.select(session_id="session-1").checkpoint_id == "ckpt-1"
+
+
+def test_retiring_epochs_never_changes_a_timeline() -> None:
+    """Random opens, restores (forks) and commits with rotation, applied twice: once
+    as the store does it (retiring and splicing epochs), once keeping every record.
+    The two agree on every session's high water and on which listed generations are
+    on its timeline, and every manifest the store would write is consistent."""
+    import random
+
+    import msgspec
+
+    from coordinator.store import _lineage
+    from coordinator.store._manifest import GenerationRecord, StoreManifest
+
+    def record(checkpoint_id: str, epoch: str, step: int, sequence: int) -> GenerationRecord:
+        return GenerationRecord(
+            checkpoint_id=checkpoint_id, file=f"{checkpoint_id}.flysess", session_id="s",
+            epoch=epoch, episode_id="ep", boundary=str(step), compatibility_digest="0" * 64,
+            envelope_digest="0" * 64, byte_length="100", sequence=str(sequence),
+        )  # fmt: skip
+
+    real_retired = _lineage._retired
+    for seed in range(300):
+        rng = random.Random(seed)
+        keep = rng.randint(1, 4)
+        manifests = {"store": StoreManifest.of(), "model": StoreManifest.of()}
+        epochs, step = 0, 0
+        for _ in range(rng.randint(5, 40)):
+            op = rng.choice(["commit", "commit", "commit", "open", "fork"])
+            if manifests["store"].session("s") is None or (
+                op == "fork" and not manifests["store"].generations
+            ):
+                op = "open"
+            for kind, before in list(manifests.items()):
+                _lineage._retired = real_retired if kind == "store" else (lambda s, g: s)
+                try:
+                    manifest = before
+                    session = manifest.session("s")
+                    if op == "open":
+                        manifest = _lineage.with_opened_epoch(manifest, "s", f"e{epochs}")
+                    elif op == "fork":
+                        listed = list(manifest.generations)
+                        restored = listed[(seed + epochs) % len(listed)]
+                        manifest = _lineage.with_forked_epoch(
+                            manifest, "s", f"e{epochs}", restored, last_step=step,
+                            reason="rollback",
+                        )  # fmt: skip
+                    else:
+                        assert session is not None
+                        current = session.current
+                        sequence = int(manifest.last_sequence) + 1
+                        manifest, _ = _lineage.with_generation(
+                            manifest, record(f"c{sequence}", current, step, sequence), keep
+                        )
+                    manifests[kind] = manifest
+                finally:
+                    _lineage._retired = real_retired
+            if op in ("open", "fork"):
+                epochs += 1
+            step += rng.randint(-2, 5)
+            step = max(step, 0)
+            ours, model = manifests["store"], manifests["model"]
+            assert _lineage.check_consistent(ours) is None, (seed, _lineage.check_consistent(ours))
+            assert [g.checkpoint_id for g in ours.generations] == [
+                g.checkpoint_id for g in model.generations
+            ]
+            if ours.session("s") is None:
+                continue
+            ours_s, model_s = ours.session("s"), model.session("s")
+            assert ours_s is not None and model_s is not None
+            assert ours_s.high_water == model_s.high_water, seed
+            for g in ours.generations:
+                assert _lineage.on_timeline(ours_s, g) == _lineage.on_timeline(model_s, g), seed
+            assert len(msgspec.json.encode(ours)) <= len(msgspec.json.encode(model))

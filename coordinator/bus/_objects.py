@@ -292,6 +292,7 @@ class ObjectArtifact(BaseHandle):
 
     __slots__ = ("_bucket", "_map", "_on_release", "object_name")
     remote = True
+    release_in_thread = False  # the bus unmaps it in a thread of its own, woken on the loop
 
     def __init__(
         self,

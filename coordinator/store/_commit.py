@@ -33,6 +33,7 @@ import msgspec
 from .._errors import (
     CommitError,
     DurabilityUnknownError,
+    ManifestFullError,
     NoSpaceError,
     RenameError,
     StoreLockedError,
@@ -44,6 +45,7 @@ from ..fs import FileSystem
 from ._manifest import (
     LOCK,
     MANIFEST,
+    MAX_STORE_MANIFEST_BYTES,
     TMP_MANIFEST,
     TMP_PREFIX,
     StoreManifest,
@@ -179,7 +181,10 @@ class CommitSequence:
         (``DurabilityUnknownError``) and the store poisoned."""
         temporary, final = self.join(TMP_MANIFEST), self.join(MANIFEST)
         try:
-            self.write_file(checkpoint_id, temporary, [store_manifest_bytes(manifest)])
+            encoded = store_manifest_bytes(manifest)
+            if len(encoded) > MAX_STORE_MANIFEST_BYTES:
+                raise ManifestFullError(checkpoint_id, "manifest_size", final)
+            self.write_file(checkpoint_id, temporary, [encoded])
             self.check_usable(checkpoint_id)  # the lock, right before the commit point
         except BaseException:
             self.unlink(temporary)

@@ -11,7 +11,7 @@ from typing import Any, Literal, Self
 import anyio
 import anyio.to_thread
 
-from .._errors import DuplicateCheckpointError, StoreClosedError, UsageError
+from .._errors import DuplicateCheckpointError, StaleEpochError, StoreClosedError, UsageError
 from .._types import BytesLike
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest
@@ -125,7 +125,18 @@ class FileStore:
     def epoch_owner(self, epoch: str) -> str | None:
         return self.core.epoch_owner(epoch)
 
+    def _refuse_squatted(self, epoch: str) -> None:
+        """An epoch whose default ids a capture in flight has already taken."""
+        for claimed in self._capturing:
+            head, _, number = claimed.rpartition("-")
+            if head == epoch and number.isdigit():
+                raise StaleEpochError(
+                    f"checkpoint {claimed} is being captured: epoch {epoch}'s default ids "
+                    "would collide with it; choose another epoch"
+                )
+
     async def open_epoch(self, session_id: str, epoch: str) -> SessionRecord:
+        self._refuse_squatted(epoch)
         async with self._lock:
             record: SessionRecord = await self._run(self.core.open_epoch, session_id, epoch)
             return record
@@ -139,6 +150,7 @@ class FileStore:
         last_step: int | None = None,
         reason: Literal["rollback", "recovery"] = "rollback",
     ) -> SessionRecord:
+        self._refuse_squatted(epoch)
         fork = functools.partial(self.core.fork_epoch, last_step=last_step, reason=reason)
         async with self._lock:
             record: SessionRecord = await self._run(fork, session_id, epoch, restored)

@@ -90,40 +90,38 @@ def _with_session(
 
 
 def _retired(session: SessionRecord, generations: Sequence[GenerationRecord]) -> SessionRecord:
-    """``session`` keeping the records its timelines need, and only the names of
-    the rest. Needed: the current epoch, every epoch with a listed generation, and
-    their ancestors; an ancestor that merely continued its parent and holds no
-    generation is spliced out (its child continues its parent: the same timeline)."""
+    """``session`` keeping only the epoch records a timeline may still need, and the
+    names of the rest (an epoch is used once). From the current epoch and from each
+    epoch holding a listed generation (a restore may fork from it later), the chain
+    of ancestors is kept up to its last epoch holding a listed generation (nothing
+    above it can be on a timeline any more), without the ancestors that merely
+    continued their parent and hold nothing (spliced out: the same timeline)."""
     by_name = {record.epoch: record for record in session.epochs}
     holding = {g.epoch for g in generations if g.session_id == session.session_id}
-
-    def ancestor(name: str | None) -> str | None:
-        """The nearest epoch from ``name`` up that a timeline cannot do without."""
-        while name is not None and name in by_name:
-            record = by_name[name]
-            if record.fork is not None or name in holding or name == session.current:
-                return name
-            name = record.parent
-        return None
-
     parents: dict[str, str | None] = {}
-    pending = [session.current, *holding]
-    while pending:
-        name = pending.pop()
-        if name in parents or name not in by_name:
-            continue
-        parents[name] = ancestor(by_name[name].parent)
-        if parents[name] is not None:
-            pending.append(parents[name])  # type: ignore[arg-type]
-    if len(parents) == len(session.epochs):
+    for start in (session.current, *sorted(holding)):
+        chain: list[str] = []
+        name: str | None = start
+        while name is not None and name in by_name and name not in chain:
+            chain.append(name)
+            name = by_name[name].parent
+        last = max((index for index, epoch in enumerate(chain) if epoch in holding), default=0)
+        kept = [
+            epoch
+            for index, epoch in enumerate(chain[: last + 1])
+            if index == 0 or epoch in holding or by_name[epoch].fork is not None
+        ]
+        for index, epoch in enumerate(kept):
+            parents[epoch] = kept[index + 1] if index + 1 < len(kept) else None
+    if parents == {record.epoch: record.parent for record in session.epochs}:
         return session
-    kept = tuple(
+    records = tuple(
         msgspec.structs.replace(record, parent=parents[record.epoch])
         for record in session.epochs
         if record.epoch in parents
     )
-    retired = {*session.retired_epochs, *(name for name in by_name if name not in parents)}
-    return msgspec.structs.replace(session, epochs=kept, retired_epochs=tuple(sorted(retired)))
+    retired = {*session.retired_epochs, *(epoch for epoch in by_name if epoch not in parents)}
+    return msgspec.structs.replace(session, epochs=records, retired_epochs=tuple(sorted(retired)))
 
 
 def _new_epoch(manifest: StoreManifest, session_id: str, epoch: str) -> SessionRecord | None:
@@ -219,6 +217,11 @@ def check_commit(manifest: StoreManifest, session_id: str, epoch: str, checkpoin
         raise DuplicateCheckpointError(
             f"checkpoint {checkpoint_id} belongs to session {previous.session_id}"
         )
+    head, _, number = checkpoint_id.rpartition("-")
+    if number.isdigit() and head != epoch and manifest.epoch_owner(head) is not None:
+        raise DuplicateCheckpointError(
+            f"checkpoint {checkpoint_id} has the shape of epoch {head}'s default id"
+        )
 
 
 def with_generation(
@@ -300,9 +303,11 @@ def _session_problem(manifest: StoreManifest, session: SessionRecord) -> str | N
             if int(fork.sequence) > int(manifest.last_sequence):
                 return f"epoch {record.epoch}: a fork from the future"
             restored = manifest.lookup(fork.checkpoint_id)
+            if restored is not None and int(restored.sequence) > int(fork.sequence):
+                restored = None  # the id was used again after the restored one rotated out
             if restored is not None and (
                 restored.session_id != session.session_id
-                or restored.epoch != record.parent
+                or (record.parent is not None and restored.epoch != record.parent)
                 or restored.boundary != fork.step
                 or restored.sequence != fork.sequence
             ):
