@@ -30,7 +30,7 @@ import msgspec
 
 from ._errors import RemoteWorkerError, SaveFailedError, WriterBusyError
 from ._sample import sample_body
-from .bench import percentile
+from ._stats import percentile
 from .events import Committed, Event, Failed, Superseded, event_name
 from .fs import FileSystem
 from .manifest import ManifestBody
@@ -207,7 +207,7 @@ async def serve_agent(
 ) -> None:
     """Serve the demo's remote agent until cancelled (``coordinator demo-agent``,
     in the process ``_remote_agent`` starts); ``ready()`` once it answers."""
-    from .bus.remote import serve_participant
+    from .remote import serve_participant
 
     async with anyio.create_task_group() as group:
         await group.start(
@@ -301,7 +301,7 @@ async def _host(
             if out is not None:
                 _show(event, out)
 
-    from .bus.remote import RemoteParticipant
+    from .remote import RemoteParticipant
 
     remote = RemoteParticipant(bus, REMOTE_AGENT)
     async with (

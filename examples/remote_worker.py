@@ -28,8 +28,8 @@ from typing import Any
 
 import anyio
 
-from coordinator.bus import serve_participant
 from coordinator.participant import CaptureScope, RestoreScope
+from coordinator.remote import serve_participant
 
 
 def say(what: str, **fields: Any) -> None:

@@ -1558,7 +1558,7 @@ def test_a_released_remote_object_wakes_the_bus_on_its_loop(debug: bool) -> None
     asleep until something else woke the loop."""
     from coordinator.artifacts import release_off_loop
     from coordinator.bus._nats import NatsBus
-    from coordinator.bus._objects import ObjectArtifact
+    from coordinator.remote._objects import ObjectArtifact
 
     released_on: list[int] = []
     errors: list[Exception] = []

@@ -31,10 +31,11 @@ from coordinator import (
 )
 from coordinator._sample import sample_body
 from coordinator.artifacts import ArtifactLedger, capture
-from coordinator.bus import NatsBus, RemoteParticipant, serve_participant
-from coordinator.bus._objects import ObjectArtifact, object_digest
+from coordinator.bus import NatsBus
 from coordinator.events import Committed, Failed
 from coordinator.manifest import PayloadRecord, manifest_with_records
+from coordinator.remote import RemoteParticipant, serve_participant
+from coordinator.remote._objects import ObjectArtifact, object_digest
 from coordinator.server import EmbeddedServer
 from coordinator.session import Coordinator
 from coordinator.store import FileStore

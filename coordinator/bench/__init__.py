@@ -7,7 +7,6 @@ baseline``, the issue's ``target`` for it and whether it was ``met``.
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import statistics
@@ -15,6 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
+
+from .._stats import percentile
 
 __all__ = ["GROUPS", "Result", "median", "percentile", "render", "report", "result", "status_kib"]
 
@@ -74,12 +75,6 @@ def status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def percentile(ordered: Sequence[float], fraction: float) -> float:
-    """The nearest-rank percentile of sorted values (p99 of 10 values is the largest)."""
-    rank = max(1, math.ceil(fraction * len(ordered)))
-    return ordered[rank - 1]
 
 
 def median(values: Sequence[float]) -> float:

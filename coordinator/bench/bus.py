@@ -391,8 +391,8 @@ async def object_transfer(url: str, *, runs: int, size: int) -> list[Result]:
     of its own, until the writer holds it verified: the worker's put (hashed as it
     goes) and our read. Baseline: nats-py's own put and get (``writeinto``, its
     fast path) of the same number of bytes, same run."""
-    from ..bus.remote import RemoteParticipant
     from ..demo import _remote_agent
+    from ..remote import RemoteParticipant
 
     mib = size / (1 << 20)
     puts: list[float] = []

@@ -19,9 +19,7 @@ __all__ = [
     "BusStatistics",
     "MemoryBus",
     "NatsBus",
-    "RemoteParticipant",
     "Subscription",
-    "serve_participant",
 ]
 
 
@@ -51,7 +49,7 @@ class Bus(Protocol):
     async def aclose(self) -> None: ...
 
 
-_NEEDS_NATS = {"NatsBus": "._nats", "RemoteParticipant": ".remote", "serve_participant": ".remote"}
+_NEEDS_NATS = {"NatsBus": "._nats"}
 
 
 def __getattr__(name: str) -> object:

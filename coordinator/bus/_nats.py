@@ -24,7 +24,7 @@ import mmap
 import re
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Generic, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
 import anyio
 import msgspec
@@ -58,8 +58,10 @@ from ..events import (
     subject,
 )
 from . import BusStatistics
-from ._objects import DEFAULT_OBJECT_BUCKET, ObjectBucket
 from .memory import Subscription
+
+if TYPE_CHECKING:
+    from ..remote._objects import ObjectBucket
 
 __all__ = ["NatsBus"]
 
@@ -102,7 +104,7 @@ class NatsBus:
         connect_timeout: float = 5.0,
         replicas: int = 1,
         publish_window: int = PUBLISH_WINDOW,
-        object_bucket: str = DEFAULT_OBJECT_BUCKET,
+        object_bucket: str = "CKPT_OBJECTS",
         object_ttl: float = 3600.0,
         **connect_options: Any,
     ) -> None:
@@ -347,6 +349,8 @@ class NatsBus:
     async def objects(self) -> ObjectBucket:
         """The bucket remote participants put captures in (created with the TTL)."""
         if self._objects is None:
+            from ..remote._objects import ObjectBucket  # remote participants' (temporary)
+
             assert self._js is not None
             self._objects = await ObjectBucket.open(
                 self._js, self.object_bucket, ttl=self.object_ttl, replicas=self.replicas

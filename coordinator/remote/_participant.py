@@ -36,10 +36,10 @@ from nats.aio.msg import Msg
 
 from .._errors import CoordinatorError, RemoteWorkerError
 from ..artifacts import ArtifactHandle, ArtifactLedger, owned_bytes
+from ..bus._nats import NatsBus, connect, unmap
 from ..events import subject_token
 from ..ids import check_id, is_digest
 from ..participant import CaptureScope, Participant, RestoreScope
-from ._nats import NatsBus, connect, unmap
 from ._objects import DEFAULT_OBJECT_BUCKET, ObjectArtifact, ObjectBucket
 
 __all__ = ["DEFAULT_RPC_PREFIX", "RemoteParticipant", "serve_participant"]

@@ -1,0 +1,16 @@
+"""Participants in other processes, over NATS: request/reply to a worker that
+serves its participant, and the captured bytes as objects in a JetStream bucket.
+A remote participant is a participant that happens to use NATS: the runtime
+sees only the participant contract and the artifact handles."""
+
+from ._objects import DEFAULT_OBJECT_BUCKET, ObjectArtifact, ObjectBucket
+from ._participant import DEFAULT_RPC_PREFIX, RemoteParticipant, serve_participant
+
+__all__ = [
+    "DEFAULT_OBJECT_BUCKET",
+    "DEFAULT_RPC_PREFIX",
+    "ObjectArtifact",
+    "ObjectBucket",
+    "RemoteParticipant",
+    "serve_participant",
+]
