@@ -22,8 +22,9 @@ from typing import Any, TextIO
 
 import msgspec
 
-from ._errors import CoordinatorError, CorruptEnvelopeError
+from ._errors import CoordinatorError, CorruptEnvelopeError, InvalidScalarError
 from .envelope import Envelope, decode
+from .ids import is_id
 from .manifest import manifest_from_builtins
 
 __all__ = ["main"]
@@ -300,6 +301,11 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .bus._nats import NatsBus
     from .monitor import SaveState, render
 
+    for session_id in args.session or []:  # a wildcard would follow other sessions
+        if not is_id(session_id):
+            error = InvalidScalarError("Id", session_id)
+            print(f"coordinator watch: FAILED [{error.code}] --session: {error}", file=err)
+            return EXIT_USAGE
     console = Console(file=out, width=None if out.isatty() else 160)  # pipes: no folding
     live = Live(render(SaveState()), console=console, refresh_per_second=8, transient=False)
 

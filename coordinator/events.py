@@ -19,7 +19,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from .ids import U64, Digest, Id
+from .ids import U64, Digest, Id, check_id
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -156,9 +156,13 @@ def event_id(session_id: str, epoch: str, checkpoint_id: str, event: str) -> str
 
 
 def subject_token(session_id: str) -> str:
-    """A session id as one subject token: Ids may hold '.', which NATS reads as a
-    separator, so it is written %2E (Ids hold no '%', so this is reversible)."""
-    return session_id.replace(".", "%2E")
+    """An Id as one NATS subject token or KV key: every '.' is written ``=2E``.
+
+    Ids may hold '.', which NATS reads as a token separator (``a..b`` would make
+    an empty token, ``a.`` a trailing one); '=' is legal in subjects and KV keys
+    and no Id holds it, so the spelling is reversible.
+    Every other Id character is used as it is."""
+    return session_id.replace(".", "=2E")
 
 
 def subject(session_id: str, event: str, *, prefix: str = DEFAULT_PREFIX) -> str:
@@ -169,8 +173,11 @@ def subject(session_id: str, event: str, *, prefix: str = DEFAULT_PREFIX) -> str
 
 
 def session_subjects(session_id: str | None, *, prefix: str = DEFAULT_PREFIX) -> str:
-    """The subjects of one session's events, or of every session's (``None``)."""
-    return f"{prefix}.{subject_token(session_id)}.*" if session_id else f"{prefix}.>"
+    """The subjects of one session's events, or of every session's (``None``). A
+    session id must be an Id (``InvalidScalarError``): never a wildcard."""
+    if session_id is None:
+        return f"{prefix}.>"
+    return f"{prefix}.{subject_token(check_id(session_id))}.*"
 
 
 def events_schema() -> dict[str, Any]:

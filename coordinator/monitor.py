@@ -24,6 +24,7 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     session_id: str
     high_water: str | None = None
     high_water_boundary: str | None = None
+    high_water_seq: int = 0  # the seq of the committed event that set it
     in_flight: frozenset[str] = frozenset()  # captured, not yet committed/failed/superseded
     queue_depth: int = 0
     committed: int = 0
@@ -68,13 +69,17 @@ def _fold(state: SessionState, event: Event) -> SessionState:
     else:
         open_ids.discard(event.checkpoint_id)
         if isinstance(event, Committed):
-            changes.update(
-                committed=state.committed + 1,
-                high_water=event.high_water,
-                high_water_boundary=event.boundary,
-                last_committed_ms=event.timings.total_ms,
-                last_committed_bytes=int(event.envelope_bytes),
-            )
+            changes["committed"] = state.committed + 1
+            # The high water never moves back: a late committed (behind the newest
+            # seen) or a seq-0 re-announcement of an older one leaves it.
+            if event.seq >= state.high_water_seq and not late:
+                changes.update(
+                    high_water=event.high_water,
+                    high_water_boundary=event.boundary,
+                    high_water_seq=event.seq,
+                    last_committed_ms=event.timings.total_ms,
+                    last_committed_bytes=int(event.envelope_bytes),
+                )
         elif isinstance(event, Superseded):
             changes["superseded"] = state.superseded + 1
         elif isinstance(event, Failed):

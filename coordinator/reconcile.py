@@ -1,23 +1,29 @@
 """Reconciliation: the store is the truth, the bus catches up with it.
 
 A crash between a commit (the store manifest rename) and the publication of its
-``committed`` event leaves a durable generation the bus never announced. On open,
-``reconcile`` compares each session's newest generation with the bus's record of
-the latest committed event and, where they differ, publishes that generation's
-``committed`` event again. Its ``eventId`` is the original's (it is derived from
-session, epoch, checkpoint and event), so a bus that did receive it the first
-time drops the copy (NATS: ``Nats-Msg-Id``).
+``committed`` event leaves a durable generation the bus never announced.
+``reconcile`` compares each session's high water with the bus's latest committed
+event (the KV) and announces the high water only where it is *newer*: the KV is
+read first, then a read-only store is read again, so the store is at least as
+new as the KV. The KV entry is older when it names a generation the store lists
+with a lower commit sequence, or one the store no longer lists (rotated away).
+A stale view never moves the KV backwards.
 
-A reconciled event carries ``seq`` 0: it is outside any writer's sequence.
+The event's ``eventId`` is the original's (session, epoch, checkpoint, event),
+so a bus that did store it the first time drops the copy (NATS:
+``Nats-Msg-Id``). Its ``seq`` is given by the bus as it goes out, like any
+event's: reconciliations never re-issue a ``seq``. Run it where no coordinator
+of the session is running (it claims each session on the store meanwhile, and
+skips one a coordinator of this process holds).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from ._errors import GenerationCorruptError
+from ._errors import GenerationCorruptError, UsageError
 from .events import Committed, Event, event_id, rfc3339_now
-from .store import FileStore
+from .store import FileStore, GenerationRecord
 
 __all__ = ["reconcile"]
 
@@ -29,37 +35,73 @@ class _AnnouncingBus(Protocol):
 
 
 async def reconcile(store: FileStore, bus: _AnnouncingBus) -> tuple[str, ...]:
-    """Announce every session's newest generation the bus does not know; returns
-    the checkpoint ids announced again."""
-    newest = {record.session_id: record for record in store.generations}  # oldest first
+    """Announce every session's high water that is newer than what the bus knows;
+    returns the checkpoint ids announced again."""
     announced = []
-    for session_id, record in newest.items():
-        latest = await bus.latest_committed(session_id)
-        if latest is not None and latest.envelope_digest == record.envelope_digest:
-            continue
+    for session_id in sorted({record.session_id for record in store.generations}):
         try:
-            stored = await store.read(record.checkpoint_id)
-        except GenerationCorruptError:
-            continue  # nothing to announce: `coordinator verify` reports it
-        with stored:
-            payload_bytes = sum(entry.byte_length for entry in stored.envelope.layout.entries)
-            episode_id = stored.manifest.episode_id
-        await bus.publish(
-            Committed(
-                seq=0,
-                event_id=event_id(session_id, record.epoch, record.checkpoint_id, "committed"),
-                time=rfc3339_now(),
-                checkpoint_id=record.checkpoint_id,
-                session_id=session_id,
-                epoch=record.epoch,
-                episode_id=episode_id,
-                boundary=record.boundary,
-                byte_length=str(payload_bytes),
-                generation=record.file,
-                envelope_digest=record.envelope_digest,
-                envelope_bytes=record.byte_length,
-                high_water=record.checkpoint_id,
-            )
-        )
-        announced.append(record.checkpoint_id)
+            store.claim_session(session_id)
+        except UsageError:
+            continue  # a coordinator runs it: its writer announces its commits
+        try:
+            latest = await bus.latest_committed(session_id)
+            if store.core.read_only:
+                await store.refresh()  # at least as new as the KV just read
+            record = _newer_high_water(store, session_id, latest)
+            if record is not None and await _announce(store, bus, record):
+                announced.append(record.checkpoint_id)
+        finally:
+            store.release_session(session_id)
     return tuple(announced)
+
+
+def _newer_high_water(
+    store: FileStore, session_id: str, latest: Committed | None
+) -> GenerationRecord | None:
+    """The session's high water, if the KV's ``latest`` is older than it."""
+    session = store.session(session_id)
+    high_water = None if session is None else session.high_water
+    if high_water is None:
+        return None
+    record = store.lookup(high_water, session_id=session_id)
+    if record is None:
+        return None
+    if latest is None:
+        return record
+    if latest.envelope_digest == record.envelope_digest:
+        return None
+    known = store.lookup(latest.checkpoint_id, session_id=session_id)
+    kv_is_as_new = (
+        known is not None
+        and known.envelope_digest == latest.envelope_digest
+        and int(known.sequence) >= int(record.sequence)  # (a restore moved it back)
+    )
+    return None if kv_is_as_new else record
+
+
+async def _announce(store: FileStore, bus: _AnnouncingBus, record: GenerationRecord) -> bool:
+    try:
+        stored = await store.read(record.checkpoint_id)
+    except GenerationCorruptError:
+        return False  # nothing to announce: `coordinator verify` reports it
+    with stored:
+        payload_bytes = sum(entry.byte_length for entry in stored.envelope.layout.entries)
+        episode_id = stored.manifest.episode_id
+    await bus.publish(
+        Committed(
+            seq=0,  # the bus gives it its place in the session's sequence
+            event_id=event_id(record.session_id, record.epoch, record.checkpoint_id, "committed"),
+            time=rfc3339_now(),
+            checkpoint_id=record.checkpoint_id,
+            session_id=record.session_id,
+            epoch=record.epoch,
+            episode_id=episode_id,
+            boundary=record.boundary,
+            byte_length=str(payload_bytes),
+            generation=record.file,
+            envelope_digest=record.envelope_digest,
+            envelope_bytes=record.byte_length,
+            high_water=record.checkpoint_id,
+        )
+    )
+    return True

@@ -28,6 +28,11 @@ import nats.js.errors
 STREAM, BUCKET, PREFIX = "CKPT", "CKPT_COMMITTED", "ckpt"
 
 
+def token(session: str) -> str:
+    """A session id as one subject token and KV key: every '.' is written =2E."""
+    return session.replace(".", "=2E")
+
+
 @dataclass
 class Session:
     kv: str | None = None  # the high water the KV bucket held when we started
@@ -38,17 +43,19 @@ class Session:
     superseded: int = 0
     failures: list[dict[str, str]] = field(default_factory=list)
     last_seq: int = 0
+    high_water_seq: int = 0  # the seq of the committed that set the high water
     gaps: list[list[int]] = field(default_factory=list)  # [first, last] seqs missed
 
     def apply(self, event: dict) -> str:
         """Fold one event in; returns a note for the line (a gap, a failure...)."""
         note, seq, kind, ckpt = "", event["seq"], event["event"], event["checkpointId"]
-        if seq > 0:  # seq 0: re-announced by reconciliation, outside any sequence
+        late = 0 < seq < self.last_seq  # stored after later ones (a connection drop)
+        if late:
+            note = f"  (late: seq {seq} after {self.last_seq})"
+        elif seq > 0:  # seq 0: an older version's re-announcement, outside the sequence
             if self.last_seq and seq > self.last_seq + 1:
                 self.gaps.append([self.last_seq + 1, seq - 1])
                 note = f"  GAP: missed seq {self.last_seq + 1}..{seq - 1}"
-            elif seq <= self.last_seq:  # a new writer for this session counts from 1
-                note = f"  (seq restarted at {seq})"
             self.last_seq = seq
         if kind == "captured":
             self.in_flight.add(ckpt)
@@ -56,7 +63,9 @@ class Session:
             self.in_flight.discard(ckpt)
         if kind == "committed":  # the only event that means saved
             self.committed += 1
-            self.high_water, self.boundary = event["highWater"], event["boundary"]
+            if not late and seq >= self.high_water_seq:  # never moves back
+                self.high_water, self.boundary = event["highWater"], event["boundary"]
+                self.high_water_seq = seq
         elif kind == "superseded":
             self.superseded += 1
             note += f"  by {event['supersededBy']}"
@@ -75,17 +84,18 @@ class Session:
 
 
 async def read_durable(js, session: str | None) -> dict[str, dict]:
-    """The latest ``committed`` event per session, from the KV bucket (key: the raw
-    session id; a '.' in it stays a '.', unlike in subjects)."""
+    """The latest ``committed`` event per session, from the KV bucket (key: the
+    session's token)."""
     try:
         kv = await js.key_value(BUCKET)
-        keys = [session] if session else await kv.keys()
+        keys = [token(session)] if session else await kv.keys()
     except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
         return {}
     durable = {}
     for key in keys:
         with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-            durable[key] = json.loads((await kv.get(key)).value)
+            event = json.loads((await kv.get(key)).value)
+            durable[event["sessionId"]] = event
     return durable
 
 
@@ -133,8 +143,7 @@ async def run(url: str, session: str | None, once: bool, idle: float) -> int:
     for key, event in (await read_durable(js, session)).items():
         state.sessions[key] = Session(kv=event["highWater"])
         print(f"durable  {key}: {event['highWater']} (step {event['boundary']})")
-    # A session id is one subject token: its '.' is written %2E.
-    subject = f"{PREFIX}.{session.replace('.', '%2E')}.*" if session else f"{PREFIX}.>"
+    subject = f"{PREFIX}.{token(session)}.*" if session else f"{PREFIX}.>"
     try:  # ordered, ephemeral, in-memory consumer; delivers everything from the start
         sub = await js.subscribe(subject, stream=STREAM, ordered_consumer=True)
     except nats.js.errors.NotFoundError:

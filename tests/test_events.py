@@ -120,9 +120,9 @@ def test_event_id_is_stable_per_event() -> None:
 
 
 def test_subjects_keep_one_token_per_session() -> None:
-    """A session id with '.' stays one subject token (written %2E)."""
+    """A session id with '.' stays one subject token (written =2E)."""
     assert subject("session-1", "committed") == "ckpt.session-1.committed"
-    assert subject("a.b", "queued", prefix="sim") == "sim.a%2Eb.queued"
+    assert subject("a.b", "queued", prefix="sim") == "sim.a=2Eb.queued"
     assert subject_token("a.b").count(".") == 0
     with pytest.raises(ValueError):
         subject("s", "saved")

@@ -4,12 +4,22 @@ in a KV bucket. The only module that imports ``nats``.
 - Subjects are ``<prefix>.<session>.<event>`` (``events.subject``); the stream
   covers ``<prefix>.>``. A missing stream or bucket is created; an existing one
   that does not cover our subjects is refused (``BusConfigError``), never changed.
+- A session id is one subject token and one KV key: its '.' is written ``=2E``
+  (``events.subject_token``), so every valid Id works.
 - Every event is published with ``Nats-Msg-Id`` = its ``eventId``, so a retry
   after a lost ack (or a reconciliation) is stored once.
+- ``seq`` is the bus's: as an event first goes out it gets one past the highest
+  ``seq`` the stream (or the KV) holds for its session, so no ``seq`` is issued
+  twice, across runs and reconciliations.
+- The KV's latest ``committed`` of a session only moves forward: a put is
+  conditional on the revision read and happens only for a higher ``seq``; an
+  event the stream drops as a duplicate of someone else's does not write it.
 - ``publish`` never waits for the server: events go to a bounded outbox that a
   task drains in order, retrying with the same ids while the server is away.
-  Overflow is counted in ``statistics().dropped``. Durability never waits on
-  the bus: the store manifest is the truth.
+  Overflow is counted in ``statistics().dropped``. An event the server refuses
+  again and again while connected is dropped after ``max_attempts`` and counted
+  (``undeliverable``), so one bad event never wedges the rest. Durability never
+  waits on the bus: the store manifest is the truth.
 - Subscribers get a bounded buffer each; a full buffer, or nats-py's own slow
   consumer report, is counted, never only logged.
 """
@@ -20,6 +30,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import logging
 import mmap
 import re
 from collections.abc import Sequence
@@ -38,6 +49,7 @@ from nats.js.errors import (
     APIError,
     BucketNotFoundError,
     KeyNotFoundError,
+    KeyWrongLastSequenceError,
     NoStreamResponseError,
     NotFoundError,
     ServiceUnavailableError,
@@ -45,7 +57,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from .._errors import BusConfigError, BusUnavailableError
+from .._errors import BusConfigError, BusUnavailableError, InvalidScalarError
 from ..events import (
     DEFAULT_PREFIX,
     EVENT_NAMES,
@@ -56,7 +68,9 @@ from ..events import (
     event_name,
     session_subjects,
     subject,
+    subject_token,
 )
+from ..ids import check_id, is_id
 from . import BusStatistics
 from .memory import Subscription
 
@@ -87,6 +101,8 @@ _TRANSIENT = (
 # How many recent event ids a live subscription remembers, to drop re-publications.
 _RECENT_IDS = 4096
 
+_log = logging.getLogger("coordinator.bus")
+
 
 class NatsBus:
     """``async with NatsBus("nats://127.0.0.1:4222") as bus:``; other keyword
@@ -106,6 +122,7 @@ class NatsBus:
         publish_window: int = PUBLISH_WINDOW,
         object_bucket: str = "CKPT_OBJECTS",
         object_ttl: float = 3600.0,
+        max_attempts: int = 5,
         **connect_options: Any,
     ) -> None:
         self.servers = [servers] if isinstance(servers, str) else list(servers)
@@ -116,6 +133,9 @@ class NatsBus:
         self.publish_timeout = publish_timeout
         self.connect_timeout = connect_timeout
         self.publish_window = publish_window  # events whose acks are awaited together
+        # Failures in a row, with the server connected, before a window is sent one
+        # event at a time, and then before the event that still fails is dropped.
+        self.max_attempts = max_attempts
         self.replicas = replicas  # for a stream or bucket this bus creates (R3 on a cluster)
         self.object_bucket = object_bucket
         self.object_ttl = object_ttl  # what outlives its owner (a killed worker) goes after it
@@ -123,6 +143,9 @@ class NatsBus:
         self._objects: ObjectBucket | None = None
         self._deletions = _Backlog[tuple[str, mmap.mmap | None]]()
         self._outbox = _Backlog[Event]()
+        self._stamped = 0  # outbox events (from the head) that have their seq
+        self._next_seq: dict[str, int] = {}  # session -> the seq its next event gets
+        self._disconnects = 0
         self._closing = False
         self._flush_deadline = 0.0
         self._nc: Client | None = None
@@ -138,7 +161,7 @@ class NatsBus:
         theirs = self._options.pop("disconnected_cb", None)
 
         async def on_disconnect() -> None:
-            self._forget_buffered()
+            self._disconnects += 1
             if theirs is not None:
                 await theirs()
 
@@ -245,6 +268,12 @@ class NatsBus:
         self.publish_nowait(event)
 
     def publish_nowait(self, event: Event) -> None:
+        """Queue ``event``; ``anyio.ClosedResourceError`` once the bus is closed (as
+        ``MemoryBus``), ``InvalidScalarError`` for a session id that is no Id."""
+        if self._closing:
+            raise anyio.ClosedResourceError("the bus is closed")
+        if not is_id(event.session_id):
+            raise InvalidScalarError("Id", event.session_id)
         if len(self._outbox.items) >= self.outbox_limit:
             self._counts["dropped"] += 1  # the outbox is full: counted, not silent
             return
@@ -253,29 +282,78 @@ class NatsBus:
     async def _run_outbox(
         self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
+        """Send the outbox in order. A transient error sends the same window again.
+        Failures while the server stays connected are counted: after
+        ``max_attempts`` in a row the window is sent one event at a time, and the
+        one event that still fails as often is dropped (``undeliverable``, logged)."""
         task_status.started()
         backoff = 0.05
+        refused = 0  # failures in a row with the server connected throughout
+        failed = 0  # failures in a row of any kind: what is sent again may be stored
+        singles = 0  # events still to send one at a time
         while await self._outbox.ready(self, "dropped"):
-            window = list(itertools.islice(self._outbox.items, self.publish_window))
+            disconnects = self._disconnects
+            size = 1 if singles else self.publish_window
             try:
-                await self._send(window)
-            except _TRANSIENT:  # away, or an ack lost: the same window again, same ids
+                window = await self._stamp(size)
+                await self._send(window, retried=failed > 0)
+            except _TRANSIENT as error:
                 self._counts["retries"] += 1
+                failed += 1
+                assert self._nc is not None
+                if self._disconnects == disconnects and self._nc.is_connected:
+                    refused += 1
+                if refused >= self.max_attempts:
+                    refused = 0
+                    if size > 1:
+                        singles = size  # find the one that fails
+                    else:
+                        self._give_up(error)
+                        singles, failed = max(0, singles - 1), 0
+                        continue
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
-            backoff = 0.05
+            backoff, refused, failed = 0.05, 0, 0
+            singles = max(0, singles - len(window))
             for _ in window:
                 self._outbox.items.popleft()
+            self._stamped -= len(window)
 
-    async def _send(self, window: list[Event]) -> None:
+    def _give_up(self, error: BaseException) -> None:
+        """Drop the outbox's first event: the server refused it ``max_attempts``
+        times in a row while connected. Counted and logged, never silent."""
+        event = self._outbox.items.popleft()
+        self._stamped = max(0, self._stamped - 1)
+        self._counts["undeliverable"] += 1
+        _log.warning(
+            "event %s (seq %d) dropped after %d failures with the server connected: %r",
+            event.event_id, event.seq, self.max_attempts, error,
+        )  # fmt: skip
+
+    async def _stamp(self, size: int) -> list[Event]:
+        """The outbox's first ``size`` events, each with its seq: one past the
+        session's previous; a session's first, one past what the bus holds."""
+        items = self._outbox.items
+        while self._stamped < min(size, len(items)):
+            event = items[self._stamped]
+            session = event.session_id
+            if session not in self._next_seq:
+                self._next_seq[session] = await self._stored_seq(session) + 1
+            items[self._stamped] = msgspec.structs.replace(event, seq=self._next_seq[session])
+            self._next_seq[session] += 1
+            self._stamped += 1
+        return list(itertools.islice(items, size))
+
+    async def _send(self, window: list[Event], *, retried: bool) -> None:
         """Publish ``window`` in order, its acks awaited together (one at a time
         would cap the bus at ~1.4k events/s here), then the newest ``committed``
         of each session goes to the KV bucket. A transient error anywhere raises,
         and the caller sends the whole window again: what was stored already
-        comes back as a duplicate, by its ``Nats-Msg-Id``. Nothing is handed to
-        nats-py while it is disconnected (it would buffer it and send it after a
-        reconnect, ahead of the retried window: out of order)."""
+        comes back as a duplicate, by its ``Nats-Msg-Id`` (``retried``: perhaps
+        ours, so its KV put is still due). Nothing is handed to nats-py while it
+        is disconnected; what it buffered before a disconnect goes out on the
+        reconnect ahead of the retried window, which then is duplicates: in order."""
         assert self._nc is not None and self._js is not None and self._kv is not None
         acks: list[asyncio.Future[Any] | Exception] = []
         encoded = [encode_event(event) for event in window]
@@ -313,29 +391,46 @@ class NatsBus:
         ]
         if failure := next((o for o in outcomes if isinstance(o, _TRANSIENT)), None):
             raise failure
-        newest: dict[str, bytes] = {}  # session -> its newest committed, encoded
+        newest: dict[str, tuple[int, bytes]] = {}  # session -> its newest committed
         for index, (event, outcome) in enumerate(zip(window, outcomes, strict=True)):
             if isinstance(outcome, BaseException):  # refused: retrying would block the rest
                 self._counts["dropped"] += 1
                 continue
             self._counts["duplicates" if outcome.duplicate else "published"] += 1
-            if isinstance(event, Committed):
-                newest[event.session_id] = encoded[index]
-        for session_id, committed in newest.items():  # Ids are valid KV keys as they are
+            if isinstance(event, Committed) and (retried or not outcome.duplicate):
+                newest[event.session_id] = (event.seq, encoded[index])
+        for session_id, (seq, committed) in newest.items():
             try:
                 with anyio.fail_after(self.publish_timeout):
-                    await self._kv.put(session_id, committed)
+                    await self._advance_latest(session_id, seq, committed)
             except _TRANSIENT:
-                raise
+                if not self._nc.is_connected:
+                    raise  # the window again once connected (its events: duplicates)
+                self._counts["kv_failed"] += 1  # the next commit or reconcile() repairs it
             except Exception:  # the bucket refused it: counted; reconcile() repairs it
                 self._counts["kv_refused"] += 1
 
-    def _forget_buffered(self) -> None:
-        """At a disconnect: drop what nats-py holds to send after the reconnect. The
-        outbox sends it again itself, in order (the window failed)."""
-        if self._nc is not None:
-            self._nc._pending = []
-            self._nc._pending_data_size = 0
+    async def _advance_latest(self, session_id: str, seq: int, committed: bytes) -> None:
+        """Put ``committed`` as the session's latest, unless the KV holds one with a
+        ``seq`` as high: conditional on the revision read, so nobody's put between
+        the read and ours is overwritten by an older one."""
+        assert self._kv is not None
+        key = subject_token(session_id)
+        while True:
+            try:
+                entry = await self._kv.get(key)
+            except KeyNotFoundError:
+                entry = None
+            try:
+                if entry is None:
+                    await self._kv.create(key, committed)
+                elif _seq_of(entry.value) < seq:
+                    await self._kv.update(key, committed, last=entry.revision)
+                else:
+                    self._counts["kv_kept_newer"] += 1
+                return
+            except KeyWrongLastSequenceError:  # someone else put meanwhile: read again
+                continue
 
     # --- remote participants' objects ------------------------------------------
 
@@ -428,35 +523,48 @@ class NatsBus:
             await nats_subscription.unsubscribe()
 
     async def latest_committed(self, session_id: str) -> Committed | None:
-        """The last ``committed`` event of a session, from the KV bucket."""
+        """The last ``committed`` event of a session, from the KV bucket (key: the
+        session's subject token). ``None`` if there is none, or it is not one."""
         assert self._kv is not None
         try:
-            entry = await self._kv.get(session_id)
+            entry = await self._kv.get(subject_token(check_id(session_id)))
         except KeyNotFoundError:
             return None
-        event = decode_event(entry.value or b"")
+        try:
+            event = decode_event(entry.value or b"")
+        except msgspec.MsgspecError:
+            self._counts["invalid"] += 1
+            return None
         return event if isinstance(event, Committed) else None
 
     async def last_seq(self, session_id: str) -> int:
-        """The highest ``seq`` the stream holds for a session: the last message of
-        each event subject, read directly. 0 if none, or if the server is away
-        (counted as ``seq_unknown``: the bus never holds a host up)."""
-        assert self._js is not None
-        last = 0
+        """The highest ``seq`` the bus holds for a session. 0 if none, or if the
+        server is away (counted as ``seq_unknown``: the bus never holds a host
+        up; the bus stamps each event's ``seq`` itself as it goes out anyway)."""
+        check_id(session_id)
         try:
-            with anyio.fail_after(self.publish_timeout):
-                for name in EVENT_NAMES:
-                    try:
-                        message = await self._js.get_last_msg(
-                            self.stream, subject(session_id, name, prefix=self.prefix)
-                        )
-                    except NotFoundError:
-                        continue
-                    with contextlib.suppress(msgspec.MsgspecError):
-                        last = max(last, decode_event(message.data or b"").seq)
+            return await self._stored_seq(session_id)
         except (*_TRANSIENT, APIError):
             self._counts["seq_unknown"] += 1
             return 0
+
+    async def _stored_seq(self, session_id: str) -> int:
+        """The highest ``seq`` stored for a session: the last message of each of its
+        event subjects (a session's events go out in ``seq`` order), and the KV's
+        latest ``committed``. Raises while the server is away."""
+        assert self._js is not None and self._kv is not None
+        last = 0
+        with anyio.fail_after(self.publish_timeout):
+            for name in EVENT_NAMES:
+                try:
+                    message = await self._js.get_last_msg(
+                        self.stream, subject(session_id, name, prefix=self.prefix)
+                    )
+                except NotFoundError:
+                    continue
+                last = max(last, _seq_of(message.data))
+            with contextlib.suppress(KeyNotFoundError):
+                last = max(last, _seq_of((await self._kv.get(subject_token(session_id))).value))
         return last
 
     async def history(self, session_id: str | None = None) -> list[Event]:
@@ -556,6 +664,14 @@ class _Backlog(Generic[T]):
             self.items.clear()
             return False
         return True
+
+
+def _seq_of(data: bytes | None) -> int:
+    """The ``seq`` of an encoded event; -1 if it is not one of ours."""
+    try:
+        return decode_event(data or b"").seq
+    except msgspec.MsgspecError:
+        return -1
 
 
 def unmap(mapped: mmap.mmap) -> bool:

@@ -16,6 +16,7 @@ import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..events import Committed, Event
+from ..ids import check_id
 
 if TYPE_CHECKING:
     from . import BusStatistics
@@ -123,6 +124,8 @@ class MemoryBus:
         await anyio.lowlevel.checkpoint()
         if buffer < 1:
             raise ValueError("a subscription needs a buffer of at least 1")
+        if session_id is not None:
+            check_id(session_id)  # a session, never a pattern
         if self._closed:
             raise anyio.ClosedResourceError("the bus is closed")
         send, receive = anyio.create_memory_object_stream[Event](buffer)
