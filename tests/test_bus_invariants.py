@@ -12,6 +12,7 @@ import random
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -301,3 +302,100 @@ def test_a_late_committed_never_moves_the_high_water_back() -> None:
     state = state.apply(committed("ckpt-1", 0))  # an older one announced again
     assert state.sessions["session-1"].high_water == "ckpt-3"
     assert state.sessions["session-1"].committed == 4
+
+
+# --- the attack round's breaks ---------------------------------------------------------------
+
+
+def session_event(kind: str, checkpoint: str, session: str = "s1") -> Any:
+    event = make(kind, 0)
+    fields: dict[str, Any] = {
+        "session_id": session, "checkpoint_id": checkpoint,
+        "event_id": event_id(session, "e1", checkpoint, kind),
+    }  # fmt: skip
+    if isinstance(event, Committed):
+        fields.update(high_water=checkpoint, generation=f"{checkpoint}.flysess")
+    return msgspec.structs.replace(event, **fields)
+
+
+@pytest.mark.asyncio
+async def test_an_event_that_cannot_be_encoded_is_refused_alone(server: EmbeddedServer) -> None:
+    """A `failed` whose reason held a lone surrogate (a store path that is not UTF-8)
+    raised out of the outbox task: the bus stopped, and the host was cancelled."""
+    bad = msgspec.structs.replace(session_event("failed", "c1"), reason="caf\udce9: no space")
+    async with NatsBus(server.url) as bus:
+        await bus.publish(session_event("captured", "c1"))
+        await bus.publish(bad)
+        await bus.publish(session_event("captured", "c2"))
+        await wait_until(lambda: not bus.pending)
+        history = await bus.history("s1")
+        assert [event.checkpoint_id for event in history] == ["c1", "c2"]
+        assert bus.counts()["undeliverable"] == 1
+
+
+@pytest.mark.asyncio
+async def test_no_seq_is_issued_twice_after_a_resent_window_is_stored_out_of_order(
+    server: EmbeddedServer,
+) -> None:
+    """The server lost one publish with the connection up; the resent window stored
+    queued seq 5 after seq 8, and the next run took 7 as the highest and issued 8
+    again."""
+    from natsproxy import NatsProxy
+
+    async with NatsProxy(server.port) as proxy:
+        target = event_id("s1", "e1", "e1-2", "queued").encode()
+        lost: list[bool] = []
+
+        def drop(line: bytes, body: bytes) -> bool:
+            if not lost and target in body:
+                lost.append(True)
+                return True
+            return False
+
+        proxy.drop = drop
+        async with NatsBus(proxy.url, publish_timeout=0.5) as bus:
+            for checkpoint in ("e1-1", "e1-2"):
+                for kind in ("captured", "queued", "committed"):
+                    await bus.publish(session_event(kind, checkpoint))
+            await bus.publish(session_event("captured", "e1-3"))
+            await bus.publish(session_event("queued", "e1-3"))
+            await wait_until(lambda: not bus.pending, timeout=20)
+    async with NatsBus(server.url) as bus:  # the host runs again
+        await bus.publish(session_event("failed", "e1-3"))
+        await wait_until(lambda: not bus.pending, timeout=20)
+        seqs = [event.seq for event in await bus.history("s1")]
+    assert lost and len(seqs) == 9
+    assert sorted(seqs) == list(range(1, 10)), seqs
+
+
+@pytest.mark.asyncio
+async def test_a_slow_link_is_not_taken_for_a_bad_event(server: EmbeddedServer) -> None:
+    """At 400 ms round trip (defaults otherwise), a new session's six seq look-ups,
+    made one after another within one publish_timeout, timed out with the server
+    connected: every event of the session was dropped as undeliverable."""
+    from natsproxy import NatsProxy
+
+    async with NatsProxy(server.port) as proxy:
+        proxy.delay = 0.2
+        async with NatsBus(proxy.url) as bus:
+            for kind, seq in (("captured", 1), ("queued", 2), ("committed", 3)):
+                await bus.publish(make(kind, seq))
+            await wait_until(lambda: not bus.pending, timeout=60)
+            assert bus.counts().get("undeliverable", 0) == 0
+    async with NatsBus(server.url) as reader:
+        assert len(await reader.history("session-1")) == 3
+
+
+def test_a_re_announcement_never_moves_the_high_water_back() -> None:
+    """A high water set by a seq-0 committed (an older version's reconciliation) was
+    moved back by the next seq-0 committed of an older checkpoint."""
+
+    def committed(checkpoint: str, step: str) -> Committed:
+        event = make("committed", 0)
+        assert isinstance(event, Committed)
+        return msgspec.structs.replace(
+            event, checkpoint_id=checkpoint, high_water=checkpoint, boundary=step
+        )
+
+    state = SaveState().apply(committed("ckpt-5", "500")).apply(committed("ckpt-3", "300"))
+    assert state.sessions["session-1"].high_water == "ckpt-5"

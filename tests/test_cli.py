@@ -90,6 +90,7 @@ def test_bench_envelope_json_reports_ours_beside_baseline() -> None:
         "envelope.verify_1gib",
         "envelope.encode_1gib",
         "envelope.decode_rss_mib",
+        "envelope.refuse_hostile_ms",
     }
     for name in ("envelope.verify_1gib", "envelope.encode_1gib"):
         result = metrics[name]

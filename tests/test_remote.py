@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 import pytest
 import pytest_asyncio
 from hostkit import Part, describe
@@ -34,8 +35,16 @@ from coordinator.artifacts import ArtifactLedger, capture
 from coordinator.bus import NatsBus
 from coordinator.events import Committed, Failed
 from coordinator.manifest import PayloadRecord, manifest_with_records
-from coordinator.remote import RemoteParticipant, serve_participant
+from coordinator.participant import CaptureScope
+from coordinator.remote import DEFAULT_RPC_PREFIX, RemoteParticipant, serve_participant
 from coordinator.remote._objects import ObjectArtifact, object_digest
+from coordinator.remote._participant import (
+    DEFAULT_LEASE_BUCKET,
+    Reply,
+    Request,
+    _subject,
+    lease_key,
+)
 from coordinator.server import EmbeddedServer
 from coordinator.session import Coordinator
 from coordinator.store import FileStore
@@ -306,3 +315,273 @@ async def test_an_object_bucket_without_a_ttl_is_refused(server: EmbeddedServer)
             await bus.objects()
         info = await bus.client.jetstream().stream_info("OBJ_FOREVER")
         assert not info.config.max_age
+
+
+# --- one worker per remote participant ----------------------------------------------
+
+
+class Counted(Part):
+    """A participant that notes, in a list shared with others, each capture it runs."""
+
+    def __init__(self, name: str, runs: list[str], tag: str) -> None:
+        super().__init__(name)
+        self.runs = runs
+        self.tag = tag
+
+    async def capture(self, scope: Any) -> bytes:
+        self.runs.append(self.tag)
+        return await super().capture(scope)
+
+
+def scope_of(checkpoint_id: str) -> CaptureScope:
+    return CaptureScope(session_id=SESSION, epoch="epoch-1", step=1, checkpoint_id=checkpoint_id)
+
+
+@pytest.mark.asyncio
+async def test_a_busy_worker_still_refuses_a_second_one(server: EmbeddedServer) -> None:
+    """Worker A is in a slow capture: it still answers pings, worker B is refused
+    (remote.duplicate), and each capture request runs on exactly one worker."""
+    runs: list[str] = []
+    a = Counted("agent-fly-a", runs, "a")
+    a.gate = anyio.Event()
+    async with anyio.create_task_group() as group:
+        await group.start(
+            lambda task_status: serve_participant(
+                server.url, a, session_id=SESSION, task_status=task_status
+            )
+        )
+        async with NatsBus(server.url) as bus:
+            remote = RemoteParticipant(bus, "agent-fly-a", timeout=30)
+            handles: list[Any] = []
+
+            async def capture(checkpoint_id: str) -> None:
+                handles.append(await remote.capture_artifact(scope_of(checkpoint_id), bus_ledger))
+
+            bus_ledger = ArtifactLedger()
+            group.start_soon(capture, "c-1")
+            await a.started.wait()  # A's capture is running, and waits for the gate
+            ping = _subject(DEFAULT_RPC_PREFIX, SESSION, "agent-fly-a", "ping")
+            pong = await bus.client.request(ping, b"", timeout=10)  # answered while busy
+            assert msgspec.json.decode(pong.data, type=Reply).ok
+            b = Counted("agent-fly-a", runs, "b")
+            with anyio.fail_after(30):  # a hang guard: B must not serve (and sleep forever)
+                with pytest.raises(RemoteWorkerError, match=r"remote\.duplicate") as caught:
+                    await serve_participant(server.url, b, session_id=SESSION)
+            assert caught.value.remote_code == "remote.duplicate"
+            a.gate.set()
+            await wait_until(lambda: len(handles) == 1)
+            await capture("c-2")  # a request after B's attempt
+            assert runs == ["a", "a"]  # one run per request, all on A
+            for handle in handles:
+                handle.release()
+        group.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("count", [pytest.param(2, id="two"), pytest.param(5, id="five")])
+@pytest.mark.asyncio
+async def test_workers_started_at_once_one_serves(server: EmbeddedServer, count: int) -> None:
+    """Workers race for the same participant: one serves, every other is refused."""
+    runs: list[str] = []
+    started: list[str] = []
+    refused: list[str] = []
+    async with anyio.create_task_group() as group:
+
+        async def start(tag: str) -> None:
+            worker = Counted("agent-fly-a", runs, tag)
+            try:
+                await group.start(
+                    lambda task_status: serve_participant(
+                        server.url, worker, session_id=SESSION, lease_ttl=3.0,
+                        task_status=task_status,
+                    )
+                )  # fmt: skip
+            except RemoteWorkerError as error:
+                refused.append(error.remote_code)
+            else:
+                started.append(tag)
+
+        for index in range(count):
+            group.start_soon(start, f"w{index}")
+        await wait_until(lambda: len(started) + len(refused) == count, timeout=30)
+        assert len(started) == 1 and refused == ["remote.duplicate"] * (count - 1)
+        async with NatsBus(server.url) as bus:
+            remote = RemoteParticipant(bus, "agent-fly-a", timeout=10)
+            for checkpoint_id in ("c-1", "c-2"):
+                (await remote.capture_artifact(scope_of(checkpoint_id), ArtifactLedger())).release()
+        assert runs == started * 2
+        group.cancel_scope.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_live_holder_that_answers_no_ping_still_refuses_a_newcomer(
+    server: EmbeddedServer,
+) -> None:
+    """A holder that keeps refreshing its lease but answers no ping (its loop is
+    stuck, or we cannot reach it): the newcomer waits, sees the refresh, and is
+    refused; it never serves."""
+    agent = Part("agent-fly-a")
+    async with NatsBus(server.url) as bus:
+        js = bus.client.jetstream()
+        leases = await js.create_key_value(bucket=DEFAULT_LEASE_BUCKET, ttl=2.0, history=1)
+        key = lease_key(SESSION, "agent-fly-a")
+        revision = await leases.create(key, b"a silent holder")
+        async with anyio.create_task_group() as group:
+
+            async def hold() -> None:  # a third of the TTL, as a worker refreshes
+                nonlocal revision
+                while True:
+                    await anyio.sleep(2.0 / 3)
+                    revision = await leases.update(key, b"a silent holder", last=revision)
+
+            group.start_soon(hold)
+            with anyio.fail_after(30), pytest.raises(RemoteWorkerError, match=r"remote\.duplicate"):
+                await serve_participant(server.url, agent, session_id=SESSION, lease_ttl=2.0)
+            group.cancel_scope.cancel()
+        assert (await leases.get(key)).value == b"a silent holder"
+        assert not agent.started.is_set()
+
+
+LEASED_WORKER = """
+import sys, anyio
+from coordinator.remote import serve_participant
+
+class Agent:
+    name = "agent-fly-a"
+    async def capture(self, scope): return b"killed-worker-state"
+    async def stage_restore(self, payload, scope): return bytes(payload)
+    async def activate_restore(self, token): pass
+    async def abort_restore(self, token): pass
+
+async def main():
+    async with anyio.create_task_group() as group:
+        await group.start(lambda task_status: serve_participant(
+            sys.argv[1], Agent(), session_id=sys.argv[2], lease_ttl=float(sys.argv[3]),
+            task_status=task_status))
+        print("ready", flush=True)
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.asyncio
+async def test_a_killed_workers_lease_expires_and_a_new_worker_starts(
+    server: EmbeddedServer,
+) -> None:
+    """SIGKILL a worker (no cleanup, its connection just drops): its lease expires
+    with its TTL, and a new worker for the participant starts and serves."""
+    command = [sys.executable, "-c", LEASED_WORKER, server.url, SESSION, "2.0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        assert await anyio.to_thread.run_sync(process.stdout.readline) == "ready\n"
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait()
+        assert process.stdout is not None
+        process.stdout.close()
+    runs: list[str] = []
+    async with anyio.create_task_group() as group:
+        with anyio.fail_after(30):  # a hang guard: the lease lives 2 s
+            await group.start(
+                lambda task_status: serve_participant(
+                    server.url, Counted("agent-fly-a", runs, "new"), session_id=SESSION,
+                    lease_ttl=2.0, task_status=task_status,
+                )
+            )  # fmt: skip
+        async with NatsBus(server.url) as bus:
+            remote = RemoteParticipant(bus, "agent-fly-a", timeout=10)
+            (await remote.capture_artifact(scope_of("c-1"), ArtifactLedger())).release()
+        assert runs == ["new"]
+        group.cancel_scope.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_worker_whose_lease_is_taken_stops_serving(server: EmbeddedServer) -> None:
+    """Someone else writes the worker's lease key: at its next refresh the worker
+    stops (remote.lease_lost) and answers nothing more."""
+    lost: list[str] = []
+    agent = Part("agent-fly-a")
+    async with anyio.create_task_group() as group:
+
+        async def serve(*, task_status: Any) -> None:
+            try:
+                await serve_participant(
+                    server.url, agent, session_id=SESSION, lease_ttl=1.5, task_status=task_status
+                )
+            except RemoteWorkerError as error:
+                lost.append(error.remote_code)
+
+        await group.start(serve)
+        async with NatsBus(server.url) as bus:
+            leases = await bus.client.jetstream().key_value(DEFAULT_LEASE_BUCKET)
+            await leases.put(lease_key(SESSION, "agent-fly-a"), b"an intruder")
+            await wait_until(lambda: lost == ["remote.lease_lost"], timeout=30)
+            remote = RemoteParticipant(bus, "agent-fly-a", timeout=5)
+            with pytest.raises(RemoteWorkerError, match=r"remote\.no_worker"):
+                await remote.capture_artifact(scope_of("c-1"), ArtifactLedger())
+        assert not agent.started.is_set()
+
+
+BAD = f"{SESSION}/c-1/agent-fly-a"
+STAGED = f"{SESSION}/restore/epoch-2/agent-fly-a"
+DIGEST = "ab" * 32
+
+
+@pytest.mark.parametrize(
+    ("op", "fields"),
+    [
+        pytest.param("capture", {"session_id": "other", "object": "other/c-1/agent-fly-a"},
+                     id="capture-other-session"),
+        pytest.param("capture", {"object": "../../etc/passwd"}, id="capture-dotdot"),
+        pytest.param("capture", {"object": f"{SESSION}/c-1/../../x"}, id="capture-dotdot-inside"),
+        pytest.param("capture", {"object": f"{SESSION}/c-1/agent-fly-b"}, id="capture-other-part"),
+        pytest.param("capture", {"object": f"{SESSION}/c-2/agent-fly-a"}, id="capture-other-id"),
+        pytest.param("capture", {"object": ""}, id="capture-no-object"),
+        pytest.param("capture", {"checkpoint_id": "..", "object": f"{SESSION}/../agent-fly-a"},
+                     id="capture-bad-checkpoint-id"),
+        pytest.param("capture", {"epoch": "Epoch/1"}, id="capture-bad-epoch"),
+        pytest.param("capture", {"step": -1}, id="capture-negative-step"),
+        pytest.param("stage", {"object": f"{SESSION}/restore/../agent-fly-a"}, id="stage-dotdot"),
+        pytest.param("stage", {"object": f"{SESSION}/restore/epoch-3/agent-fly-a"},
+                     id="stage-other-epoch"),
+        pytest.param("stage", {"object": BAD}, id="stage-capture-object"),
+        pytest.param("stage", {"digest": "zz"}, id="stage-bad-digest"),
+        pytest.param("stage", {"byte_length": -1}, id="stage-negative-length"),
+        pytest.param("stage", {"session_id": "other", "object": f"other/{STAGED.split('/', 1)[1]}"},
+                     id="stage-other-session"),
+        pytest.param("activate", {"session_id": "other"}, id="activate-other-session"),
+        pytest.param("abort", {"checkpoint_id": "../x"}, id="abort-bad-id"),
+    ],
+)  # fmt: skip
+@pytest.mark.asyncio
+async def test_a_request_for_another_session_or_object_is_refused(
+    server: EmbeddedServer, op: str, fields: dict[str, Any]
+) -> None:
+    """The worker serves one session and names objects itself: a request for another
+    session, or an object name of any other shape, is refused as remote.bad_request."""
+    agent = Part("agent-fly-a")
+    defaults: dict[str, Any] = {
+        "session_id": SESSION,
+        "epoch": "epoch-2" if op != "capture" else "epoch-1",
+        "checkpoint_id": "c-1",
+        "step": 1,
+        "object": BAD if op == "capture" else STAGED,
+        "byte_length": 5 if op == "stage" else 0,
+        "digest": DIGEST if op == "stage" else "",
+    }
+    request = Request(**{**defaults, **fields})
+    async with anyio.create_task_group() as group:
+        await group.start(
+            lambda task_status: serve_participant(
+                server.url, agent, session_id=SESSION, task_status=task_status
+            )
+        )
+        async with NatsBus(server.url) as bus:
+            subject = _subject(DEFAULT_RPC_PREFIX, SESSION, "agent-fly-a", op)
+            message = await bus.client.request(subject, msgspec.json.encode(request), timeout=10)
+            reply = msgspec.json.decode(message.data, type=Reply)
+            assert (reply.ok, reply.code) == (False, "remote.bad_request"), reply
+            assert await (await bus.objects()).names() == []
+        assert not agent.started.is_set() and agent.staged == [] and agent.aborted == 0
+        group.cancel_scope.cancel()

@@ -4,6 +4,11 @@ The format makes a reader hash every byte twice (per payload, and for the
 footer), so the least work verification allows is two SHA-256 passes running
 concurrently; that is the verify baseline. Each pair of measurements is taken
 back to back, alternating which goes first, and the median ratio reported.
+
+``envelope.refuse_hostile_ms`` is the other side of a reader: sealed files
+under 1 MiB whose manifests cost the most to refuse (many values of the
+cheapest spellings, just over and just under the values limit, deep nesting,
+many keys, escapes, floats), beside the decode of a valid file of the same size.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import hashlib
 import json
 import mmap
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -21,7 +27,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .. import envelope
+from .._errors import CorruptEnvelopeError
 from .._sample import sample_body, sample_payload_names
+from ..canonical import canonical_bytes, count_values
 from ..manifest import build_manifest, manifest_to_builtins
 from . import Result, median, result, status_kib
 
@@ -116,6 +124,7 @@ def run(*, size: int, runs: int) -> list[Result]:
         _, ver_one = _pairs(lambda: None, one, runs)
         rss = _decode_rss(path)
 
+    hostile = _refuse_hostile(runs)
     ver_ratios = [o / b for o, b in zip(ver_ours, ver_two, strict=True)]
     enc_ratios = [o / b for o, b in zip(enc_ours, enc_one, strict=True)]
     return [
@@ -166,7 +175,151 @@ def run(*, size: int, runs: int) -> list[Result]:
             target=64,
             detail={"how": "VmHWM after decode minus VmRSS before, fresh subprocess, mmap input"},
         ),
+        hostile,
     ]
+
+
+# --- hostile manifests ------------------------------------------------------------------
+
+_FILE_LIMIT = 1 << 20  # every file below is smaller than this
+_ROOM = _FILE_LIMIT - envelope.HEADER_BYTES - envelope.ALIGNMENT - envelope.FOOTER_BYTES
+
+
+def _sealed(manifest: bytes) -> bytes:
+    """An envelope with no payloads around ``manifest`` and a valid footer digest,
+    forged by hand: the writer refuses to write such manifests."""
+    table = (envelope.HEADER_BYTES + len(manifest) + 7) & -8
+    header = struct.pack(
+        "<8s6I", envelope.MAGIC, envelope.VERSION, envelope.HEADER_BYTES, len(manifest), 0,
+        table, 0,
+    )  # fmt: skip
+    body = header + manifest + bytes(table - envelope.HEADER_BYTES - len(manifest))
+    size = len(body) + envelope.FOOTER_BYTES
+    return body + struct.pack("<Q32s8s", size, hashlib.sha256(body).digest(), envelope.FOOTER_MAGIC)
+
+
+def _array(item: bytes, *, values: int | None = None, per_item: int = 1) -> bytes:
+    """``[item,item,...]``: as many as fit in a file under 1 MiB, or as make ``values``."""
+    count = (_ROOM - 1) // (len(item) + 1)
+    if values is not None:
+        count = min(count, (values - 1) // per_item)
+    return b"[" + b",".join([item] * count) + b"]"
+
+
+def _object(key: bytes, count: int) -> bytes:
+    """One object of ``count`` distinct sorted keys ``key % index``, values 0."""
+    return b"{" + b",".join(b'"' + key % index + b'":0' for index in range(count)) + b"}"
+
+
+def _hostile_manifests() -> dict[str, bytes]:
+    limit = envelope.MAX_MANIFEST_VALUES
+    reference = envelope.MAX_MANIFEST_REFERENCE_VALUES
+    return {
+        # over the values limit: refused from a count of bytes
+        "empty-arrays": _array(b"[]"),
+        "zeros": _array(b"0"),
+        "empty-objects": _array(b"{}"),
+        "one-key-objects": _array(b'{"":0}'),
+        "short-strings": _array(b'"a"'),
+        "escaped-strings": _array(b'"\\u0000"'),
+        # at the limit: parsed, then refused by a later check
+        "empty-arrays-at-limit": _array(b"[]", values=limit),
+        "deep-towers-at-limit": _array(b"[" * 127 + b"]" * 127, values=limit, per_item=127),
+        "keys-at-limit": _object(b"%06d", (limit - 1) // 2),
+        "escaped-keys-at-limit": _object(b"\\u%04x", (limit - 1) // 2),
+        "emoji-keys-at-limit": _object("\U0001f600%06d".encode(), (limit - 1) // 2),
+        "floats-at-limit": _array(b"1e-7", values=limit),
+        "floats-at-reference-limit": _array(b"1e-7", values=reference),
+        "duplicate-key-last": _array(b"0", values=limit - 8)[:-1] + b',{"a":0,"a":1}]',
+        "one-long-string": b'"' + b"\\\\" * ((_ROOM - 2) // 2) + b'"',
+        "too-deep": b"[" * (_ROOM // 2) + b"]" * (_ROOM // 2),
+    }
+
+
+def _valid_of_size(size: int) -> bytes:
+    """A valid envelope (sample manifest, 8 payloads) of about ``size`` bytes."""
+    agents = ["fly-a", "fly-b"]
+    names = sample_payload_names(agents, admission=True)
+    part = (size - 4096 - len(names) * (envelope.ENTRY_BYTES + envelope.ALIGNMENT)) // len(names)
+    payloads = [(name, os.urandom(part)) for name in names]
+    manifest = manifest_to_builtins(
+        build_manifest(sample_body("bench-1", agent_ids=agents, admission=True), payloads)
+    )
+    return envelope.encode(manifest, payloads)
+
+
+def _valid_at_value_limit() -> bytes:
+    """A valid envelope whose manifest holds exactly MAX_MANIFEST_VALUES values."""
+    agents = ["fly-a"]
+    payloads = [(name, b"x") for name in sample_payload_names(agents)]
+    body = sample_body("bench-1", agent_ids=agents)
+    manifest = manifest_to_builtins(build_manifest(body, payloads))
+    manifest["coordinator"]["taskLedger"] = []
+    spare = envelope.MAX_MANIFEST_VALUES - count_values(canonical_bytes(manifest))
+    manifest["coordinator"]["taskLedger"] = [[]] * spare
+    return envelope.encode(manifest, payloads)
+
+
+def _refusal(data: bytes) -> Callable[[], object]:
+    def refuse() -> None:
+        try:
+            envelope.decode(data)
+        except CorruptEnvelopeError:
+            return
+        raise RuntimeError("a hostile envelope was accepted")
+
+    return refuse
+
+
+def _refuse_hostile(runs: int) -> Result:
+    """Worst median refusal over the hostile shapes, beside a valid file of the same size."""
+    files = {name: _sealed(manifest) for name, manifest in _hostile_manifests().items()}
+    assert all(len(data) < _FILE_LIMIT for data in files.values())
+    valid = _valid_of_size(max(len(data) for data in files.values()))
+    large = _valid_at_value_limit()
+    repeats = max(runs, 5)
+    times: dict[str, list[float]] = {name: [] for name in files}
+    base_times: list[float] = []
+    large_times: list[float] = []
+    for _ in range(repeats):  # interleaved, so drift hits every figure alike
+        base_times.append(_timed(lambda: envelope.decode(valid)))
+        large_times.append(_timed(lambda: envelope.decode(large)))
+        for name, data in files.items():
+            times[name].append(_timed(_refusal(data)))
+    medians = {name: median(values) * 1000 for name, values in times.items()}
+    worst = max(medians, key=medians.__getitem__)
+    return result(
+        "envelope.refuse_hostile_ms",
+        unit="ms",
+        ours=medians[worst],
+        baseline=median(base_times) * 1000,
+        baseline_name=f"decode() of a valid {len(valid)}-byte envelope (sample manifest, "
+        "8 payloads), same run",
+        better="lower",
+        target=50,
+        target_on="ours",
+        detail={
+            "ours_unit": "ms",
+            "runs": repeats,
+            "worst_shape": worst,
+            "worst_spread_ms": [
+                round(min(times[worst]) * 1000, 2),
+                round(max(times[worst]) * 1000, 2),
+            ],
+            "baseline_spread_ms": [
+                round(min(base_times) * 1000, 2),
+                round(max(base_times) * 1000, 2),
+            ],
+            "shapes_ms": {name: round(value, 2) for name, value in medians.items()},
+            "largest_file_bytes": max(len(data) for data in files.values()),
+            "valid_manifest_at_value_limit_ms": round(median(large_times) * 1000, 2),
+            "limits": {
+                "manifest_bytes": envelope.MAX_MANIFEST_BYTES,
+                "values": envelope.MAX_MANIFEST_VALUES,
+                "reference_values": envelope.MAX_MANIFEST_REFERENCE_VALUES,
+            },
+        },
+    )
 
 
 def _decode_rss(path: Path) -> float:

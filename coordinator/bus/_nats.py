@@ -145,6 +145,7 @@ class NatsBus:
         self._outbox = _Backlog[Event]()
         self._stamped = 0  # outbox events (from the head) that have their seq
         self._next_seq: dict[str, int] = {}  # session -> the seq its next event gets
+        self._reserved: dict[str, int] = {}  # session -> the highest seq held in the KV
         self._disconnects = 0
         self._closing = False
         self._flush_deadline = 0.0
@@ -292,16 +293,24 @@ class NatsBus:
         failed = 0  # failures in a row of any kind: what is sent again may be stored
         singles = 0  # events still to send one at a time
         while await self._outbox.ready(self, "dropped"):
-            disconnects = self._disconnects
             size = 1 if singles else self.publish_window
             try:
                 window = await self._stamp(size)
+            except _TRANSIENT:  # the server is away or slow to answer: not the events' fault
+                self._counts["retries"] += 1
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            disconnects = self._disconnects
+            try:
                 await self._send(window, retried=failed > 0)
-            except _TRANSIENT as error:
+            except Exception as error:  # transient, or something about these events
                 self._counts["retries"] += 1
                 failed += 1
                 assert self._nc is not None
-                if self._disconnects == disconnects and self._nc.is_connected:
+                if not isinstance(error, _TRANSIENT) or (
+                    self._disconnects == disconnects and self._nc.is_connected
+                ):
                     refused += 1
                 if refused >= self.max_attempts:
                     refused = 0
@@ -320,6 +329,12 @@ class NatsBus:
                 self._outbox.items.popleft()
             self._stamped -= len(window)
 
+    def _refused(self, event: Event, error: BaseException) -> None:
+        """The server (or nats-py, or the encoder) refused this one event outright:
+        retrying could not help. Counted and logged, never silent."""
+        self._counts["undeliverable"] += 1
+        _log.warning("event %s (seq %d) refused: %r", event.event_id, event.seq, error)
+
     def _give_up(self, error: BaseException) -> None:
         """Drop the outbox's first event: the server refused it ``max_attempts``
         times in a row while connected. Counted and logged, never silent."""
@@ -333,17 +348,31 @@ class NatsBus:
 
     async def _stamp(self, size: int) -> list[Event]:
         """The outbox's first ``size`` events, each with its seq: one past the
-        session's previous; a session's first, one past what the bus holds."""
+        session's previous; a session's first, one past what the bus holds. The
+        highest seq of each session is reserved in the KV (``<token>.seq``) before
+        any event carrying it goes out, so a re-sent window that the stream
+        stores out of order can never make a later bus issue a seq again."""
         items = self._outbox.items
         while self._stamped < min(size, len(items)):
             event = items[self._stamped]
             session = event.session_id
             if session not in self._next_seq:
-                self._next_seq[session] = await self._stored_seq(session) + 1
+                stored = await self._stored_seq(session)
+                self._next_seq[session] = stored + 1
+                self._reserved[session] = stored
             items[self._stamped] = msgspec.structs.replace(event, seq=self._next_seq[session])
             self._next_seq[session] += 1
             self._stamped += 1
-        return list(itertools.islice(items, size))
+        window = list(itertools.islice(items, size))
+        highest: dict[str, int] = {}
+        for event in window:
+            highest[event.session_id] = max(highest.get(event.session_id, 0), event.seq)
+        for session, seq in highest.items():
+            if seq > self._reserved.get(session, 0):
+                with anyio.fail_after(self.publish_timeout):
+                    await self._advance_kv(_seq_key(session), seq, str(seq).encode())
+                self._reserved[session] = seq
+        return window
 
     async def _send(self, window: list[Event], *, retried: bool) -> None:
         """Publish ``window`` in order, its acks awaited together (one at a time
@@ -356,17 +385,21 @@ class NatsBus:
         reconnect ahead of the retried window, which then is duplicates: in order."""
         assert self._nc is not None and self._js is not None and self._kv is not None
         acks: list[asyncio.Future[Any] | Exception] = []
-        encoded = [encode_event(event) for event in window]
+        encoded = [_encoded_or_error(event) for event in window]
         try:
             with anyio.fail_after(self.publish_timeout):
                 for index, event in enumerate(window):
                     if not self._nc.is_connected:
                         raise nats.errors.ConnectionReconnectingError
+                    data = encoded[index]
+                    if isinstance(data, Exception):  # never sendable: this one
+                        acks.append(data)
+                        continue
                     try:
                         acks.append(
                             await self._js.publish_async(
                                 subject(event.session_id, event_name(event), prefix=self.prefix),
-                                encoded[index],
+                                data,
                                 headers={"Nats-Msg-Id": event.event_id},
                             )
                         )
@@ -391,18 +424,33 @@ class NatsBus:
         ]
         if failure := next((o for o in outcomes if isinstance(o, _TRANSIENT)), None):
             raise failure
+        await self._settle(window, encoded, outcomes, retried=retried)
+
+    async def _settle(
+        self,
+        window: list[Event],
+        encoded: list[bytes | Exception],
+        outcomes: list[Any],
+        *,
+        retried: bool,
+    ) -> None:
+        """Count a sent window's outcomes, and move each session's KV latest to its
+        newest ``committed`` stored by us."""
+        assert self._nc is not None
         newest: dict[str, tuple[int, bytes]] = {}  # session -> its newest committed
         for index, (event, outcome) in enumerate(zip(window, outcomes, strict=True)):
             if isinstance(outcome, BaseException):  # refused: retrying would block the rest
-                self._counts["dropped"] += 1
+                self._refused(event, outcome)
                 continue
             self._counts["duplicates" if outcome.duplicate else "published"] += 1
-            if isinstance(event, Committed) and (retried or not outcome.duplicate):
-                newest[event.session_id] = (event.seq, encoded[index])
+            data = encoded[index]
+            ours = retried or not outcome.duplicate  # not someone else's, stored before
+            if isinstance(event, Committed) and isinstance(data, bytes) and ours:
+                newest[event.session_id] = (event.seq, data)
         for session_id, (seq, committed) in newest.items():
             try:
                 with anyio.fail_after(self.publish_timeout):
-                    await self._advance_latest(session_id, seq, committed)
+                    await self._advance_kv(subject_token(session_id), seq, committed)
             except _TRANSIENT:
                 if not self._nc.is_connected:
                     raise  # the window again once connected (its events: duplicates)
@@ -410,12 +458,11 @@ class NatsBus:
             except Exception:  # the bucket refused it: counted; reconcile() repairs it
                 self._counts["kv_refused"] += 1
 
-    async def _advance_latest(self, session_id: str, seq: int, committed: bytes) -> None:
-        """Put ``committed`` as the session's latest, unless the KV holds one with a
-        ``seq`` as high: conditional on the revision read, so nobody's put between
+    async def _advance_kv(self, key: str, seq: int, value: bytes) -> None:
+        """Put ``value`` (carrying ``seq``) under ``key``, unless the KV holds one with
+        a ``seq`` as high: conditional on the revision read, so nobody's put between
         the read and ours is overwritten by an older one."""
         assert self._kv is not None
-        key = subject_token(session_id)
         while True:
             try:
                 entry = await self._kv.get(key)
@@ -423,9 +470,9 @@ class NatsBus:
                 entry = None
             try:
                 if entry is None:
-                    await self._kv.create(key, committed)
+                    await self._kv.create(key, value)
                 elif _seq_of(entry.value) < seq:
-                    await self._kv.update(key, committed, last=entry.revision)
+                    await self._kv.update(key, value, last=entry.revision)
                 else:
                     self._counts["kv_kept_newer"] += 1
                 return
@@ -549,23 +596,32 @@ class NatsBus:
             return 0
 
     async def _stored_seq(self, session_id: str) -> int:
-        """The highest ``seq`` stored for a session: the last message of each of its
-        event subjects (a session's events go out in ``seq`` order), and the KV's
-        latest ``committed``. Raises while the server is away."""
+        """The highest ``seq`` stored for a session: the bus's reservation in the KV
+        (``<token>.seq``), its latest ``committed``, and the last message of each
+        of its event subjects (streams written before reservations existed). The
+        reads go out together, each with ``publish_timeout``. Raises while the
+        server is away."""
         assert self._js is not None and self._kv is not None
-        last = 0
-        with anyio.fail_after(self.publish_timeout):
+        js, kv = self._js, self._kv
+        found: list[int] = [0]
+
+        async def last_message(name: str) -> None:
+            with contextlib.suppress(NotFoundError), anyio.fail_after(self.publish_timeout):
+                message = await js.get_last_msg(
+                    self.stream, subject(session_id, name, prefix=self.prefix)
+                )
+                found.append(_seq_of(message.data))
+
+        async def kv_value(key: str) -> None:
+            with contextlib.suppress(KeyNotFoundError), anyio.fail_after(self.publish_timeout):
+                found.append(_seq_of((await kv.get(key)).value))
+
+        async with anyio.create_task_group() as group:
             for name in EVENT_NAMES:
-                try:
-                    message = await self._js.get_last_msg(
-                        self.stream, subject(session_id, name, prefix=self.prefix)
-                    )
-                except NotFoundError:
-                    continue
-                last = max(last, _seq_of(message.data))
-            with contextlib.suppress(KeyNotFoundError):
-                last = max(last, _seq_of((await self._kv.get(subject_token(session_id))).value))
-        return last
+                group.start_soon(last_message, name)
+            group.start_soon(kv_value, subject_token(session_id))
+            group.start_soon(kv_value, _seq_key(session_id))
+        return max(found)
 
     async def history(self, session_id: str | None = None) -> list[Event]:
         """Every event the stream holds for a session (or all), oldest first: read
@@ -667,11 +723,29 @@ class _Backlog(Generic[T]):
 
 
 def _seq_of(data: bytes | None) -> int:
-    """The ``seq`` of an encoded event; -1 if it is not one of ours."""
+    """The ``seq`` of an encoded event, or of a reservation (a decimal number);
+    -1 if it is neither."""
+    text = data or b""
+    if text.isdigit() and len(text) <= 20:
+        return int(text)
     try:
-        return decode_event(data or b"").seq
+        return decode_event(text).seq
     except msgspec.MsgspecError:
         return -1
+
+
+def _seq_key(session_id: str) -> str:
+    """The KV key of a session's seq reservation: ``<token>.seq`` (a session's
+    token holds no '.', so it never collides with a session's own key)."""
+    return f"{subject_token(session_id)}.seq"
+
+
+def _encoded_or_error(event: Event) -> bytes | Exception:
+    """An event's JSON, or why it has none (a lone surrogate in a reason...)."""
+    try:
+        return encode_event(event)
+    except Exception as error:
+        return error
 
 
 def unmap(mapped: mmap.mmap) -> bool:

@@ -4,9 +4,19 @@ A remote participant is a participant that happens to use NATS: the runtime
 sees only the participant contract and the artifact handles."""
 
 from ._objects import DEFAULT_OBJECT_BUCKET, ObjectArtifact, ObjectBucket
-from ._participant import DEFAULT_RPC_PREFIX, RemoteParticipant, serve_participant
+from ._participant import (
+    DEFAULT_LEASE_BUCKET,
+    DEFAULT_LEASE_TTL,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_RPC_PREFIX,
+    RemoteParticipant,
+    serve_participant,
+)
 
 __all__ = [
+    "DEFAULT_LEASE_BUCKET",
+    "DEFAULT_LEASE_TTL",
+    "DEFAULT_MAX_BYTES",
     "DEFAULT_OBJECT_BUCKET",
     "DEFAULT_RPC_PREFIX",
     "ObjectArtifact",

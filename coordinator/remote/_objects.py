@@ -15,6 +15,12 @@ read them; but both directions are ours, because nats-py's are slow here:
 - ``read`` pulls the chunks through an ordered consumer into an anonymous map,
   hashing behind the reader in a worker thread; nats-py's ``get`` grows a bytes
   object chunk by chunk (quadratic) and hashes on the event loop.
+
+Sizes are someone else's word: the reader reserves nothing for a declared size.
+Its anonymous file is sparse, and its pages are allocated a step ahead of the
+chunks as they arrive, so an object whose writer claims 2 GiB and sends nothing
+costs nothing. Callers bound the declared size first (``RemoteParticipant``'s
+and ``serve_participant``'s ``max_bytes``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
+import errno
 import hashlib
 import json
 import math
@@ -55,6 +62,7 @@ _CHUNK = 512 << 10  # bigger chunks read ~1.6x faster than nats-py's 128 KiB her
 _WINDOW = 16  # chunk publishes in flight
 _HASH_STEP = 16 << 20  # received bytes handed to the hashing thread at a time
 _STALL_TIMEOUT = 10.0  # seconds without a chunk (read) or an ack (put) before giving up
+_GROW_STEP = 16 << 20  # a read allocates its pages this far ahead of the chunks, no further
 
 
 def object_digest(digest_hex: str) -> str:
@@ -73,13 +81,21 @@ def _host_error() -> Iterator[None]:
 
 
 def _anonymous_file(size: int) -> int:
-    """Blocking: a memfd of ``size`` bytes (sealed once filled), its pages
-    allocated now (the reader's copies then take no page-allocating faults, ~10%
-    faster here) or, where that is refused, on first touch."""
-    fd = sealable_fd(size, "coordinator-object")
-    with contextlib.suppress(OSError, AttributeError):
-        os.posix_fallocate(fd, 0, size)
-    return fd
+    """Blocking: a sparse memfd of ``size`` bytes (sealed once filled). No page is
+    allocated here: ``size`` is what the object's writer declared, not what came."""
+    return sealable_fd(size, "coordinator-object")
+
+
+def _allocate(fd: int, offset: int, length: int) -> None:
+    """Blocking: the pages of ``fd`` from ``offset``, before the chunks that fill
+    them arrive (the reader's copies then take no page-allocating faults, ~10%
+    faster here). No memory is a clear ``OSError`` here, where a write to the map
+    would be a SIGBUS; a file system that cannot allocate ahead allocates on touch."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
 
 
 class ObjectBucket:
@@ -89,6 +105,7 @@ class ObjectBucket:
         self._js = js
         self._store = store
         self.name = name
+        self.stall_timeout = _STALL_TIMEOUT  # seconds without a chunk before a read gives up
 
     @classmethod
     async def open(
@@ -182,7 +199,10 @@ class ObjectBucket:
 
     async def read(self, name: str, byte_length: int, digest_hex: str) -> mmap.mmap | bytes:
         """Object ``name``, verified to be ``byte_length`` bytes with SHA-256
-        ``digest_hex``, in a read-only map (``b""`` when empty)."""
+        ``digest_hex``, in a read-only map (``b""`` when empty). The object's meta
+        must declare exactly ``byte_length`` (checked before anything is
+        allocated), and its memory grows with the chunks that arrive: bound
+        ``byte_length`` before calling."""
         try:
             info = await self._store.get_info(name)
         except ObjectNotFoundError:
@@ -208,7 +228,7 @@ class ObjectBucket:
             try:
                 await anyio.lowlevel.checkpoint_if_cancelled()
                 with mmap.mmap(fd, byte_length) as writable, memoryview(writable) as view:
-                    actual = await self._receive(info.nuid, view, name)
+                    actual = await self._receive(info.nuid, view, name, fd)
                 if actual != digest_hex:
                     raise ArtifactCorruptError(f"object {name!r} fails its digest ({actual})")
                 return seal_fd(fd)  # the writable map is gone: sealed, nobody can write
@@ -219,7 +239,7 @@ class ObjectBucket:
                 f"cannot read object {name!r} ({type(error).__name__}: {error})"
             ) from None
 
-    async def _receive(self, nuid: str, view: memoryview, name: str) -> str:
+    async def _receive(self, nuid: str, view: memoryview, name: str, fd: int) -> str:
         """Chunks into ``view`` in order; a second task hashes what has arrived."""
         hasher = hashlib.sha256()
         send, ready = anyio.create_memory_object_stream[int](math.inf)
@@ -238,20 +258,22 @@ class ObjectBucket:
                 group.start_soon(hash_behind)
                 async with send:
                     if len(view):
-                        received = await self._pull(nuid, view, send, name)
+                        received = await self._pull(nuid, view, send, name, fd)
         if received != len(view):
             raise ArtifactCorruptError(f"object {name!r} ended after {received} bytes")
         return hasher.hexdigest()
 
-    async def _pull(self, nuid: str, view: memoryview, progress: Any, name: str) -> int:
+    async def _pull(self, nuid: str, view: memoryview, progress: Any, name: str, fd: int) -> int:
+        """The chunks into ``view`` (a map of ``fd``), allocating its pages a step
+        ahead of them: what is held is what arrived, plus at most one step."""
         subscription = await self._js.subscribe(
             f"$O.{self.name}.C.{nuid}", stream=self._store._stream, ordered_consumer=True
         )
-        received = handed = 0
+        received = handed = allocated = 0
         try:
             while received < len(view):
                 try:
-                    message = await subscription.next_msg(timeout=_STALL_TIMEOUT)
+                    message = await subscription.next_msg(timeout=self.stall_timeout)
                 except (nats.errors.TimeoutError, TimeoutError):
                     raise ArtifactUnavailableError(
                         f"object {name!r} stopped arriving after {received} bytes"
@@ -259,6 +281,10 @@ class ObjectBucket:
                 data = message.data
                 if received + len(data) > len(view):
                     raise ArtifactCorruptError(f"object {name!r} is longer than declared")
+                if received + len(data) > allocated:
+                    upto = min(len(view), max(received + len(data), allocated + _GROW_STEP))
+                    await anyio.to_thread.run_sync(_allocate, fd, allocated, upto - allocated)
+                    allocated = upto
                 view[received : received + len(data)] = data
                 received += len(data)
                 if received - handed >= _HASH_STEP or received == len(view):

@@ -18,33 +18,74 @@ or aborts on the next request.
 Requests go to ``<rpc_prefix>.<session>.<participant>.<op>``; the prefix must
 stay outside the event stream's subjects. The checkpoint manifest only ever
 holds each payload's name, length and digest: no bucket, object or server.
+
+**Sizes are bounded before allocation.** The host refuses a capture reply that
+declares more than its ``max_bytes`` (``remote.too_large``) before it makes a
+handle, and the worker refuses a stage request beyond its own ``max_bytes``
+before it reads; the object reader then allocates only as chunks arrive.
+
+**One worker per participant.** A worker holds a lease: a key per (session,
+participant) in a KV bucket whose TTL is the lease's. It is taken with
+``create`` (which fails if the key exists), refreshed every third of the TTL
+with ``update(last=revision)``, and deleted (conditionally) on a clean exit; a
+killed worker's key expires with the TTL. A second worker is refused
+(``remote.duplicate``) at once if the holder answers a ping (on a subscription
+of its own, so a busy worker still answers), else once the key outlives a
+whole TTL or is refreshed. A worker that cannot refresh stops serving
+(``remote.lease_lost``). Requests also go to a queue group, so even then each
+is delivered to one worker only. Every request must name the served session
+and the objects' own shape (``remote.bad_request`` otherwise).
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
+import socket
+import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import anyio
 import anyio.to_thread
 import msgspec
 import nats.errors
 from anyio.abc import TaskStatus
+from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import (
+    BadRequestError,
+    BucketNotFoundError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+)
+from nats.js.kv import KeyValue
 
-from .._errors import CoordinatorError, RemoteWorkerError
+from .._errors import BusConfigError, CoordinatorError, RemoteWorkerError, UsageError
 from ..artifacts import ArtifactHandle, ArtifactLedger, owned_bytes
 from ..bus._nats import NatsBus, connect, unmap
 from ..events import subject_token
-from ..ids import check_id, is_digest
+from ..ids import U64_MAX, check_id, is_digest, is_id
 from ..participant import CaptureScope, Participant, RestoreScope
 from ._objects import DEFAULT_OBJECT_BUCKET, ObjectArtifact, ObjectBucket
 
-__all__ = ["DEFAULT_RPC_PREFIX", "RemoteParticipant", "serve_participant"]
+__all__ = [
+    "DEFAULT_LEASE_BUCKET",
+    "DEFAULT_LEASE_TTL",
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_RPC_PREFIX",
+    "RemoteParticipant",
+    "serve_participant",
+]
 
 DEFAULT_RPC_PREFIX = "ckpt-rpc"
+DEFAULT_MAX_BYTES = 1 << 30  # one remote payload, declared by the other side
+DEFAULT_LEASE_BUCKET = "CKPT_WORKERS"
+DEFAULT_LEASE_TTL = 15.0  # seconds: how long a killed worker blocks its successor, at most
+_QUEUE = "workers"  # the request subscription's queue group: one delivery per request
 
 Op = Literal["capture", "stage", "activate", "abort"]
 
@@ -81,6 +122,25 @@ def _subject(prefix: str, session_id: str, participant: str, op: str) -> str:
     return f"{prefix}.{subject_token(session_id)}.{subject_token(participant)}.{op}"
 
 
+def lease_key(session_id: str, participant: str) -> str:
+    """The KV key of the lease on ``participant`` of ``session_id``."""
+    return f"{subject_token(session_id)}.{subject_token(participant)}"
+
+
+def capture_object(session_id: str, checkpoint_id: str, participant: str) -> str:
+    return f"{session_id}/{checkpoint_id}/{participant}"  # '/' is no Id's
+
+
+def stage_object(session_id: str, epoch: str, participant: str) -> str:
+    return f"{session_id}/restore/{epoch}/{participant}"
+
+
+def _check_max_bytes(max_bytes: int) -> int:
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise UsageError(f"max_bytes must be a byte count, not {max_bytes!r}")
+    return max_bytes
+
+
 class RemoteParticipant:
     """A participant served by another process (``serve_participant``).
 
@@ -89,6 +149,12 @@ class RemoteParticipant:
     fences the epoch, as for any participant). Keep it below the coordinator's
     ``capture_timeout`` (30 s by default), or a dead worker surfaces as that
     deadline instead of as ``remote.timeout``.
+
+    ``max_bytes`` (1 GiB by default) bounds what the worker may declare: a
+    capture reply above it fails that participant's capture with
+    ``remote.too_large`` before any memory is reserved. The writer's byte
+    budget does not bound a capture that waits alone (see operations.md), so
+    this is the bound on what one remote capture can make this process hold.
     """
 
     def __init__(
@@ -98,19 +164,28 @@ class RemoteParticipant:
         *,
         rpc_prefix: str = DEFAULT_RPC_PREFIX,
         timeout: float = 20.0,
+        max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.name = check_id(name)
         self.bus = bus
         self.rpc_prefix = rpc_prefix
         self.timeout = timeout
+        self.max_bytes = _check_max_bytes(max_bytes)
 
     async def capture_artifact(self, scope: CaptureScope, ledger: ArtifactLedger) -> ArtifactHandle:
         """The worker's capture, as a handle on the object it put in the bucket."""
-        object_name = f"{scope.session_id}/{scope.checkpoint_id}/{self.name}"  # '/' is no Id's
+        object_name = capture_object(scope.session_id, scope.checkpoint_id, self.name)
         request = Request.at(scope, object=object_name)
         try:
             bucket = await self.bus.objects()
             reply = await self._request("capture", request)
+            if reply.byte_length > self.max_bytes:  # before anything is reserved for it
+                raise RemoteWorkerError(
+                    self.name,
+                    "remote.too_large",
+                    f"the worker declared {reply.byte_length} bytes, more than this "
+                    f"participant's limit of {self.max_bytes} (max_bytes=)",
+                )
         except BaseException:
             # A late worker may still finish its put: delete what it may leave
             # (the bucket's TTL takes what is put after this).
@@ -138,7 +213,7 @@ class RemoteParticipant:
 
     async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Request:
         bucket = await self.bus.objects()
-        object_name = f"{scope.session_id}/restore/{scope.epoch}/{self.name}"
+        object_name = stage_object(scope.session_id, scope.epoch, self.name)
         request = Request.at(scope, object=object_name, byte_length=payload.nbytes)
         try:
             digest = await bucket.put(object_name, payload)
@@ -201,13 +276,26 @@ async def serve_participant(
     object_ttl: float = 3600.0,
     replicas: int = 1,
     connect_timeout: float = 5.0,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    lease_bucket: str = DEFAULT_LEASE_BUCKET,
+    lease_ttl: float = DEFAULT_LEASE_TTL,
     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     **connect_options: Any,
 ) -> None:
     """Serve ``participant`` (the ``Participant`` protocol) for one session until
-    cancelled. Requests are answered one at a time, in order."""
+    cancelled. Requests are answered one at a time, in order.
+
+    The worker first takes the participant's lease (``RemoteWorkerError``
+    ``remote.duplicate`` if another worker holds it) and keeps it while it
+    serves; losing it ends the call with ``remote.lease_lost``. The lease
+    bucket is created with ``lease_ttl``; an existing one's own TTL is used.
+    ``max_bytes`` bounds the payload a stage request may name
+    (``remote.too_large`` beyond it, before anything is read)."""
     check_id(session_id)
     check_id(participant.name)
+    _check_max_bytes(max_bytes)
+    if not lease_ttl > 0:
+        raise UsageError(f"lease_ttl must be positive, not {lease_ttl!r}")
     client = await connect(
         [servers] if isinstance(servers, str) else servers,
         connect_timeout,
@@ -215,25 +303,181 @@ async def serve_participant(
         **connect_options,
     )
     try:
-        bucket = await ObjectBucket.open(
-            client.jetstream(), object_bucket, ttl=object_ttl, replicas=replicas
-        )
+        js = client.jetstream()
+        bucket = await ObjectBucket.open(js, object_bucket, ttl=object_ttl, replicas=replicas)
+        leases, ttl = await _lease_bucket(js, lease_bucket, ttl=lease_ttl, replicas=replicas)
         ping = _subject(rpc_prefix, session_id, participant.name, "ping")
-        with contextlib.suppress(nats.errors.NoRespondersError, nats.errors.TimeoutError):
-            await client.request(ping, b"", timeout=1)
-            raise RemoteWorkerError(
-                participant.name, "remote.duplicate", f"another worker already serves {ping}"
-            )
-        worker = _Worker(participant, bucket)
-        await client.subscribe(
-            _subject(rpc_prefix, session_id, participant.name, "*"), cb=worker.answer
+        key = lease_key(session_id, participant.name)
+        lease = await _Lease.acquire(
+            client, leases, key, participant=participant.name, ttl=ttl, ping=ping
         )
-        await client.flush()
-        task_status.started()
-        await anyio.sleep_forever()
+        subscriptions = []
+        try:
+            worker = _Worker(
+                participant, bucket, session_id=session_id, max_bytes=max_bytes, lease=lease
+            )
+            # Pings on a subscription of their own: answered while a capture runs.
+            subscriptions.append(await client.subscribe(ping, cb=worker.pong))
+            subscriptions.append(
+                await client.subscribe(
+                    _subject(rpc_prefix, session_id, participant.name, "*"),
+                    queue=_QUEUE,
+                    cb=worker.answer,
+                )
+            )
+            await client.flush()
+            task_status.started()
+            await lease.keep()
+        finally:
+            with anyio.CancelScope(shield=True):
+                for subscription in subscriptions:  # answer nothing more, then let go
+                    with contextlib.suppress(Exception):
+                        await subscription.unsubscribe()
+                await lease.release()
     finally:
         with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
             await client.close()
+
+
+async def _lease_bucket(
+    js: JetStreamContext, name: str, *, ttl: float, replicas: int
+) -> tuple[KeyValue, float]:
+    """The lease bucket (created with ``ttl``) and its TTL, which is the lease's."""
+    try:
+        leases = await js.key_value(name)
+    except BucketNotFoundError:
+        try:
+            leases = await js.create_key_value(bucket=name, ttl=ttl, history=1, replicas=replicas)
+        except BadRequestError:  # another worker created it first, maybe with another TTL
+            leases = await js.key_value(name)
+    max_age = (await js.stream_info(f"KV_{name}")).config.max_age
+    if not max_age:
+        raise BusConfigError(
+            f"lease bucket {name} has no TTL: a killed worker's lease would never expire; "
+            "create it with one (lease_ttl=...), it is left as it is"
+        )
+    return leases, max_age
+
+
+class _Lease:
+    """The worker's hold on its participant: one KV key, taken with ``create``,
+    refreshed with ``update(last=revision)``, expired by the bucket's TTL. The
+    holder counts the lease from the moment it *sent* its last successful
+    refresh, so it believes itself the holder no longer than the server does."""
+
+    def __init__(
+        self, kv: KeyValue, key: str, *, participant: str, owner: bytes, ttl: float
+    ) -> None:
+        self.kv = kv
+        self.key = key
+        self.participant = participant
+        self.owner = owner  # this worker's value: unique, so a refresh that landed is known
+        self.ttl = ttl
+        self.revision = 0
+        self.renewed_at = -float("inf")
+
+    def held(self) -> bool:
+        return time.monotonic() < self.renewed_at + self.ttl
+
+    @classmethod
+    async def acquire(
+        cls, client: Client, kv: KeyValue, key: str, *, participant: str, ttl: float, ping: str
+    ) -> _Lease:
+        """Take the key, or raise ``remote.duplicate``: at once if its holder answers
+        a ping, or refreshes the key while we wait; else the key expires within a
+        TTL (a killed holder) and is taken then."""
+        owner = msgspec.json.encode(
+            {"owner": os.urandom(8).hex(), "host": socket.gethostname(), "pid": os.getpid()}
+        )
+        lease = cls(kv, key, participant=participant, owner=owner, ttl=ttl)
+        deadline = time.monotonic() + ttl * 4 / 3
+        seen: int | None = None
+        while True:
+            sent = time.monotonic()
+            try:
+                revision = await kv.create(key, owner)
+            except KeyWrongLastSequenceError:
+                pass
+            else:
+                lease.revision, lease.renewed_at = revision, sent
+                return lease
+            try:
+                entry = await kv.get(key)
+            except (KeyNotFoundError, KeyDeletedError):  # gone meanwhile: try again
+                entry = None
+            if entry is not None:
+                if seen is None:
+                    seen = entry.revision
+                    if await _answers(client, ping, timeout=min(1.0, ttl / 3)):
+                        raise _duplicate(participant, f"a live worker answers {ping}")
+                elif entry.revision != seen:
+                    raise _duplicate(participant, "its lease was refreshed while we waited")
+            if time.monotonic() >= deadline:
+                raise _duplicate(participant, f"its lease {key} did not expire within {ttl} s")
+            await anyio.sleep(min(0.5, ttl / 10))
+
+    async def keep(self) -> NoReturn:
+        """Refresh every third of the TTL until cancelled; ``remote.lease_lost``
+        when the key is someone else's, or could not be refreshed within the TTL."""
+        interval = self.ttl / 3
+        while True:
+            await anyio.sleep(max(0.0, self.renewed_at + interval - time.monotonic()))
+            sent = time.monotonic()
+            try:
+                with anyio.fail_after(max(0.01, self.renewed_at + self.ttl - sent)):
+                    revision = await self.kv.update(self.key, self.owner, last=self.revision)
+            except KeyWrongLastSequenceError:
+                if not await self._still_ours():
+                    raise self.lost("another worker holds it, or it expired") from None
+                continue
+            except (nats.errors.Error, TimeoutError):
+                if not self.held():
+                    raise self.lost(f"it could not be refreshed within {self.ttl} s") from None
+                await anyio.sleep(min(0.25, interval / 4))
+                continue
+            self.revision, self.renewed_at = revision, sent
+
+    async def _still_ours(self) -> bool:
+        """After a refused refresh: an earlier one that timed out on our side may
+        have landed. Then the key still holds our owner, and its revision is ours."""
+        try:
+            with anyio.fail_after(max(0.01, self.renewed_at + self.ttl - time.monotonic())):
+                entry = await self.kv.get(self.key)
+        except (nats.errors.Error, TimeoutError):
+            return False
+        if entry.value != self.owner or entry.revision is None:
+            return False
+        self.revision = entry.revision
+        return True
+
+    def lost(self, reason: str) -> RemoteWorkerError:
+        return RemoteWorkerError(
+            self.participant, "remote.lease_lost", f"this worker lost its lease: {reason}"
+        )
+
+    async def release(self) -> None:
+        """Delete the key if it is still ours (bounded, best effort: the TTL expires
+        it otherwise), so a successor starts at once."""
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(5),
+            contextlib.suppress(Exception),
+        ):
+            await self.kv.delete(self.key, last=self.revision)
+
+
+def _duplicate(participant: str, reason: str) -> RemoteWorkerError:
+    return RemoteWorkerError(
+        participant, "remote.duplicate", f"another worker already serves it ({reason})"
+    )
+
+
+async def _answers(client: Client, subject: str, *, timeout: float) -> bool:
+    try:
+        await client.request(subject, b"", timeout=timeout)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
+        return False
+    return True
 
 
 def _decode_request(data: bytes) -> Request:
@@ -248,24 +492,82 @@ async def _ignore(error: Exception) -> None:
 
 
 class _Worker:
-    def __init__(self, participant: Participant, bucket: ObjectBucket) -> None:
+    def __init__(
+        self,
+        participant: Participant,
+        bucket: ObjectBucket,
+        *,
+        session_id: str,
+        max_bytes: int,
+        lease: _Lease,
+    ) -> None:
         self.participant = participant
         self.bucket = bucket
+        self.session_id = session_id
+        self.max_bytes = max_bytes
+        self.lease = lease
         self.staged: dict[tuple[str, str], Any] = {}  # (epoch, checkpoint) -> token
+
+    async def pong(self, message: Msg) -> None:
+        """Another worker asks whether this participant is served: it is, while
+        the lease is ours (a busy capture does not delay this answer)."""
+        if self.lease.held():
+            with contextlib.suppress(Exception):
+                await message.respond(msgspec.json.encode(Reply(ok=True)))
 
     async def answer(self, message: Msg) -> None:
         op = message.subject.rsplit(".", 1)[-1]
+        if op == "ping":  # answered by ``pong``; the wildcard brings it here too
+            return
         try:
-            if op == "ping":  # another worker asking whether this participant is served
-                reply = Reply(ok=True)
-            else:
-                reply = await self._do(op, _decode_request(message.data))
+            if not self.lease.held():
+                raise self.lease.lost("it expired before this request")
+            request = _decode_request(message.data)
+            self._check(op, request)
+            reply = await self._do(op, request)
+        except RemoteWorkerError as error:
+            reply = Reply(ok=False, code=error.remote_code, reason=error.reason)
         except CoordinatorError as error:
             reply = Reply(ok=False, code=error.code, reason=str(error))
         except Exception as error:  # the participant's own failure, reported as is
             reply = Reply(ok=False, code="remote.failed", reason=repr(error))
         with contextlib.suppress(Exception):  # the requester gave up, or the bus is away
             await message.respond(msgspec.json.encode(reply))
+
+    def _check(self, op: str, request: Request) -> None:
+        """A request must be for the served session, with valid ids, and name the
+        one object its op may touch: the worker never reads or writes another."""
+        name = self.participant.name
+
+        def bad(reason: str) -> NoReturn:
+            raise RemoteWorkerError(name, "remote.bad_request", f"{op}: {reason}")
+
+        if request.session_id != self.session_id:
+            bad(f"session {request.session_id!r}, not {self.session_id!r}")
+        if not (is_id(request.epoch) and is_id(request.checkpoint_id)):
+            bad(f"epoch {request.epoch!r} or checkpoint {request.checkpoint_id!r} is no Id")
+        if not 0 <= request.step <= U64_MAX:
+            bad(f"step {request.step} is no U64")
+        if op not in ("capture", "stage"):
+            return  # activate and abort name no object: their key must have been staged
+        if op == "capture":
+            expected = capture_object(self.session_id, request.checkpoint_id, name)
+        else:
+            expected = stage_object(self.session_id, request.epoch, name)
+        if request.object != expected:
+            bad(f"object {request.object!r}, not {expected!r}")
+        if op == "stage":
+            if not is_digest(request.digest):
+                bad(f"digest {request.digest!r} is no SHA-256")
+            if request.byte_length < 0:
+                bad(f"byte length {request.byte_length}")
+            if request.byte_length > self.max_bytes:  # before anything is read
+                raise RemoteWorkerError(
+                    name,
+                    "remote.too_large",
+                    f"stage of {request.byte_length} bytes, more than this worker's "
+                    f"limit of {self.max_bytes} (max_bytes=)",
+                )
 
     async def _do(self, op: str, request: Request) -> Reply:
         key = (request.epoch, request.checkpoint_id)
