@@ -1556,23 +1556,26 @@ def test_a_released_remote_object_wakes_the_bus_on_its_loop(debug: bool) -> None
     """A large remote handle was released in a worker thread, which set the bus's
     deletion event off the loop: in debug mode an error, otherwise a deletion task
     asleep until something else woke the loop."""
+    import collections
+
     from coordinator.artifacts import release_off_loop
-    from coordinator.bus._nats import NatsBus
+    from coordinator.bus._nats import Backlog, NatsBus
     from coordinator.remote._objects import ObjectArtifact
 
     released_on: list[int] = []
     errors: list[Exception] = []
 
     async def main() -> None:
-        bus = NatsBus("nats://127.0.0.1:1")  # never connected: its deletion backlog only
+        bus = NatsBus("nats://127.0.0.1:1")  # never connected: a deletion backlog only
+        deletions = Backlog[tuple[str, Any]]()
         woke = anyio.Event()
 
         def on_release(name: str, local_copy: Any) -> None:
             released_on.append(threading.get_ident())
-            bus.delete_object_soon(name, local_copy)
+            deletions.append((name, local_copy))
 
         async def deletion_task() -> None:
-            await bus._deletions.ready(bus, "objects_left_to_ttl")
+            await deletions.ready(bus, collections.Counter(), "objects_left_to_ttl")
             woke.set()
 
         handle = ObjectArtifact(

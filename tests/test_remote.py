@@ -36,7 +36,12 @@ from coordinator.bus import NatsBus
 from coordinator.events import Committed, Failed
 from coordinator.manifest import PayloadRecord, manifest_with_records
 from coordinator.participant import CaptureScope
-from coordinator.remote import DEFAULT_RPC_PREFIX, RemoteParticipant, serve_participant
+from coordinator.remote import (
+    DEFAULT_RPC_PREFIX,
+    RemoteParticipant,
+    remote_objects,
+    serve_participant,
+)
 from coordinator.remote._objects import ObjectArtifact, object_digest
 from coordinator.remote._participant import (
     DEFAULT_LEASE_BUCKET,
@@ -113,8 +118,8 @@ async def test_a_remote_participant_end_to_end(server: EmbeddedServer, tmp_path:
                 captured = await worker.expect("captured")
                 assert isinstance(outcome, Committed)
                 assert outcome.timings.fetch_ms is not None
-                bucket = await bus.objects()
-                await wait_until(lambda: bus.counts().get("objects_deleted") == 1)
+                bucket = await remote_objects(bus).bucket()
+                await wait_until(lambda: remote_objects(bus).counts().get("objects_deleted") == 1)
                 assert await bucket.names() == []
                 assert host.ledger.statistics().live == 0
 
@@ -126,7 +131,12 @@ async def test_a_remote_participant_end_to_end(server: EmbeddedServer, tmp_path:
                 assert len(payload) == size and payload[:8] == (7).to_bytes(8, "little")
                 assert hashlib.sha256(payload).hexdigest() == captured["digest"]
                 generation = (tmp_path / "store" / outcome.generation).read_bytes()
-                for identity in (bus.object_bucket, "127.0.0.1", str(server.port), "ckpt-rpc"):
+                for identity in (
+                    remote_objects(bus).bucket_name,
+                    "127.0.0.1",
+                    str(server.port),
+                    "ckpt-rpc",
+                ):
                     assert identity.encode() not in generation  # no bus identity inside
 
                 report = await host.restore(new_epoch="epoch-2")
@@ -134,7 +144,7 @@ async def test_a_remote_participant_end_to_end(server: EmbeddedServer, tmp_path:
                 assert "agent-fly-a" in report.participants
                 assert restored["epoch"] == "epoch-2"
                 assert restored["digest"] == captured["digest"]
-                await wait_until(lambda: bus.counts().get("objects_deleted") == 2)
+                await wait_until(lambda: remote_objects(bus).counts().get("objects_deleted") == 2)
                 assert await bucket.names() == []  # the restore's object went too
 
 
@@ -175,8 +185,8 @@ async def test_no_worker_is_a_clear_error_at_once(server: EmbeddedServer, tmp_pa
 async def test_orphaned_chunks_go_with_the_bucket_ttl(server: EmbeddedServer) -> None:
     """A worker killed mid-put leaves chunks without a meta message: nothing can
     name them for a delete, and the bucket's TTL removes them."""
-    async with NatsBus(server.url, object_bucket="SHORT", object_ttl=1.0) as bus:
-        await bus.objects()
+    async with NatsBus(server.url) as bus:
+        await remote_objects(bus, bucket="SHORT", ttl=1.0).bucket()
         js = bus.client.jetstream()
         for _ in range(3):
             await js.publish("$O.SHORT.C.orphan", b"x" * 1024)
@@ -192,7 +202,7 @@ async def test_orphaned_chunks_go_with_the_bucket_ttl(server: EmbeddedServer) ->
 
 async def handle_for(bus: NatsBus, stored: bytes, declared: bytes) -> ObjectArtifact:
     """An object holding ``stored`` whose handle declares ``declared``'s length and digest."""
-    bucket = await bus.objects()
+    bucket = await remote_objects(bus).bucket()
     await bucket.put("obj-1", memoryview(stored))
     # Forge the meta message as a lying writer would: the declared digest, other bytes.
     info = await bus.client.jetstream().get_last_msg(
@@ -210,7 +220,7 @@ async def handle_for(bus: NatsBus, stored: bytes, declared: bytes) -> ObjectArti
         ArtifactLedger(),
         bucket=bucket,
         object_name="obj-1",
-        on_release=bus.delete_object_soon,
+        on_release=remote_objects(bus).delete_soon,
     )
 
 
@@ -224,7 +234,7 @@ async def test_an_object_whose_bytes_differ_is_refused(server: EmbeddedServer) -
         with pytest.raises(ArtifactCorruptError, match="fails its digest"):
             await handle.load()
         handle.release()
-        await wait_until(lambda: bus.counts().get("objects_deleted") == 1)
+        await wait_until(lambda: remote_objects(bus).counts().get("objects_deleted") == 1)
 
 
 @pytest.mark.asyncio
@@ -238,7 +248,7 @@ async def test_an_unreadable_object_fails_the_save_and_keeps_the_store(
             for declared, code in ((b"short", "artifact.corrupt"), (None, "artifact.unavailable")):
                 handle = await handle_for(bus, b"stored bytes", declared or b"stored bytes")
                 if declared is None:
-                    await (await bus.objects()).delete("obj-1")
+                    await (await remote_objects(bus).bucket()).delete("obj-1")
                 local = [await capture(n, b"local", ledger=writer.ledger) for n in NAMES[1:]]
                 handles = [handle, *local]
                 records = [
@@ -309,10 +319,10 @@ async def test_a_stage_that_times_out_is_aborted_in_the_worker(
 async def test_an_object_bucket_without_a_ttl_is_refused(server: EmbeddedServer) -> None:
     """Objects of killed workers must expire: a bucket without a TTL is not used,
     and not changed."""
-    async with NatsBus(server.url, object_bucket="FOREVER") as bus:
+    async with NatsBus(server.url) as bus:
         await bus.client.jetstream().create_object_store(bucket="FOREVER")
         with pytest.raises(BusConfigError, match="no TTL"):
-            await bus.objects()
+            await remote_objects(bus, bucket="FOREVER").bucket()
         info = await bus.client.jetstream().stream_info("OBJ_FOREVER")
         assert not info.config.max_age
 
@@ -582,6 +592,6 @@ async def test_a_request_for_another_session_or_object_is_refused(
             message = await bus.client.request(subject, msgspec.json.encode(request), timeout=10)
             reply = msgspec.json.decode(message.data, type=Reply)
             assert (reply.ok, reply.code) == (False, "remote.bad_request"), reply
-            assert await (await bus.objects()).names() == []
+            assert await (await remote_objects(bus).bucket()).names() == []
         assert not agent.started.is_set() and agent.staged == [] and agent.aborted == 0
         group.cancel_scope.cancel()

@@ -29,7 +29,12 @@ from coordinator import ArtifactCorruptError, CaptureFailedError, RemoteWorkerEr
 from coordinator.artifacts import ArtifactLedger
 from coordinator.bus import NatsBus
 from coordinator.participant import CaptureScope
-from coordinator.remote import DEFAULT_RPC_PREFIX, RemoteParticipant, serve_participant
+from coordinator.remote import (
+    DEFAULT_RPC_PREFIX,
+    RemoteParticipant,
+    remote_objects,
+    serve_participant,
+)
 from coordinator.remote._objects import ObjectArtifact, ObjectBucket, object_digest
 from coordinator.remote._participant import Reply, Request, _subject
 from coordinator.server import EmbeddedServer
@@ -111,7 +116,7 @@ async def lying_worker(
     ``ok`` with ``reply_size`` bytes and a valid-looking digest, and never puts a
     chunk (with ``meta_size``, it does put a meta message claiming that size)."""
     client = await nats.connect(url)
-    bucket = await bus.objects()
+    bucket = await remote_objects(bus).bucket()
     requests: list[Request] = []
 
     async def lie(message: Msg) -> None:
@@ -170,7 +175,7 @@ async def test_a_per_participant_limit_refuses_a_real_workers_capture(
             with pytest.raises(RemoteWorkerError, match=r"remote\.too_large") as caught:
                 await remote.capture_artifact(scope, ArtifactLedger())
             assert caught.value.remote_code == "remote.too_large"
-            bucket = await bus.objects()
+            bucket = await remote_objects(bus).bucket()
             with anyio.fail_after(10):
                 while await bucket.names():
                     await anyio.sleep(0.01)
@@ -206,7 +211,7 @@ async def test_an_objects_memory_grows_only_as_its_chunks_arrive(server: Embedde
     one chunk and stops: the reader holds about that chunk, not the claimed size,
     until it gives up."""
     async with NatsBus(server.url) as bus:
-        bucket = await bus.objects()
+        bucket = await remote_objects(bus).bucket()
         bucket.stall_timeout = 1.0  # give up on the silent writer soon
         await forge_meta(bucket, "stalled", 512 * MIB, DIGEST, chunks=[b"x" * (512 << 10)])
         handle = ObjectArtifact(
@@ -216,7 +221,7 @@ async def test_an_objects_memory_grows_only_as_its_chunks_arrive(server: Embedde
             ArtifactLedger(),
             bucket=bucket,
             object_name="stalled",
-            on_release=bus.delete_object_soon,
+            on_release=remote_objects(bus).delete_soon,
         )
 
         async def load() -> None:
@@ -244,7 +249,7 @@ async def test_a_stage_request_beyond_the_workers_limit_is_refused_before_alloca
             )
         )
         async with NatsBus(server.url) as bus:
-            bucket = await bus.objects()
+            bucket = await remote_objects(bus).bucket()
             name = f"{SESSION}/restore/epoch-2/agent-fly-a"
             await forge_meta(bucket, name, 2 * GIB, DIGEST, chunks=[])
             request = Request(

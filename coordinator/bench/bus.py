@@ -473,8 +473,10 @@ async def object_transfer(url: str, *, runs: int, size: int) -> list[Result]:
 
 async def wait_deleted(bus: NatsBus, count: int) -> None:
     """Released objects are deleted in the background: wait, so the next run is clean."""
+    from ..remote import remote_objects
+
     with anyio.fail_after(STEP_TIMEOUT_S):
-        while bus.counts().get("objects_deleted", 0) < count:
+        while remote_objects(bus).counts().get("objects_deleted", 0) < count:
             await anyio.sleep(0.01)
 
 

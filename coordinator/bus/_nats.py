@@ -31,11 +31,10 @@ import collections
 import contextlib
 import itertools
 import logging
-import mmap
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import anyio
 import msgspec
@@ -74,10 +73,7 @@ from ..ids import check_id, is_id
 from . import BusStatistics
 from .memory import Subscription
 
-if TYPE_CHECKING:
-    from ..remote._objects import ObjectBucket
-
-__all__ = ["NatsBus"]
+__all__ = ["TRANSIENT", "Backlog", "NatsBus", "connect"]
 
 T = TypeVar("T")
 # Events published with their acks awaited together: one at a time caps the bus at
@@ -85,7 +81,7 @@ T = TypeVar("T")
 PUBLISH_WINDOW = 512
 
 # Errors a later retry can get past (the server is away or slow); others are final.
-_TRANSIENT = (
+TRANSIENT = (
     TimeoutError,
     OSError,
     nats.errors.TimeoutError,
@@ -120,8 +116,6 @@ class NatsBus:
         connect_timeout: float = 5.0,
         replicas: int = 1,
         publish_window: int = PUBLISH_WINDOW,
-        object_bucket: str = "CKPT_OBJECTS",
-        object_ttl: float = 3600.0,
         max_attempts: int = 5,
         **connect_options: Any,
     ) -> None:
@@ -137,12 +131,9 @@ class NatsBus:
         # event at a time, and then before the event that still fails is dropped.
         self.max_attempts = max_attempts
         self.replicas = replicas  # for a stream or bucket this bus creates (R3 on a cluster)
-        self.object_bucket = object_bucket
-        self.object_ttl = object_ttl  # what outlives its owner (a killed worker) goes after it
         self._options = connect_options
-        self._objects: ObjectBucket | None = None
-        self._deletions = _Backlog[tuple[str, mmap.mmap | None]]()
-        self._outbox = _Backlog[Event]()
+        self._outbox = Backlog[Event]()
+        self._on_close: list[Callable[[], None]] = []
         self._stamped = 0  # outbox events (from the head) that have their seq
         self._next_seq: dict[str, int] = {}  # session -> the seq its next event gets
         self._reserved: dict[str, int] = {}  # session -> the highest seq held in the KV
@@ -192,7 +183,6 @@ class NatsBus:
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
         await self._group.start(self._run_outbox)
-        self._group.start_soon(self._run_deletions)
         return self
 
     async def __aexit__(
@@ -211,7 +201,8 @@ class NatsBus:
         self._closing = True
         self._flush_deadline = anyio.current_time() + flush_timeout
         self._outbox.wake()
-        self._deletions.wake()
+        for wake in self._on_close:
+            wake()
         try:
             if self._group is not None:
                 await self._group.__aexit__(None, None, None)
@@ -292,11 +283,11 @@ class NatsBus:
         refused = 0  # failures in a row with the server connected throughout
         failed = 0  # failures in a row of any kind: what is sent again may be stored
         singles = 0  # events still to send one at a time
-        while await self._outbox.ready(self, "dropped"):
+        while await self._outbox.ready(self, self._counts, "dropped"):
             size = 1 if singles else self.publish_window
             try:
                 window = await self._stamp(size)
-            except _TRANSIENT:  # the server is away or slow to answer: not the events' fault
+            except TRANSIENT:  # the server is away or slow to answer: not the events' fault
                 self._counts["retries"] += 1
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
@@ -308,7 +299,7 @@ class NatsBus:
                 self._counts["retries"] += 1
                 failed += 1
                 assert self._nc is not None
-                if not isinstance(error, _TRANSIENT) or (
+                if not isinstance(error, TRANSIENT) or (
                     self._disconnects == disconnects and self._nc.is_connected
                 ):
                     refused += 1
@@ -403,7 +394,7 @@ class NatsBus:
                                 headers={"Nats-Msg-Id": event.event_id},
                             )
                         )
-                    except _TRANSIENT:
+                    except TRANSIENT:
                         raise
                     except Exception as refused:  # too large, a bad subject...: this one
                         acks.append(refused)
@@ -422,7 +413,7 @@ class NatsBus:
         outcomes = [
             ack if isinstance(ack, Exception) else ack.exception() or ack.result() for ack in acks
         ]
-        if failure := next((o for o in outcomes if isinstance(o, _TRANSIENT)), None):
+        if failure := next((o for o in outcomes if isinstance(o, TRANSIENT)), None):
             raise failure
         await self._settle(window, encoded, outcomes, retried=retried)
 
@@ -451,7 +442,7 @@ class NatsBus:
             try:
                 with anyio.fail_after(self.publish_timeout):
                     await self._advance_kv(subject_token(session_id), seq, committed)
-            except _TRANSIENT:
+            except TRANSIENT:
                 if not self._nc.is_connected:
                     raise  # the window again once connected (its events: duplicates)
                 self._counts["kv_failed"] += 1  # the next commit or reconcile() repairs it
@@ -479,51 +470,34 @@ class NatsBus:
             except KeyWrongLastSequenceError:  # someone else put meanwhile: read again
                 continue
 
-    # --- remote participants' objects ------------------------------------------
+    # --- what shares the connection -----------------------------------------------
 
     @property
     def client(self) -> Client:
-        """The connection, for remote participants' requests."""
+        """The connection, shared with remote participants (``coordinator.remote``)."""
         if self._nc is None:
             raise RuntimeError("the bus is not open")
         return self._nc
 
-    async def objects(self) -> ObjectBucket:
-        """The bucket remote participants put captures in (created with the TTL)."""
-        if self._objects is None:
-            from ..remote._objects import ObjectBucket  # remote participants' (temporary)
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
-            assert self._js is not None
-            self._objects = await ObjectBucket.open(
-                self._js, self.object_bucket, ttl=self.object_ttl, replicas=self.replicas
-            )
-        return self._objects
+    @property
+    def flush_deadline(self) -> float:
+        """Once closing: the time (``anyio.current_time``) work left is given up."""
+        return self._flush_deadline
 
-    def delete_object_soon(self, name: str, local_copy: mmap.mmap | None = None) -> None:
-        """Delete a released object in the background (the TTL covers any failure),
-        unmapping its ``local_copy`` in a worker thread first: freeing a large
-        map's pages takes tens of milliseconds the event loop should not wait."""
-        self._deletions.append((name, local_copy))
-
-    async def _run_deletions(self) -> None:
-        while await self._deletions.ready(self, "objects_left_to_ttl"):
-            name, local_copy = self._deletions.items[0]
-            if local_copy is not None:
-                self._deletions.items[0] = (name, None)
-                if not await anyio.to_thread.run_sync(unmap, local_copy):
-                    self._counts["maps_held_by_views"] += 1  # freed when the views go
-            try:
-                with anyio.fail_after(self.publish_timeout):
-                    deleted = await (await self.objects()).delete(name)
-            except _TRANSIENT:
-                self._counts["retries"] += 1
-                await anyio.sleep(0.1)
-                continue
-            except Exception:  # refused: the TTL removes it
-                self._counts["objects_left_to_ttl"] += 1
-            else:
-                self._counts["objects_deleted" if deleted else "objects_missing"] += 1
-            self._deletions.items.popleft()
+    def start_background(
+        self, run: Callable[[], Coroutine[Any, Any, None]], wake: Callable[[], None]
+    ) -> None:
+        """Run ``run`` in the bus's task group until the bus closes: it should return
+        once ``closing`` is set and its work is done, or ``flush_deadline`` passed.
+        ``wake`` is called when the close begins (``Backlog.wake``)."""
+        if self._group is None or self._closing:
+            raise RuntimeError("the bus is not open")
+        self._on_close.append(wake)
+        self._group.start_soon(run)
 
     # --- reading -------------------------------------------------------------------
 
@@ -591,7 +565,7 @@ class NatsBus:
         check_id(session_id)
         try:
             return await self._stored_seq(session_id)
-        except (*_TRANSIENT, APIError):
+        except (*TRANSIENT, APIError):
             self._counts["seq_unknown"] += 1
             return 0
 
@@ -647,7 +621,7 @@ class NatsBus:
             finally:
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                     await consumer.unsubscribe()
-        except _TRANSIENT as error:
+        except TRANSIENT as error:
             raise BusUnavailableError(
                 f"cannot read stream {self.stream} now ({type(error).__name__}); try again"
             ) from None
@@ -692,7 +666,7 @@ async def connect(
         ) from None
 
 
-class _Backlog(Generic[T]):
+class Backlog(Generic[T]):
     """Work one task takes in order: appended without waiting, and taken until
     the bus closes, then until its flush deadline."""
 
@@ -707,16 +681,16 @@ class _Backlog(Generic[T]):
     def wake(self) -> None:
         self._wake.set()
 
-    async def ready(self, bus: NatsBus, unfinished: str) -> bool:
+    async def ready(self, bus: NatsBus, counts: collections.Counter[str], unfinished: str) -> bool:
         """True when there is work; False once the bus closes with none left, or
         its flush deadline passes (what is left is counted as ``unfinished``)."""
         while not self.items:
-            if bus._closing:
+            if bus.closing:
                 return False
             await self._wake.wait()
             self._wake = anyio.Event()
-        if bus._closing and anyio.current_time() > bus._flush_deadline:
-            bus._counts[unfinished] += len(self.items)  # given up on: counted
+        if bus.closing and anyio.current_time() > bus.flush_deadline:
+            counts[unfinished] += len(self.items)  # given up on: counted
             self.items.clear()
             return False
         return True
@@ -746,15 +720,6 @@ def _encoded_or_error(event: Event) -> bytes | Exception:
         return encode_event(event)
     except Exception as error:
         return error
-
-
-def unmap(mapped: mmap.mmap) -> bool:
-    """Blocking: close a map; False if a view of it is still alive somewhere."""
-    try:
-        mapped.close()
-    except BufferError:  # a view of it is still alive somewhere
-        return False
-    return True
 
 
 def _redacted(servers: Sequence[str]) -> str:

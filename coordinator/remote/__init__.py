@@ -3,6 +3,7 @@ serves its participant, and the captured bytes as objects in a JetStream bucket.
 A remote participant is a participant that happens to use NATS: the runtime
 sees only the participant contract and the artifact handles."""
 
+from ._companion import DEFAULT_OBJECT_TTL, RemoteObjects, remote_objects
 from ._objects import DEFAULT_OBJECT_BUCKET, ObjectArtifact, ObjectBucket
 from ._participant import (
     DEFAULT_LEASE_BUCKET,
@@ -18,9 +19,12 @@ __all__ = [
     "DEFAULT_LEASE_TTL",
     "DEFAULT_MAX_BYTES",
     "DEFAULT_OBJECT_BUCKET",
+    "DEFAULT_OBJECT_TTL",
     "DEFAULT_RPC_PREFIX",
     "ObjectArtifact",
     "ObjectBucket",
+    "RemoteObjects",
     "RemoteParticipant",
+    "remote_objects",
     "serve_participant",
 ]

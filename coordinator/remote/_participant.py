@@ -66,10 +66,11 @@ from nats.js.kv import KeyValue
 
 from .._errors import BusConfigError, CoordinatorError, RemoteWorkerError, UsageError
 from ..artifacts import ArtifactHandle, ArtifactLedger, owned_bytes
-from ..bus._nats import NatsBus, connect, unmap
+from ..bus._nats import NatsBus, connect
 from ..events import subject_token
 from ..ids import U64_MAX, check_id, is_digest, is_id
 from ..participant import CaptureScope, Participant, RestoreScope
+from ._companion import DEFAULT_OBJECT_TTL, remote_objects, unmap
 from ._objects import DEFAULT_OBJECT_BUCKET, ObjectArtifact, ObjectBucket
 
 __all__ = [
@@ -165,19 +166,22 @@ class RemoteParticipant:
         rpc_prefix: str = DEFAULT_RPC_PREFIX,
         timeout: float = 20.0,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        object_bucket: str = DEFAULT_OBJECT_BUCKET,
+        object_ttl: float = DEFAULT_OBJECT_TTL,
     ) -> None:
         self.name = check_id(name)
         self.bus = bus
         self.rpc_prefix = rpc_prefix
         self.timeout = timeout
         self.max_bytes = _check_max_bytes(max_bytes)
+        self.objects = remote_objects(bus, bucket=object_bucket, ttl=object_ttl)
 
     async def capture_artifact(self, scope: CaptureScope, ledger: ArtifactLedger) -> ArtifactHandle:
         """The worker's capture, as a handle on the object it put in the bucket."""
         object_name = capture_object(scope.session_id, scope.checkpoint_id, self.name)
         request = Request.at(scope, object=object_name)
         try:
-            bucket = await self.bus.objects()
+            bucket = await self.objects.bucket()
             reply = await self._request("capture", request)
             if reply.byte_length > self.max_bytes:  # before anything is reserved for it
                 raise RemoteWorkerError(
@@ -189,7 +193,7 @@ class RemoteParticipant:
         except BaseException:
             # A late worker may still finish its put: delete what it may leave
             # (the bucket's TTL takes what is put after this).
-            self.bus.delete_object_soon(object_name)
+            self.objects.delete_soon(object_name)
             raise
         return ObjectArtifact(
             self.name,
@@ -198,7 +202,7 @@ class RemoteParticipant:
             ledger,
             bucket=bucket,
             object_name=object_name,
-            on_release=self.bus.delete_object_soon,
+            on_release=self.objects.delete_soon,
         )
 
     async def capture(self, scope: CaptureScope) -> bytes:
@@ -212,7 +216,7 @@ class RemoteParticipant:
             handle.release()
 
     async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Request:
-        bucket = await self.bus.objects()
+        bucket = await self.objects.bucket()
         object_name = stage_object(scope.session_id, scope.epoch, self.name)
         request = Request.at(scope, object=object_name, byte_length=payload.nbytes)
         try:
@@ -230,7 +234,7 @@ class RemoteParticipant:
                 await self._request("abort", request)
             raise
         finally:
-            self.bus.delete_object_soon(object_name)
+            self.objects.delete_soon(object_name)
         return request
 
     async def activate_restore(self, token: Request) -> None:
@@ -273,7 +277,7 @@ async def serve_participant(
     session_id: str,
     rpc_prefix: str = DEFAULT_RPC_PREFIX,
     object_bucket: str = DEFAULT_OBJECT_BUCKET,
-    object_ttl: float = 3600.0,
+    object_ttl: float = DEFAULT_OBJECT_TTL,
     replicas: int = 1,
     connect_timeout: float = 5.0,
     max_bytes: int = DEFAULT_MAX_BYTES,
