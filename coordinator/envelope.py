@@ -42,7 +42,7 @@ from ._errors import (
     release_frames,
 )
 from ._types import BytesLike
-from .canonical import canonical_bytes, count_values, parse_canonical
+from .canonical import ESCAPES_PER_VALUE, canonical_bytes, count_values, parse_canonical
 from .ids import is_digest, is_id
 
 __all__ = [
@@ -454,7 +454,8 @@ def plan(
     # A value takes a byte and a separator: only a manifest this long can be over a
     # limit, and then (rarely) the reader's own parse decides.
     long = len(manifest_json) > 2 * MAX_MANIFEST_REFERENCE_VALUES
-    if long and count_values(manifest_json) > MAX_MANIFEST_REFERENCE_VALUES:
+    escapes = manifest_json.count(b"\\") // ESCAPES_PER_VALUE if long else 0
+    if long and count_values(manifest_json) + escapes > MAX_MANIFEST_REFERENCE_VALUES:
         try:
             _parse_canonical_manifest(manifest_json)
         except JsonError as error:

@@ -339,3 +339,18 @@ def test_a_large_valid_manifest_under_the_limits_decodes() -> None:
     data = envelope.encode(manifest, [])
     assert count_values(canonical_bytes(manifest)) == LIMIT
     assert envelope.decode(data).manifest == manifest
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        b'[0.5,"' + b'\\"' * 100_000 + b'"]',  # a float sends it to the reference encoder
+        b'{"\xee\x80\x80":"' + b"\\n" * 100_000 + b'"}',  # a key past U+D7FF does too
+    ],
+)
+def test_escapes_count_against_the_reference_encoders_limit(document: bytes) -> None:
+    """Three values and 100,000 escaped characters took the reference encoder ~75 ms
+    (it runs Python for every escape): now eight escapes count as one value."""
+    with pytest.raises(JsonError, match="escapes count as one"):
+        parse_canonical(document, max_values=LIMIT, max_reference_values=10_000)
+    assert parse_canonical(document)  # canonical: accepted without the limit

@@ -59,6 +59,13 @@ WORKER = Path(__file__).parents[1] / "examples" / "remote_worker.py"
 SESSION = "session-1"
 
 
+async def holder_subject(client: Any, name: str, op: str, session: str = SESSION) -> str:
+    """The request subject of the worker holding ``name``'s lease, as a host sends."""
+    leases = await client.jetstream().key_value(DEFAULT_LEASE_BUCKET)
+    holder = msgspec.json.decode((await leases.get(lease_key(session, name))).value)["owner"]
+    return _subject(DEFAULT_RPC_PREFIX, session, name, f"{holder}.{op}")
+
+
 @pytest_asyncio.fixture
 async def server(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
     async with EmbeddedServer(tmp_path / "nats") as running:
@@ -588,10 +595,83 @@ async def test_a_request_for_another_session_or_object_is_refused(
             )
         )
         async with NatsBus(server.url) as bus:
-            subject = _subject(DEFAULT_RPC_PREFIX, SESSION, "agent-fly-a", op)
+            subject = await holder_subject(bus.client, "agent-fly-a", op)
             message = await bus.client.request(subject, msgspec.json.encode(request), timeout=10)
             reply = msgspec.json.decode(message.data, type=Reply)
             assert (reply.ok, reply.code) == (False, "remote.bad_request"), reply
             assert await (await remote_objects(bus).bucket()).names() == []
         assert not agent.started.is_set() and agent.staged == [] and agent.aborted == 0
         group.cancel_scope.cancel()
+
+
+class LeasedWorker:
+    """tests/leased_worker.py in a process of its own."""
+
+    def __init__(self, url: str, ident: str, *, ttl: float, delay: float) -> None:
+        script = Path(__file__).parent / "leased_worker.py"
+        command = [sys.executable, str(script), url, SESSION, ident, str(ttl), str(delay)]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+
+    async def expect(self, word: str, timeout: float = 30) -> None:
+        assert self.process.stdout is not None
+        with anyio.fail_after(timeout):
+            while True:
+                line = await anyio.to_thread.run_sync(self.process.stdout.readline)
+                assert line, f"the worker exited waiting for {word!r}: {self.lines}"
+                self.lines.append(line.strip())
+                if line.split()[0] == word:
+                    return
+
+    def end(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.kill()
+        self.process.wait()
+
+
+@pytest.mark.asyncio
+async def test_a_frozen_worker_that_lost_its_lease_neither_answers_nor_gets_requests(
+    server: EmbeddedServer,
+) -> None:
+    """Worker A froze (SIGSTOP) mid-capture past its lease; B took the lease. Resumed,
+    A answered its capture ok (two workers answering one participant), and A, still
+    connected in the queue group, was sent some of the requests meant for B."""
+    import time
+
+    def scope(checkpoint: str) -> CaptureScope:
+        return CaptureScope(session_id=SESSION, epoch="epoch-1", step=1, checkpoint_id=checkpoint)
+
+    first = LeasedWorker(server.url, "A", ttl=1.5, delay=2.0)
+    second: LeasedWorker | None = None
+    outcome: dict[str, Any] = {}
+    try:
+        await first.expect("ready")
+        async with NatsBus(server.url) as bus:
+            remote = RemoteParticipant(bus, "agent-fly-a", timeout=25)
+
+            async def capture_on_a() -> None:
+                try:
+                    outcome["c-1"] = await remote.capture(scope("c-1"))
+                except RemoteWorkerError as error:
+                    outcome["c-1"] = error.remote_code
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(capture_on_a)
+                await first.expect("capturing")
+                os.kill(first.process.pid, signal.SIGSTOP)
+                second = LeasedWorker(server.url, "B", ttl=1.5, delay=0.0)
+                await second.expect("ready")
+                quick = RemoteParticipant(bus, "agent-fly-a", timeout=1.5)
+                answers = [await quick.capture(scope(f"d-{index}")) for index in range(8)]
+                assert answers == [b"state-of-B"] * 8
+                started = time.monotonic()
+                os.kill(first.process.pid, signal.SIGCONT)
+                with anyio.fail_after(30):
+                    while "c-1" not in outcome:
+                        await anyio.sleep(0.05)
+            assert outcome["c-1"] == "remote.lease_lost", (outcome, time.monotonic() - started)
+    finally:
+        first.end()
+        if second is not None:
+            second.end()

@@ -23,20 +23,21 @@ import pytest_asyncio
 from hostkit import Part
 from nats.aio.msg import Msg
 from nats.js import api
-from test_remote import SESSION, coordinator, spawn
+from test_remote import SESSION, coordinator, holder_subject, spawn
 
 from coordinator import ArtifactCorruptError, CaptureFailedError, RemoteWorkerError
 from coordinator.artifacts import ArtifactLedger
 from coordinator.bus import NatsBus
 from coordinator.participant import CaptureScope
 from coordinator.remote import (
+    DEFAULT_LEASE_BUCKET,
     DEFAULT_RPC_PREFIX,
     RemoteParticipant,
     remote_objects,
     serve_participant,
 )
 from coordinator.remote._objects import ObjectArtifact, ObjectBucket, object_digest
-from coordinator.remote._participant import Reply, Request, _subject
+from coordinator.remote._participant import Reply, Request, _subject, lease_key
 from coordinator.server import EmbeddedServer
 from coordinator.store import FileStore
 
@@ -127,8 +128,10 @@ async def lying_worker(
         reply = Reply(ok=True, byte_length=reply_size, digest=DIGEST)
         await message.respond(msgspec.json.encode(reply))
 
-    try:
-        await client.subscribe(_subject(DEFAULT_RPC_PREFIX, SESSION, name, "capture"), cb=lie)
+    try:  # it holds the lease as a real worker would, under the id "liar"
+        leases = await client.jetstream().create_key_value(bucket=DEFAULT_LEASE_BUCKET, ttl=15)
+        await leases.put(lease_key(SESSION, name), b'{"owner":"liar"}')
+        await client.subscribe(_subject(DEFAULT_RPC_PREFIX, SESSION, name, "liar.capture"), cb=lie)
         await client.flush()
         yield requests
     finally:
@@ -261,7 +264,7 @@ async def test_a_stage_request_beyond_the_workers_limit_is_refused_before_alloca
                 byte_length=2 * GIB,
                 digest=DIGEST,
             )
-            subject = _subject(DEFAULT_RPC_PREFIX, SESSION, "agent-fly-a", "stage")
+            subject = await holder_subject(bus.client, "agent-fly-a", "stage")
             answers: list[Reply] = []
 
             async def stage() -> None:

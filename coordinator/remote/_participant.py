@@ -86,7 +86,6 @@ DEFAULT_RPC_PREFIX = "ckpt-rpc"
 DEFAULT_MAX_BYTES = 1 << 30  # one remote payload, declared by the other side
 DEFAULT_LEASE_BUCKET = "CKPT_WORKERS"
 DEFAULT_LEASE_TTL = 15.0  # seconds: how long a killed worker blocks its successor, at most
-_QUEUE = "workers"  # the request subscription's queue group: one delivery per request
 
 Op = Literal["capture", "stage", "activate", "abort"]
 
@@ -168,6 +167,7 @@ class RemoteParticipant:
         max_bytes: int = DEFAULT_MAX_BYTES,
         object_bucket: str = DEFAULT_OBJECT_BUCKET,
         object_ttl: float = DEFAULT_OBJECT_TTL,
+        lease_bucket: str = DEFAULT_LEASE_BUCKET,
     ) -> None:
         self.name = check_id(name)
         self.bus = bus
@@ -175,6 +175,8 @@ class RemoteParticipant:
         self.timeout = timeout
         self.max_bytes = _check_max_bytes(max_bytes)
         self.objects = remote_objects(bus, bucket=object_bucket, ttl=object_ttl)
+        self.lease_bucket = lease_bucket
+        self._leases: KeyValue | None = None
 
     async def capture_artifact(self, scope: CaptureScope, ledger: ArtifactLedger) -> ArtifactHandle:
         """The worker's capture, as a handle on the object it put in the bucket."""
@@ -243,8 +245,28 @@ class RemoteParticipant:
     async def abort_restore(self, token: Request) -> None:
         await self._request("abort", token)
 
+    async def _holder(self, session_id: str) -> str:
+        """The id of the worker holding the lease now (``remote.no_worker`` if none)."""
+        key = lease_key(session_id, self.name)
+        try:
+            if self._leases is None:
+                self._leases = await self.bus.client.jetstream().key_value(self.lease_bucket)
+            entry = await self._leases.get(key)
+            holder = msgspec.json.decode(entry.value or b"{}").get("owner")
+        except (BucketNotFoundError, KeyNotFoundError, msgspec.MsgspecError, AttributeError):
+            holder = None
+        if not isinstance(holder, str) or not holder.isalnum():
+            raise RemoteWorkerError(
+                self.name, "remote.no_worker", f"no worker holds the lease {key}"
+            )
+        return holder
+
     async def _request(self, op: Op, request: Request) -> Reply:
-        subject = _subject(self.rpc_prefix, request.session_id, self.name, op)
+        """Ask the worker that holds the lease (on its own subject: a worker that
+        lost it, even one frozen and still connected, is never asked), and accept
+        its answer only if it still holds the lease after answering."""
+        holder = await self._holder(request.session_id)
+        subject = _subject(self.rpc_prefix, request.session_id, self.name, f"{holder}.{op}")
         try:
             message = await self.bus.client.request(
                 subject, msgspec.json.encode(request), timeout=self.timeout
@@ -265,6 +287,10 @@ class RemoteParticipant:
             raise RemoteWorkerError(self.name, "remote.protocol", str(error)) from None
         if not reply.ok:
             raise RemoteWorkerError(self.name, reply.code, reply.reason)
+        if await self._holder(request.session_id) != holder:
+            raise RemoteWorkerError(
+                self.name, "remote.lease_lost", f"the worker that answered {op} lost its lease"
+            )
         if op == "capture" and (reply.byte_length < 0 or not is_digest(reply.digest)):
             raise RemoteWorkerError(self.name, "remote.protocol", f"a bad capture reply {reply}")
         return reply
@@ -322,10 +348,11 @@ async def serve_participant(
             )
             # Pings on a subscription of their own: answered while a capture runs.
             subscriptions.append(await client.subscribe(ping, cb=worker.pong))
+            # Requests on the holder's own subject: a worker that lost the lease
+            # (frozen, its connection still up) is never sent one.
             subscriptions.append(
                 await client.subscribe(
-                    _subject(rpc_prefix, session_id, participant.name, "*"),
-                    queue=_QUEUE,
+                    _subject(rpc_prefix, session_id, participant.name, f"{lease.owner_id}.*"),
                     cb=worker.answer,
                 )
             )
@@ -382,6 +409,11 @@ class _Lease:
 
     def held(self) -> bool:
         return time.monotonic() < self.renewed_at + self.ttl
+
+    @property
+    def owner_id(self) -> str:
+        """This worker's id in the lease: hosts send requests to it."""
+        return str(msgspec.json.decode(self.owner)["owner"])
 
     @classmethod
     async def acquire(
@@ -529,6 +561,8 @@ class _Worker:
             request = _decode_request(message.data)
             self._check(op, request)
             reply = await self._do(op, request)
+            if reply.ok and not self.lease.held():  # (paused, say) another may serve now
+                raise self.lease.lost("it expired while this request ran")
         except RemoteWorkerError as error:
             reply = Reply(ok=False, code=error.remote_code, reason=error.reason)
         except CoordinatorError as error:
@@ -583,6 +617,8 @@ class _Worker:
                 checkpoint_id=request.checkpoint_id,
             )
             data = await owned_bytes(await self.participant.capture(scope))
+            if not self.lease.held():  # nothing put for a request another worker owns now
+                raise self.lease.lost("it expired while the participant captured")
             with memoryview(data) as view:
                 flat = view.cast("B") if view.format != "B" else view
                 digest = await self.bucket.put(request.object, flat)
