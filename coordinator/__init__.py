@@ -25,6 +25,7 @@ from ._errors import JsonValueError as JsonValueError
 from ._errors import ManifestError as ManifestError
 from ._errors import ManifestFullError as ManifestFullError
 from ._errors import NoSpaceError as NoSpaceError
+from ._errors import NotAStoreError as NotAStoreError
 from ._errors import NotCanonicalError as NotCanonicalError
 from ._errors import RemoteWorkerError as RemoteWorkerError
 from ._errors import RenameError as RenameError
@@ -100,6 +101,7 @@ __all__ = [
     "ManifestError",
     "ManifestFullError",
     "NoSpaceError",
+    "NotAStoreError",
     "NotCanonicalError",
     "RemoteWorkerError",
     "RenameError",

@@ -36,6 +36,7 @@ into typed attributes; the message is built once, here.
         ├── StoreClosedError              store.closed     the store was closed
         ├── StoreManifestError            store.manifest   manifest.json unreadable or invalid
         ├── StoreDirectoryError           store.directory  the store directory is unusable
+        ├── NotAStoreError                store.not_a_store  a directory that is no store
         ├── GenerationNotFoundError (LookupError)  store.not_found
         ├── GenerationCorruptError (ValueError)    store.corrupt    a listed file fails its checks
         ├── CommitError                   store.commit     nothing became durable
@@ -80,6 +81,7 @@ __all__ = [
     "ManifestError",
     "ManifestFullError",
     "NoSpaceError",
+    "NotAStoreError",
     "NotCanonicalError",
     "RemoteWorkerError",
     "RenameError",
@@ -364,6 +366,20 @@ class StoreManifestError(StoreError):
         self.path = path
         self.reason = reason
         super().__init__(f"store manifest {path} is unusable: {reason}")
+
+
+class NotAStoreError(StoreError):
+    """A directory that is no generation store (no ``manifest.json``, no ``LOCK``):
+    an empty directory, or loose checkpoint files. Nothing there is verified."""
+
+    code: ClassVar[str] = "store.not_a_store"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(
+            f"{path} is not a checkpoint store (no manifest.json): nothing to read there; "
+            "name a store directory or a .flysess file"
+        )
 
 
 class StoreDirectoryError(StoreError):

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from ._errors import CoordinatorError, CorruptEnvelopeError, InvalidScalarError
+from ._errors import CoordinatorError, CorruptEnvelopeError, InvalidScalarError, NotAStoreError
 from .envelope import Envelope, decode
 from .ids import is_id
 from .manifest import manifest_from_builtins
@@ -33,7 +33,19 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREADABLE = 3
+EXIT_NOT_CHECKPOINT = 4
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+EXIT_STATUSES = f"""exit status:
+  {EXIT_OK}    ok
+  {EXIT_FAILED}    failed: a corrupt checkpoint, a store that does not verify, a command that
+       did not do its work (the line says which code)
+  {EXIT_USAGE}    usage: bad arguments
+  {EXIT_UNREADABLE}    unreadable: no such file or directory, permission denied, not a regular file
+  {EXIT_NOT_CHECKPOINT}    not a checkpoint: a directory that is no store (store.not_a_store)
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+  {EXIT_TERMINATED}  terminated (SIGTERM)"""
 
 _SIZE = re.compile(r"(\d+)\s*(B|KiB|MiB|GiB)?", re.IGNORECASE)
 _UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -46,6 +58,31 @@ def _size(text: str) -> int:
     return int(match[1]) * _UNITS[(match[2] or "b").lower()]
 
 
+def _path(text: str) -> Path:
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names nothing")
+    return Path(text)
+
+
+def _store(path: Path) -> Path:
+    """``path`` if it is a store directory: ``FileNotFoundError`` if there is nothing
+    there, ``NotAStoreError`` for a file or a directory without ``manifest.json`` or
+    ``LOCK`` (an empty directory, loose checkpoint files)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path)) from None
+    if not path.is_dir():
+        raise NotAStoreError(str(path))
+    for name in ("manifest.json", "LOCK"):
+        try:
+            os.stat(path / name)  # a PermissionError says so: not "not a store"
+            return path
+        except FileNotFoundError:
+            continue
+    raise NotAStoreError(str(path))
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -56,8 +93,9 @@ def _positive(text: str) -> int:
 @contextlib.contextmanager
 def _open_envelope(path: Path) -> Iterator[Envelope]:
     """Decode ``path`` through a read-only mmap; views are dropped before unmapping."""
+    os.stat(path)  # missing: "No such file or directory"; no access: "Permission denied"
     if not path.is_file():  # a FIFO or device would block or mislead
-        raise FileNotFoundError(errno.ENOENT, "not a regular file", str(path))
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
     with path.open("rb") as file:
         if path.stat().st_size == 0:
             yield decode(b"")  # refused: too short
@@ -122,7 +160,7 @@ def _report_failure(error: CoordinatorError, path: Path | str, err: TextIO) -> i
         print(f"{path}: CORRUPT [{error.code}] check {error.step} {error.check}: {error}", file=err)
     else:
         print(f"{path}: FAILED [{error.code}] {error}", file=err)
-    return EXIT_FAILED
+    return EXIT_NOT_CHECKPOINT if isinstance(error, NotAStoreError) else EXIT_FAILED
 
 
 def _inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -140,7 +178,7 @@ def _verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """A file: every envelope check, then the typed manifest rules. A store
     directory: every listed generation, plus stray and temporary files."""
     if args.file.is_dir():
-        return _verify_store(args.file, out, err)
+        return _verify_store(_store(args.file), out, err)
     with _open_envelope(args.file) as envelope:
         manifest = manifest_from_builtins(envelope.manifest)
         layout = envelope.layout
@@ -179,9 +217,7 @@ def _ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .store import SyncStore
     from .store._lineage import on_timeline
 
-    if not args.store.is_dir():
-        raise FileNotFoundError(errno.ENOENT, "not a store directory", str(args.store))
-    with SyncStore(args.store, read_only=True, create=False) as store:
+    with SyncStore(_store(args.store), read_only=True, create=False) as store:
         records = store.generations
         sessions = store.sessions
     if args.json:
@@ -276,9 +312,7 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if target.exists():
         print(f"coordinator: {target} exists; restore writes a new directory", file=err)
         return EXIT_USAGE
-    if not args.store.is_dir():
-        raise FileNotFoundError(errno.ENOENT, "not a store directory", str(args.store))
-    with SyncStore(args.store, read_only=True, create=False) as store:
+    with SyncStore(_store(args.store), read_only=True, create=False) as store:
         stored = store.read(store.select(args.checkpoint, session_id=args.session))
     with stored:
         count = export_payloads(stored, str(target))
@@ -372,7 +406,10 @@ def _parser() -> argparse.ArgumentParser:
     from .bench import GROUPS
 
     parser = argparse.ArgumentParser(
-        prog="coordinator", description="Checkpoint coordinator: FLYSESS1 envelopes and stores."
+        prog="coordinator",
+        description="Checkpoint coordinator: FLYSESS1 envelopes and stores.",
+        epilog=EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -401,7 +438,7 @@ def _parser() -> argparse.ArgumentParser:
         help="print an envelope's layout and manifest",
         description="Example: coordinator inspect ./saves/ckpt-120.flysess --json",
     )
-    inspect.add_argument("file", type=Path)
+    inspect.add_argument("file", type=_path)
     inspect.add_argument("--json", action="store_true", help="one JSON object for machines")
     inspect.set_defaults(run=_inspect)
 
@@ -410,7 +447,7 @@ def _parser() -> argparse.ArgumentParser:
         help="check an envelope file or every generation of a store; exit 0 if valid",
         description="Examples: coordinator verify ./saves   coordinator verify ckpt-120.flysess",
     )
-    verify.add_argument("file", type=Path, metavar="FILE|STORE")
+    verify.add_argument("file", type=_path, metavar="FILE|STORE")
     verify.set_defaults(run=_verify)
 
     ls = commands.add_parser(
@@ -418,7 +455,7 @@ def _parser() -> argparse.ArgumentParser:
         help="list a store's generations, newest first",
         description="Example: coordinator ls ./saves --json",
     )
-    ls.add_argument("store", type=Path)
+    ls.add_argument("store", type=_path)
     ls.add_argument("--json", action="store_true", help="one JSON object for machines")
     ls.set_defaults(run=_ls)
 
@@ -427,7 +464,7 @@ def _parser() -> argparse.ArgumentParser:
         help="verify a generation and write its payloads to files (all or none)",
         description="Example: coordinator restore ./saves --checkpoint ckpt-120 --to ./restored",
     )
-    restore.add_argument("store", type=Path)
+    restore.add_argument("store", type=_path)
     restore.add_argument(
         "--checkpoint", default=None, help="checkpoint id (default: the session's high water)"
     )
@@ -477,6 +514,7 @@ def main(
 ) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
+    _TERMINATED.clear()
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exit_:
@@ -508,6 +546,9 @@ def main(
             raise
         return _report_failure(ours, f"coordinator {args.command}", err)
     except KeyboardInterrupt:
+        if _TERMINATED:
+            print("coordinator: terminated", file=err)
+            return EXIT_TERMINATED
         print("coordinator: interrupted", file=err)
         return EXIT_INTERRUPTED
     finally:
@@ -515,7 +556,11 @@ def main(
             signal.signal(signal.SIGTERM, previous)
 
 
+_TERMINATED: list[int] = []  # a SIGTERM arrived: the interrupt it becomes exits 143
+
+
 def _interrupt(signum: int, frame: object) -> None:
+    _TERMINATED.append(signum)
     os.kill(os.getpid(), signal.SIGINT)
 
 

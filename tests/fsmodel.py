@@ -49,6 +49,10 @@ class RecordingFS(FileSystem):
         if code is not None:
             raise OSError(code, os.strerror(code), path)
 
+    def open(self, path: str) -> int:
+        self._check("open", path)
+        return super().open(path)
+
     def create(self, path: str) -> int:
         self._check("create", path)
         fd = super().create(path)

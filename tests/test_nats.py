@@ -459,4 +459,4 @@ def test_watch_follows_a_running_demo_live(server: EmbeddedServer, tmp_path: Pat
     finally:
         watch.send_signal(signal.SIGTERM)
         _, stderr = watch.communicate(timeout=20)
-    assert watch.returncode == 130 and "Traceback" not in stderr
+    assert watch.returncode == 143 and "Traceback" not in stderr  # 143: SIGTERM

@@ -194,6 +194,8 @@ class SyncStore:
             fd = self._fs.open(path)
         except FileNotFoundError:
             return StoreManifest.of()  # a new store; anything else is an error
+        except PermissionError:
+            raise  # unreadable here, not invalid
         except OSError as error:
             raise StoreManifestError(path, error.strerror or str(error)) from None
         try:

@@ -79,6 +79,8 @@ def read_generation(fs: FileSystem, path: str, record: GenerationRecord) -> Stor
     """Open, check and decode the generation ``record`` lists at ``path``."""
     try:
         fd = fs.open(path)
+    except PermissionError:
+        raise  # unreadable here, not corrupt: the caller reports the OS's reason
     except OSError as error:
         raise GenerationCorruptError(
             record.checkpoint_id, path, "missing", error.strerror or str(error)
