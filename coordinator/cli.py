@@ -35,6 +35,7 @@ EXIT_USAGE = 2
 EXIT_UNREADABLE = 3
 EXIT_NOT_CHECKPOINT = 4
 EXIT_INTERRUPTED = 130
+EXIT_PIPE_CLOSED = 141
 EXIT_TERMINATED = 143
 
 EXIT_STATUSES = f"""exit status:
@@ -45,6 +46,7 @@ EXIT_STATUSES = f"""exit status:
   {EXIT_UNREADABLE}    unreadable: no such file or directory, permission denied, not a regular file
   {EXIT_NOT_CHECKPOINT}    not a checkpoint: a directory that is no store (store.not_a_store)
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+  {EXIT_PIPE_CLOSED}  the reader of the output went away (a closed pipe: `| head`)
   {EXIT_TERMINATED}  terminated (SIGTERM)"""
 
 _SIZE = re.compile(r"(\d+)\s*(B|KiB|MiB|GiB)?", re.IGNORECASE)
@@ -534,16 +536,26 @@ def main(
             or f"coordinator {args.command}"
         )
         return _report_failure(error, where, err)
+    except BrokenPipeError:
+        return _pipe_closed(out)
     except OSError as error:
         print(
             f"coordinator: cannot access {error.filename or ''}: {error.strerror or error}",
             file=err,
         )
         return EXIT_UNREADABLE
-    except BaseExceptionGroup as group:  # from a task group: report the first of ours
+    except BaseExceptionGroup as group:  # from a task group: report the one real error
+        if group.subgroup(BrokenPipeError) is not None:
+            return _pipe_closed(out)
         ours = _first_coordinator_error(group)
-        if ours is None:
-            raise
+        if ours is None:  # not one of ours: still one line, never a task group's traceback
+            leaf: BaseException = group
+            while isinstance(leaf, BaseExceptionGroup):
+                leaf = leaf.exceptions[0]
+            if not isinstance(leaf, Exception):
+                raise
+            print(f"coordinator {args.command}: FAILED [{type(leaf).__name__}] {leaf}", file=err)
+            return EXIT_FAILED
         return _report_failure(ours, f"coordinator {args.command}", err)
     except KeyboardInterrupt:
         if _TERMINATED:
@@ -554,6 +566,16 @@ def main(
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _pipe_closed(out: TextIO) -> int:
+    """The reader of our output went away (``coordinator ls | head``): end quietly,
+    as other Unix tools do, with nothing left to flush into the closed pipe."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, out.fileno())
+        os.close(devnull)
+    return EXIT_PIPE_CLOSED
 
 
 _TERMINATED: list[int] = []  # a SIGTERM arrived: the interrupt it becomes exits 143

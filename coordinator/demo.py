@@ -120,8 +120,10 @@ def _describe(scope: CaptureScope) -> ManifestBody:
 
 
 def _say(out: TextIO, line: str) -> None:
-    """The demo's output goes to the stream the CLI hands it, never to stdout."""
+    """The demo's output goes to the stream the CLI hands it, never to stdout;
+    flushed per line, so a pipe shows each event as it happens."""
     out.write(line + "\n")
+    out.flush()
 
 
 def _show(event: Event, out: TextIO) -> None:
@@ -322,8 +324,8 @@ async def _host(
             if not isinstance(final, Committed):
                 raise RuntimeError(f"the final checkpoint did not commit: {final}")
             report = await store.verify()
-            if not report.ok:
-                raise RuntimeError(f"the store does not verify: {report.failures}")
+            if not report.ok:  # a generation of this store is corrupt: say which
+                raise report.failures[0]
             for part in parts:
                 part.state = b"scrambled"
             restored = await coordinator.restore(new_epoch=f"{run}-2")

@@ -101,4 +101,8 @@ def main(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "sample.flysess"))
+    try:
+        main(Path(sys.argv[1] if len(sys.argv) > 1 else "sample.flysess"))
+    except OSError as error:  # one line, as the coordinator command says it (exit 3)
+        print(f"make_sample: cannot write {error.filename}: {error.strerror}", file=sys.stderr)
+        sys.exit(3)

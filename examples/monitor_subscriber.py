@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import re
 from dataclasses import dataclass, field
 
 import nats
@@ -139,7 +140,20 @@ class Monitor:
 
 
 async def run(url: str, session: str | None, once: bool, idle: float) -> int:
-    nc = await nats.connect(url)
+    if session is not None and not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", session):
+        print(f"--session {session!r} is not a session id (a wildcard would follow others)")
+        return 2
+
+    async def quiet(error: Exception) -> None:  # nats-py would log a traceback a try
+        pass
+
+    try:  # bounded: an unreachable server is one clear line, in about 3 s
+        nc = await asyncio.wait_for(
+            nats.connect(url, connect_timeout=1, max_reconnect_attempts=1, error_cb=quiet), 3
+        )
+    except Exception as error:
+        print(f"cannot reach NATS at {url} ({type(error).__name__})")
+        return 1
     js = nc.jetstream()
     state = Monitor()
     for key, event in (await read_durable(js, session)).items():

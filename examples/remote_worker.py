@@ -99,6 +99,8 @@ if __name__ == "__main__":
     try:
         anyio.run(main, parser.parse_args())
     except Exception as error:  # one clear line, with the code when it is ours
+        while isinstance(error, ExceptionGroup):  # a task group's: the one real error
+            error = error.exceptions[0]
         code = getattr(error, "code", type(error).__name__)
         print(f"remote_worker: [{code}] {error}", file=sys.stderr)
         sys.exit(1)

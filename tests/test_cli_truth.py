@@ -130,3 +130,77 @@ def test_help_lists_every_exit_status() -> None:
     text = run("--help").stdout
     for status in ("0 ", "1 ", "2 ", "3 ", "4 ", "130", "143"):
         assert f"  {status}" in text, status
+
+
+# --- 3. no traceback reaches a user ------------------------------------------------------------
+
+
+def closed_pipe_run(*argv: str) -> tuple[int, str]:
+    """Run with a reader that takes one line and goes away, as `| head -1` does."""
+    process = subprocess.Popen([str(COORDINATOR), *argv], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env={**os.environ,
+                               "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.readline()
+    process.stdout.close()
+    stderr = process.stderr.read().decode(errors="replace")
+    return process.wait(timeout=60), stderr
+
+
+def test_a_closed_pipe_ends_every_printing_command_quietly(tmp_path: Path) -> None:
+    """`coordinator demo | head -3` showed an ExceptionGroup ... BrokenPipeError;
+    `coordinator ls saves | true` printed "Exception ignored ... BrokenPipeError"."""
+    store = a_store(tmp_path / "store")
+    sample = tmp_path / "x.flysess"
+    subprocess.run([sys.executable, str(SAMPLE), str(sample)], check=True, capture_output=True)
+    for argv in (
+        ("demo", "--steps", "30", "--store", str(tmp_path / "demo")),
+        ("ls", str(store)),
+        ("inspect", str(sample)),
+        ("verify", str(store)),
+        ("schema", "events"),
+        ("--help",),
+    ):
+        status, stderr = closed_pipe_run(*argv)
+        assert status in (0, 141), (argv, status, stderr)
+        assert "Traceback" not in stderr and "Exception ignored" not in stderr, (argv, stderr)
+    assert not list((tmp_path / "demo").glob("tmp+*"))
+
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "line"),
+    [
+        (["make_sample.py", "/nonexistent/dir/x.flysess"], 3, "No such file or directory"),
+        (["monitor_subscriber.py", "--nats", "nats://127.0.0.1:1", "--once"], 1,
+         "cannot reach NATS at nats://127.0.0.1:1"),
+        (["remote_worker.py", "--nats", "nats://127.0.0.1:1", "--session", "S", "--name", "a"],
+         1, "[scalar.invalid] not a valid Id: 'S'"),
+    ],
+)  # fmt: skip
+def test_examples_fail_in_one_line(argv: list[str], status: int, line: str) -> None:
+    """make_sample and monitor_subscriber printed tracebacks (the latter every ~2 s, for
+    ever); remote_worker printed only "[ExceptionGroup] unhandled errors in a TaskGroup"."""
+    script, *rest = argv
+    result = subprocess.run([sys.executable, str(EXAMPLES / script), *rest], check=False,
+                            capture_output=True, text=True, timeout=30)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == status, output
+    assert line in output and "Traceback" not in output, output
+
+
+def test_a_demo_over_a_corrupt_store_says_which_generation_in_one_line(tmp_path: Path) -> None:
+    """The demo over a store whose newest generation is corrupt printed a 39-line
+    ExceptionGroup."""
+    store = tmp_path / "saves"
+    assert run("demo", "--steps", "3", "--store", str(store)).returncode == 0
+    newest = max(store.glob("*.flysess"), key=lambda path: path.stat().st_mtime_ns)
+    with open(newest, "r+b") as file:
+        file.seek(100)
+        file.write(b"XXXX")
+    result = run("demo", "--steps", "3", "--store", str(store))
+    assert result.returncode == 1, result
+    assert "[store.corrupt]" in result.stderr and newest.name in result.stderr
+    assert "Traceback" not in result.stderr and "ExceptionGroup" not in result.stderr
