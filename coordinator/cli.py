@@ -22,7 +22,13 @@ from typing import Any, TextIO
 
 import msgspec
 
-from ._errors import CoordinatorError, CorruptEnvelopeError, InvalidScalarError, NotAStoreError
+from ._errors import (
+    CoordinatorError,
+    CorruptEnvelopeError,
+    InvalidScalarError,
+    NotAStoreError,
+    UsageError,
+)
 from .envelope import Envelope, decode
 from .ids import is_id
 from .manifest import manifest_from_builtins
@@ -162,7 +168,9 @@ def _report_failure(error: CoordinatorError, path: Path | str, err: TextIO) -> i
         print(f"{path}: CORRUPT [{error.code}] check {error.step} {error.check}: {error}", file=err)
     else:
         print(f"{path}: FAILED [{error.code}] {error}", file=err)
-    return EXIT_NOT_CHECKPOINT if isinstance(error, NotAStoreError) else EXIT_FAILED
+    if isinstance(error, NotAStoreError):
+        return EXIT_NOT_CHECKPOINT
+    return EXIT_USAGE if isinstance(error, UsageError) else EXIT_FAILED
 
 
 def _inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -343,19 +351,21 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             print(f"coordinator watch: FAILED [{error.code}] --session: {error}", file=err)
             return EXIT_USAGE
     console = Console(file=out, width=None if out.isatty() else 160)  # pipes: no folding
-    live = Live(render(SaveState()), console=console, refresh_per_second=8, transient=False)
+    display = Live(render(SaveState()), console=console, refresh_per_second=8, transient=False)
 
     def show(state: SaveState, session_id: str) -> None:
         if args.json:
             session = state.sessions[session_id]
             print(json.dumps(msgspec.to_builtins(session)), file=out, flush=True)
         else:
-            live.update(render(state))
+            display.update(render(state))
 
     async def follow() -> None:
         state = SaveState()
         sessions = args.session or [None]
-        async with NatsBus(args.nats) as bus:
+        async with NatsBus(args.nats) as bus, contextlib.AsyncExitStack() as showing:
+            if not args.json:  # the table appears once the server answers, not before
+                showing.enter_context(display)
             live = [await bus.subscribe(s) for s in sessions] if not args.replay_only else []
             seen: set[str] = set()
             for session in sessions:
@@ -379,11 +389,7 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
                     group.start_soon(pump)
 
-    if args.json:
-        anyio.run(follow)
-    else:
-        with live:
-            anyio.run(follow)
+    anyio.run(follow)
     return EXIT_OK
 
 

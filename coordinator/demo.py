@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, TextIO
 import anyio
 import msgspec
 
-from ._errors import RemoteWorkerError, SaveFailedError, WriterBusyError
+from ._errors import RemoteWorkerError, SaveFailedError, UsageError, WriterBusyError
 from ._sample import sample_body
 from ._stats import percentile
 from .events import Committed, Event, Failed, Superseded, event_name
@@ -355,17 +355,22 @@ async def run_demo(
     out: TextIO | None = None,
 ) -> DemoSummary:  # fmt: skip
     """Run the demo; ``out`` gets the live event lines (None: quiet)."""
-    from .bus._nats import NatsBus
+    from .bus._nats import NatsBus, server_address
 
-    store_dir = store_dir or tempfile.mkdtemp(prefix="coordinator-demo-")
-    if out is not None:
-        _say(out, f"store {store_dir}")
+    # Checked before anything starts: no server, no directory left behind.
+    if store_dir is not None and os.path.exists(store_dir) and not os.path.isdir(store_dir):
+        raise UsageError(f"--store {store_dir} is not a directory")
+    if nats_url is not None:
+        server_address(nats_url)  # a malformed URL: UsageError at once
     async with contextlib.AsyncExitStack() as stack:
         if nats_url is None:
             nats_url = (await stack.enter_async_context(EmbeddedServer())).url
             if out is not None:
                 _say(out, f"embedded nats-server at {nats_url}")
         bus = await stack.enter_async_context(NatsBus(nats_url))
+        store_dir = store_dir or tempfile.mkdtemp(prefix="coordinator-demo-")
+        if out is not None:
+            _say(out, f"store {store_dir}")
         return await _host(bus, nats_url, store_dir, steps, out)
 
 

@@ -200,7 +200,7 @@ def test_ls_groups_by_session_and_marks_what_a_restore_abandoned(tmp_path: Path)
         "session-1": "ckpt-1",
     }
     code, _, err = run("restore", str(tmp_path), "--to", str(tmp_path.parent / "out"))
-    assert code == 1 and "name one" in err
+    assert code == 2 and "name one" in err  # usage: name a session
     assert (
         run("restore", str(tmp_path), "--session", "other", "--to", str(tmp_path.parent / "o"))[0]
         == 0

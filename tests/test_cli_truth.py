@@ -204,3 +204,56 @@ def test_a_demo_over_a_corrupt_store_says_which_generation_in_one_line(tmp_path:
     assert result.returncode == 1, result
     assert "[store.corrupt]" in result.stderr and newest.name in result.stderr
     assert "Traceback" not in result.stderr and "ExceptionGroup" not in result.stderr
+
+
+# --- 4. fail fast, before side effects ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "line"),
+    [
+        (["demo", "--nats", "nats://127.0.0.1:1"], 1, "cannot reach NATS at nats://127.0.0.1:1"),
+        (["demo", "--nats", "http://example"], 2, "not a NATS server URL"),
+        (["watch", "--nats", "nats://127.0.0.1:1", "--replay-only"], 1,
+         "cannot reach NATS at nats://127.0.0.1:1"),
+    ],
+)  # fmt: skip
+def test_a_bad_or_unreachable_server_is_said_at_once(
+    tmp_path: Path, argv: list[str], status: int, line: str
+) -> None:
+    """nats://127.0.0.1:1 and notaurl took 5.7 s and ended in a bare (TimeoutError),
+    left an empty coordinator-demo-* directory, and watch first drew an empty table."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([str(COORDINATOR), *argv], check=False, capture_output=True,
+                            text=True, timeout=30, env=env)  # fmt: skip
+    assert result.returncode == status, result
+    assert line in result.stderr and "Traceback" not in result.stderr
+    assert "save state" not in result.stdout  # no table before the server answered
+    assert list(tmp_path.iterdir()) == []  # no store directory left behind
+
+
+def test_a_store_that_is_a_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """A regular file as --store was refused only after NATS had started."""
+    (tmp_path / "afile").write_text("")
+    result = run("demo", "--store", str(tmp_path / "afile"))
+    assert result.returncode == 2 and "is not a directory" in result.stderr
+    assert "nats-server" not in result.stdout
+
+
+# --- 5. live output ----------------------------------------------------------------------------
+
+
+def test_the_demo_prints_each_event_as_it_happens_into_a_pipe(tmp_path: Path) -> None:
+    """Piped, nothing appeared for ~6.5 s, then every line at once."""
+    import time
+
+    argv = [str(COORDINATOR), "demo", "--steps", "30", "--store", str(tmp_path / "s")]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    arrivals = []
+    for line in process.stdout:
+        arrivals.append((time.monotonic(), line))
+    assert process.wait(timeout=60) == 0
+    events = [when for when, line in arrivals if line.strip()[:1].isdigit()]
+    assert len(events) > 10
+    assert events[-1] - events[0] > 0.2  # spread out as they happened, not one burst at exit

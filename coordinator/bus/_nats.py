@@ -32,6 +32,7 @@ import contextlib
 import itertools
 import logging
 import re
+import urllib.parse
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
@@ -56,7 +57,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from .._errors import BusConfigError, BusUnavailableError, InvalidScalarError
+from .._errors import BusConfigError, BusUnavailableError, InvalidScalarError, UsageError
 from ..events import (
     DEFAULT_PREFIX,
     EVENT_NAMES,
@@ -650,7 +651,9 @@ async def connect(
 ) -> Client:
     """A nats-py client that, once connected, reconnects forever (what waits for
     the server has its own bounds); the first connection gets ``timeout`` and a
-    clear ``BusUnavailableError`` instead of nats-py's endless retries."""
+    clear ``BusUnavailableError`` instead of nats-py's endless retries. A server
+    nobody listens for is known at once (a TCP probe, at most ``_PROBE_S``)."""
+    await _probe(servers, min(timeout, _PROBE_S))
     try:
         with anyio.fail_after(timeout):
             return await nats.connect(
@@ -664,6 +667,40 @@ async def connect(
         raise BusUnavailableError(
             f"cannot reach NATS at {_redacted(servers)} ({type(error).__name__})"
         ) from None
+
+
+_PROBE_S = 1.5
+_SCHEMES = {"nats": 4222, "tls": 4222, "ws": 80, "wss": 443}
+
+
+def server_address(url: str) -> tuple[str, int]:
+    """The host and port of a NATS URL; ``UsageError`` for one that is not."""
+    try:
+        parts = urllib.parse.urlsplit(url if "://" in url else f"nats://{url}")
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in _SCHEMES or not parts.hostname:
+        raise UsageError(f"not a NATS server URL: {_redacted([url])!r} (try nats://127.0.0.1:4222)")
+    return parts.hostname, port or _SCHEMES[parts.scheme]
+
+
+async def _probe(servers: Sequence[str], timeout: float) -> None:
+    """Raise ``BusUnavailableError`` at once if no server accepts a TCP connection."""
+    addresses = [server_address(url) for url in servers]
+    reasons = []
+    for host, port in addresses:
+        try:
+            with anyio.fail_after(timeout):
+                stream = await anyio.connect_tcp(host, port)
+        except (OSError, TimeoutError) as error:
+            reasons.append(getattr(error, "strerror", None) or str(error) or "no answer")
+            continue
+        await stream.aclose()
+        return
+    raise BusUnavailableError(
+        f"cannot reach NATS at {_redacted(servers)} ({'; '.join(map(str, reasons))})"
+    )
 
 
 class Backlog(Generic[T]):
