@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import msgspec
 
 from ._errors import (
+    CommitError,
     CoordinatorError,
     CorruptEnvelopeError,
     InvalidScalarError,
@@ -92,7 +93,10 @@ def _store(path: Path) -> Path:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
     return value
@@ -165,7 +169,7 @@ def _print_inspect(envelope: Envelope, path: Path, out: TextIO) -> None:
 def _report_failure(error: CoordinatorError, path: Path | str, err: TextIO) -> int:
     """One line: where, the stable code, the failed check if any, and what happened."""
     if isinstance(error, CorruptEnvelopeError):
-        print(f"{path}: CORRUPT [{error.code}] check {error.step} {error.check}: {error}", file=err)
+        print(f"{path}: CORRUPT [{error.code}] {error}", file=err)  # names its check
     else:
         print(f"{path}: FAILED [{error.code}] {error}", file=err)
     if isinstance(error, NotAStoreError):
@@ -307,7 +311,9 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     live = None if args.json else out
     summary = anyio.run(
-        lambda: run_demo(steps=args.steps, store_dir=args.store, nats_url=args.nats, out=live)
+        lambda: run_demo(
+            steps=args.steps, store_dir=args.store, nats_url=args.nats, out=live, keep=args.keep
+        )
     )
     print(summary_json(summary) if args.json else summary_text(summary), file=out)
     return EXIT_OK if summary.world_identical else EXIT_FAILED
@@ -325,7 +331,16 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     with SyncStore(_store(args.store), read_only=True, create=False) as store:
         stored = store.read(store.select(args.checkpoint, session_id=args.session))
     with stored:
-        count = export_payloads(stored, str(target))
+        try:
+            count = export_payloads(stored, str(target))
+        except (CommitError, OSError) as error:
+            if isinstance(error, FileExistsError):
+                raise
+            reason = os.strerror(error.errno) if error.errno else str(error)
+            code = error.code if isinstance(error, CommitError) else "os"
+            print(f"coordinator restore: FAILED [{code}] cannot write {target}: {reason}",
+                  file=err)  # fmt: skip
+            return EXIT_FAILED
         size = stored.envelope.layout.file_bytes
     print(
         f"restored {stored.record.checkpoint_id} ({count} payloads, envelope {size} bytes) "
@@ -410,6 +425,27 @@ def _bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("checkpoint-coordinator")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def _agent_parser() -> argparse.ArgumentParser:
+    """``coordinator demo-agent``: the demo's worker. Not a user's command, so not
+    among the parser's (an unknown command's error never lists it)."""
+    agent = argparse.ArgumentParser(prog="coordinator demo-agent")
+    agent.add_argument("--session", required=True)
+    agent.add_argument("--name", required=True)
+    agent.add_argument("--size", type=int, required=True)
+    agent.add_argument("--seed", type=int, required=True)
+    agent.set_defaults(run=_demo_agent, command="demo-agent")
+    return agent
+
+
 def _parser() -> argparse.ArgumentParser:
     from .bench import GROUPS
 
@@ -419,6 +455,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUSES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"coordinator {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser(
@@ -432,14 +469,11 @@ def _parser() -> argparse.ArgumentParser:
         "--nats", default=None, help="use this NATS server instead of an embedded one"
     )
     demo.add_argument("--json", action="store_true", help="print only a JSON summary")
+    demo.add_argument(
+        "--keep", action="store_true", help="keep the temporary store (with --store: always kept)"
+    )
     demo.set_defaults(run=_demo)
 
-    agent = commands.add_parser("demo-agent")  # the demo's worker: no help, not listed
-    agent.add_argument("--session", required=True)
-    agent.add_argument("--name", required=True)
-    agent.add_argument("--size", type=int, required=True)
-    agent.add_argument("--seed", type=int, required=True)
-    agent.set_defaults(run=_demo_agent)
 
     inspect = commands.add_parser(
         "inspect",
@@ -513,7 +547,6 @@ def _parser() -> argparse.ArgumentParser:
         "--runs", type=_positive, default=5, help="repetitions; the median is reported"
     )
     bench.set_defaults(run=_bench)
-    commands.metavar = "{" + ",".join(c for c in commands.choices if c != "demo-agent") + "}"
     return parser
 
 
@@ -524,7 +557,11 @@ def main(
     err = err or sys.stderr
     _TERMINATED.clear()
     try:
-        args = _parser().parse_args(argv)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if argv[:1] == ["demo-agent"]:
+            args = _agent_parser().parse_args(argv[1:])
+        else:
+            args = _parser().parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
     # SIGTERM stops a command the way Ctrl-C does: cleanly, servers and workers too.

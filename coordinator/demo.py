@@ -17,6 +17,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, TextIO
 
 import anyio
+import anyio.to_thread
 import msgspec
 
 from ._errors import RemoteWorkerError, SaveFailedError, UsageError, WriterBusyError
@@ -62,6 +64,7 @@ class DemoSummary(msgspec.Struct, frozen=True, kw_only=True):
     restored_epoch: str
     world_identical: bool
     store: str
+    store_kept: bool = True  # False: a temporary store, removed at the end
 
 
 class _Part:
@@ -134,8 +137,8 @@ def _show(event: Event, out: TextIO) -> None:
         extra += f"{event.timings.total_ms or 0:.1f} ms)"
     elif isinstance(event, Superseded):
         extra = f"by {event.superseded_by}"
-    elif isinstance(event, Failed):
-        extra = f"[{event.code}]"
+    elif isinstance(event, Failed):  # its reason says when the fault is simulated
+        extra = f"[{event.code}] {event.reason}"
     _say(out, f"  {event.seq:4}  {kind:10}  {event.checkpoint_id:12}  {extra}")
 
 
@@ -147,6 +150,7 @@ async def _simulate(
     steps: int,
     worlds: dict[int, bytes],
     out: TextIO | None,
+    failure_shown: anyio.Event,
 ) -> None:
     """Step the world and agents; capture durably every 10 steps and hot every 3.
     At step 20 a held writer makes one hot capture supersede another; at step 30 a
@@ -177,11 +181,13 @@ async def _simulate(
                     await earlier.wait()
                 disk.fail_next = True
                 await (await coordinator.capture(step, replaceable=False)).wait()
+                with anyio.move_on_after(5):  # its `failed` line first, then the host's
+                    await failure_shown.wait()
             elif durable or hot:
                 tickets.append(await coordinator.capture(step, replaceable=not durable))
         except SaveFailedError as error:  # raised once, by the next capture
             if out is not None:
-                _say(out, f"  host: an earlier save failed [{error.error_code}]")
+                _say(out, f"  host: told that {error.checkpoint_id} failed [{error.error_code}]")
         except WriterBusyError:  # not a failure: try at a later step
             pass
 
@@ -274,7 +280,8 @@ async def _final_checkpoint(
                 await anyio.sleep(0.01)
             except SaveFailedError as error:
                 if out is not None:
-                    _say(out, f"  host: an earlier save failed [{error.error_code}]")
+                    told = f"{error.checkpoint_id} failed [{error.error_code}]"
+                    _say(out, f"  host: told that {told}")
 
 
 async def _host(
@@ -293,11 +300,14 @@ async def _host(
     worlds: dict[int, bytes] = {}
     seen: Counter[str] = Counter()
     latencies: list[float] = []
+    failure_shown = anyio.Event()  # the host's note follows the event it is about
     subscription = await bus.subscribe("demo")
 
     async def watch() -> None:
         async for event in subscription:
             seen[event_name(event)] += 1
+            if isinstance(event, Failed):
+                failure_shown.set()
             if isinstance(event, Committed) and event.timings.total_ms is not None:
                 latencies.append(event.timings.total_ms)
             if out is not None:
@@ -318,8 +328,9 @@ async def _host(
         )  # fmt: skip
         async with coordinator:
             await _simulate(
-                coordinator, parts=parts, disk=disk, steps=steps, worlds=worlds, out=out
-            )
+                coordinator, parts=parts, disk=disk, steps=steps, worlds=worlds, out=out,
+                failure_shown=failure_shown,
+            )  # fmt: skip
             final = await _final_checkpoint(coordinator, steps, f"{run}-final-{steps}", out)
             if not isinstance(final, Committed):
                 raise RuntimeError(f"the final checkpoint did not commit: {final}")
@@ -352,9 +363,11 @@ async def _host(
 
 async def run_demo(
     *, steps: int = 60, store_dir: str | None = None, nats_url: str | None = None,
-    out: TextIO | None = None,
+    out: TextIO | None = None, keep: bool = True,
 ) -> DemoSummary:  # fmt: skip
-    """Run the demo; ``out`` gets the live event lines (None: quiet)."""
+    """Run the demo; ``out`` gets the live event lines (None: quiet). Without
+    ``store_dir`` the store is a new temporary directory, removed at the end
+    unless ``keep``."""
     from .bus._nats import NatsBus, server_address
 
     # Checked before anything starts: no server, no directory left behind.
@@ -368,17 +381,24 @@ async def run_demo(
             if out is not None:
                 _say(out, f"embedded nats-server at {nats_url}")
         bus = await stack.enter_async_context(NatsBus(nats_url))
+        temporary = store_dir is None and not keep
         store_dir = store_dir or tempfile.mkdtemp(prefix="coordinator-demo-")
         if out is not None:
             _say(out, f"store {store_dir}")
-        return await _host(bus, nats_url, store_dir, steps, out)
+        try:
+            summary = await _host(bus, nats_url, store_dir, steps, out)
+        finally:
+            if temporary:
+                await anyio.to_thread.run_sync(shutil.rmtree, store_dir, True)
+        return msgspec.structs.replace(summary, store_kept=not temporary)
 
 
 def summary_text(summary: DemoSummary) -> str:
     events = ", ".join(f"{k} {v}" for k, v in summary.events.items())
     return (
         f"demo: {summary.steps} steps; {summary.generations} generations, "
-        f"{summary.stored_bytes / (1 << 20):.1f} MiB in {summary.store}\n"
+        f"{summary.stored_bytes / (1 << 20):.1f} MiB in {summary.store}"
+        f"{'' if summary.store_kept else ' (removed at the end; --keep keeps it)'}\n"
         f"  commit latency p50 {summary.commit_ms_p50} ms, p99 {summary.commit_ms_p99} ms\n"
         f"  events: {events}\n"
         f"  remote participants (own processes): {', '.join(summary.remote_participants)}\n"

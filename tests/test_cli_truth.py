@@ -257,3 +257,53 @@ def test_the_demo_prints_each_event_as_it_happens_into_a_pipe(tmp_path: Path) ->
     events = [when for when, line in arrivals if line.strip()[:1].isdigit()]
     assert len(events) > 10
     assert events[-1] - events[0] > 0.2  # spread out as they happened, not one burst at exit
+
+
+# --- 7. say what is simulated; 8. small things ----------------------------------------------
+
+
+def test_the_demo_says_its_failure_is_simulated_and_cleans_up(tmp_path: Path) -> None:
+    """The demo's `failed ... [store.commit]` line never said it was simulated; the
+    host's note came before the event; each demo left ~42 MiB in the temp directory."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([str(COORDINATOR), "demo", "--steps", "35"], check=False,
+                            capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    failed = next(i for i, line in enumerate(lines) if " failed " in line)
+    assert "simulated write error (demo)" in lines[failed]
+    told = next(i for i, line in enumerate(lines) if "host: told that" in line)
+    assert told > failed
+    assert "removed at the end; --keep keeps it" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+    kept = subprocess.run([str(COORDINATOR), "demo", "--steps", "3", "--keep"], check=False,
+                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert kept.returncode == 0 and len(list(tmp_path.glob("coordinator-demo-*"))) == 1
+
+
+def test_small_things(tmp_path: Path) -> None:
+    steps = run("demo", "--steps", "abc")
+    assert steps.returncode == 2 and "not a whole number: 'abc'" in steps.stderr
+    unknown = run("nosuch")
+    assert unknown.returncode == 2 and "demo-agent" not in unknown.stderr
+    version = run("--version")
+    assert version.returncode == 0 and version.stdout.startswith("coordinator ")
+    sample = tmp_path / "x.flysess"
+    subprocess.run([sys.executable, str(SAMPLE), str(sample)], check=True, capture_output=True)
+    data = bytearray(sample.read_bytes())
+    data[0] ^= 0xFF
+    sample.write_bytes(bytes(data))
+    corrupt = run("verify", str(sample))
+    assert corrupt.returncode == 1
+    line = corrupt.stderr.strip()
+    assert line.count("check 1") == 1, line  # the check is named once
+
+
+def test_restore_errors_name_the_target_not_a_staging_directory(tmp_path: Path) -> None:
+    """A restore that could not write named an internal `.out.staging-xxxx` path."""
+    store = a_store(tmp_path / "store")
+    (tmp_path / "afile").write_text("")
+    target = tmp_path / "afile" / "out"  # its parent is a file: nothing can be made there
+    result = run("restore", str(store), "--to", str(target))
+    assert result.returncode == 1, result
+    assert str(target) in result.stderr and "staging" not in result.stderr, result.stderr
