@@ -248,7 +248,8 @@ def test_the_demo_prints_each_event_as_it_happens_into_a_pipe(tmp_path: Path) ->
     import time
 
     argv = [str(COORDINATOR), "demo", "--steps", "30", "--store", str(tmp_path / "s")]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a user has it
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
     assert process.stdout is not None
     arrivals = []
     for line in process.stdout:
