@@ -159,6 +159,8 @@ def test_a_closed_pipe_ends_every_printing_command_quietly(tmp_path: Path) -> No
         ("inspect", str(sample)),
         ("verify", str(store)),
         ("schema", "events"),
+        ("restore", str(store), "--to", str(tmp_path / "restored")),
+        ("bench", "envelope", "--size", "8MiB", "--runs", "1"),
         ("--help",),
     ):
         status, stderr = closed_pipe_run(*argv)
