@@ -417,10 +417,15 @@ def _schema(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .bench import GROUPS, render, report
+    from .bench.progress import shown_on
 
     groups = list(GROUPS) if args.group == "all" else [args.group]
     for group in groups:
-        document = report(group, GROUPS[group](args.size, args.runs))
+        # Progress on stderr only when it is a terminal, never with --json; its lines
+        # are cleared before the group's report is printed.
+        with shown_on(err, group, enabled=not args.json) as progress:
+            results = GROUPS[group](args.size, args.runs, progress)
+        document = report(group, results)
         print(json.dumps(document) if args.json else render(document), file=out)
     return EXIT_OK
 
@@ -473,7 +478,6 @@ def _parser() -> argparse.ArgumentParser:
         "--keep", action="store_true", help="keep the temporary store (with --store: always kept)"
     )
     demo.set_defaults(run=_demo)
-
 
     inspect = commands.add_parser(
         "inspect",

@@ -10,14 +10,28 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
 
 import msgspec
 
 from .._stats import percentile
+from .progress import NO_PROGRESS, Progress
 
-__all__ = ["GROUPS", "Result", "median", "percentile", "render", "report", "result", "status_kib"]
+__all__ = [
+    "GROUPS",
+    "NO_PROGRESS",
+    "Group",
+    "Progress",
+    "Result",
+    "median",
+    "percentile",
+    "render",
+    "report",
+    "result",
+    "size_text",
+    "status_kib",
+]
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,37 +124,55 @@ def render(document: dict[str, Any]) -> str:
     for row in rows:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
     for item in document["results"]:
-        lines.append(f"  {item['metric']}: baseline = {item['baseline_name'] or 'none'}")
+        measured = item["detail"].get("bytes")
+        at = "" if measured is None else f" (measured at {size_text(measured)})"
+        lines.append(f"  {item['metric']}{at}: baseline = {item['baseline_name'] or 'none'}")
         for key, value in item["detail"].items():
             lines.append(f"      {key}: {value}")
     return "\n".join(lines)
 
 
-def _envelope(size: int, runs: int) -> list[Result]:
+def size_text(count: int) -> str:
+    """``8 MiB``, ``1 GiB``, ``8.004 MiB``: the size a figure measured, for a person."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if count >= 1 << shift:
+            return f"{count / (1 << shift):.4g} {unit}"
+    return f"{count} bytes"
+
+
+class Group(Protocol):
+    """A group's run: ``--size`` bytes, ``--runs`` runs, progress shown as it goes."""
+
+    def __call__(
+        self, size: int, runs: int, progress: Progress = NO_PROGRESS, /
+    ) -> list[Result]: ...
+
+
+def _envelope(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Result]:
     from .envelope import run
 
-    return run(size=size, runs=runs)
+    return run(size=size, runs=runs, progress=progress)
 
 
-def _store(size: int, runs: int) -> list[Result]:
+def _store(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Result]:
     from .store import run
 
-    return run(size=size, runs=runs)
+    return run(size=size, runs=runs, progress=progress)
 
 
-def _runtime(size: int, runs: int) -> list[Result]:
+def _runtime(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Result]:
     from .runtime import run
 
-    return run(size=size, runs=runs)
+    return run(size=size, runs=runs, progress=progress)
 
 
-def _bus(size: int, runs: int) -> list[Result]:
+def _bus(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Result]:
     from .bus import run
 
-    return run(size=size, runs=runs)
+    return run(size=size, runs=runs, progress=progress)
 
 
-GROUPS: dict[str, Callable[[int, int], list[Result]]] = {
+GROUPS: dict[str, Group] = {
     "envelope": _envelope,
     "store": _store,
     "runtime": _runtime,

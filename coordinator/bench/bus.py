@@ -40,6 +40,7 @@ from ..server import EmbeddedServer
 from ..session import CaptureScope, Coordinator
 from ..store import FileStore
 from . import Result, median, percentile, result
+from .progress import NO_PROGRESS, Progress
 from .runtime import small_describe, small_parts
 
 LATENCY_EVENTS = 2000  # committed events per run
@@ -177,18 +178,22 @@ async def _bare_latency(url: str, session: str, count: int, data: bytes) -> dict
     return {"core": core, "jetstream": jetstream}
 
 
-async def committed_latency(url: str, folder: Path, *, runs: int, events: int) -> Result:
+async def committed_latency(
+    url: str, folder: Path, *, runs: int, events: int, progress: Progress = NO_PROGRESS
+) -> Result:
     await _setup(url)
     committed = encode_event((await _template(folder, "lat-template"))[2])
     ours: list[list[float]] = []
     bare: list[dict[str, list[float]]] = []
-    for run in range(runs):
-        pair: list[tuple[list[Any], Callable[[], Awaitable[Any]]]] = [
-            (ours, partial(_ours_latency, url, folder, f"lat-{run}", events)),
-            (bare, partial(_bare_latency, url, f"bare-lat-{run}", events, committed)),
-        ]
-        for collected, measure in pair if run % 2 == 0 else reversed(pair):
-            collected.append(await measure())
+    with progress.phase("bus.committed_latency_p99_ms", runs):
+        for run in range(runs):
+            pair: list[tuple[list[Any], Callable[[], Awaitable[Any]]]] = [
+                (ours, partial(_ours_latency, url, folder, f"lat-{run}", events)),
+                (bare, partial(_bare_latency, url, f"bare-lat-{run}", events, committed)),
+            ]
+            for collected, measure in pair if run % 2 == 0 else reversed(pair):
+                collected.append(await measure())
+            progress.advance()
 
     def p(runs_ms: Sequence[Sequence[float]], fraction: float) -> list[float]:
         return [percentile(sorted(values), fraction) for values in runs_ms]
@@ -336,28 +341,32 @@ async def _bare_rate(url: str, events: Sequence[Event], bucket: str, *, pipeline
     return len(events) / elapsed
 
 
-async def events_per_s(url: str, folder: Path, *, runs: int, events: int) -> Result:
+async def events_per_s(
+    url: str, folder: Path, *, runs: int, events: int, progress: Progress = NO_PROGRESS
+) -> Result:
     bucket = await _setup(url)
     template = await _template(folder, "rate-template")
     ours: list[float] = []
     bare: list[float] = []
     sequential: list[float] = []
-    for run in range(runs):
-        pair: list[tuple[list[float], Callable[[], Awaitable[float]]]] = [
-            (ours, partial(_ours_rate, url, _copies(template, f"rate-{run}", events))),
-            (bare, partial(
-                _bare_rate, url, _copies(template, f"bare-rate-{run}", events), bucket,
-                pipelined=True,
-            )),
-        ]  # fmt: skip
-        for rates, measure in pair if run % 2 == 0 else reversed(pair):
-            rates.append(await measure())
-        sequential.append(
-            await _bare_rate(
-                url, _copies(template, f"bare-seq-{run}", max(3, events // 5)), bucket,
-                pipelined=False,
-            )
-        )  # fmt: skip
+    with progress.phase("bus.events_per_s", runs):
+        for run in range(runs):
+            pair: list[tuple[list[float], Callable[[], Awaitable[float]]]] = [
+                (ours, partial(_ours_rate, url, _copies(template, f"rate-{run}", events))),
+                (bare, partial(
+                    _bare_rate, url, _copies(template, f"bare-rate-{run}", events), bucket,
+                    pipelined=True,
+                )),
+            ]  # fmt: skip
+            for rates, measure in pair if run % 2 == 0 else reversed(pair):
+                rates.append(await measure())
+            sequential.append(
+                await _bare_rate(
+                    url, _copies(template, f"bare-seq-{run}", max(3, events // 5)), bucket,
+                    pipelined=False,
+                )
+            )  # fmt: skip
+            progress.advance()
     # The target (10000/s) is on ours; bare pipelined nats-py is the baseline.
     return result(
         "bus.events_per_s", unit="events/s", ours=median(ours),
@@ -386,7 +395,9 @@ async def events_per_s(url: str, folder: Path, *, runs: int, events: int) -> Res
 OBJECT_BYTES = 256 << 20  # the issue's remote capture; --size lowers it
 
 
-async def object_transfer(url: str, *, runs: int, size: int) -> list[Result]:
+async def object_transfer(
+    url: str, *, runs: int, size: int, progress: Progress = NO_PROGRESS
+) -> list[Result]:
     """A remote participant's capture of ``size`` bytes, served from a worker process
     of its own, until the writer holds it verified: the worker's put (hashed as it
     goes) and our read. Baseline: nats-py's own put and get (``writeinto``, its
@@ -433,11 +444,14 @@ async def object_transfer(url: str, *, runs: int, size: int) -> list[Result]:
             bare_gets.append(time.perf_counter() - stored)
             await plain.delete(f"obj-{run}")
 
-        await ours(-1, timed=False)  # the worker steps its agent once, untimed
-        for run in range(runs):
-            for measure in (ours, bare) if run % 2 == 0 else (bare, ours):
-                await measure(run)
-        await wait_deleted(bus, runs + 1)
+        with progress.phase("bus.object_transfer_mib_s: warming the worker"):
+            await ours(-1, timed=False)  # the worker steps its agent once, untimed
+        with progress.phase("bus.object_transfer_mib_s (+ object_read)", runs):
+            for run in range(runs):
+                for measure in (ours, bare) if run % 2 == 0 else (bare, ours):
+                    await measure(run)
+                progress.advance()
+            await wait_deleted(bus, runs + 1)
 
     def rates(seconds: Sequence[float]) -> list[float]:
         return [round(mib / s, 1) for s in seconds]
@@ -484,14 +498,22 @@ async def wait_deleted(bus: NatsBus, count: int) -> None:
 
 
 async def _measure(
-    folder: Path, size: int, runs: int, latency_events: int, rate_events: int
+    folder: Path, size: int, runs: int, latency_events: int, rate_events: int, *, progress: Progress
 ) -> list[Result]:
     try:
-        async with EmbeddedServer(folder / "nats") as server:
+        async with contextlib.AsyncExitStack() as stack:
+            with progress.phase("bus: starting nats-server"):
+                server = await stack.enter_async_context(EmbeddedServer(folder / "nats"))
             return [
-                await committed_latency(server.url, folder, runs=runs, events=latency_events),
-                await events_per_s(server.url, folder, runs=runs, events=rate_events),
-                *await object_transfer(server.url, runs=runs, size=min(size, OBJECT_BYTES)),
+                await committed_latency(
+                    server.url, folder, runs=runs, events=latency_events, progress=progress
+                ),
+                await events_per_s(
+                    server.url, folder, runs=runs, events=rate_events, progress=progress
+                ),
+                *await object_transfer(
+                    server.url, runs=runs, size=min(size, OBJECT_BYTES), progress=progress
+                ),
             ]
     except TimeoutError as error:  # an OSError: the CLI would call it a file it cannot access
         raise RuntimeError("bench bus: a measurement stalled") from error
@@ -503,10 +525,12 @@ def run(
     runs: int,
     latency_events: int = LATENCY_EVENTS,
     rate_events: int = RATE_EVENTS,
+    progress: Progress = NO_PROGRESS,
 ) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="coordinator-bench-") as folder:
         # nats-py runs on asyncio only: anyio's default backend.
         results: list[Result] = anyio.run(
-            _measure, Path(folder), size, runs, latency_events, rate_events
-        )
+            partial(_measure, progress=progress), Path(folder), size, runs, latency_events,
+            rate_events,
+        )  # fmt: skip
     return results

@@ -32,6 +32,7 @@ from .._sample import sample_body, sample_payload_names
 from ..canonical import canonical_bytes, count_values
 from ..manifest import build_manifest, manifest_to_builtins
 from . import Result, median, result, status_kib
+from .progress import NO_PROGRESS, Progress
 
 
 def _timed(action: Callable[[], object]) -> float:
@@ -55,7 +56,10 @@ def _sha_two(views: Sequence[memoryview]) -> None:
 
 
 def _pairs(
-    ours: Callable[[], object], baseline: Callable[[], object], runs: int
+    ours: Callable[[], object],
+    baseline: Callable[[], object],
+    runs: int,
+    progress: Progress = NO_PROGRESS,
 ) -> tuple[list[float], list[float]]:
     ours_times, base_times = [], []
     for index in range(runs):
@@ -65,6 +69,7 @@ def _pairs(
         else:
             ours_times.append(_timed(ours))
             base_times.append(_timed(baseline))
+        progress.advance()  # between pairs, outside both timings
     return ours_times, base_times
 
 
@@ -88,17 +93,18 @@ def _spread(values: Sequence[float]) -> list[float]:
     return [round(min(values), 4), round(max(values), 4)]
 
 
-def run(*, size: int, runs: int) -> list[Result]:
-    block = os.urandom(1 << 20)
-    agents = ["fly-a", "fly-b"]  # with admission: 8 payloads, as BENCH.md asks
-    names = sample_payload_names(agents, admission=True)
-    part = size // len(names)
-    payloads = [(name, (block * (part // len(block) + 1))[:part]) for name in names]
-    views = [memoryview(data) for _, data in payloads]
-    total = part * len(names)
-    manifest = manifest_to_builtins(
-        build_manifest(sample_body("bench-1", agent_ids=agents, admission=True), payloads)
-    )
+def run(*, size: int, runs: int, progress: Progress = NO_PROGRESS) -> list[Result]:
+    with progress.phase("envelope: preparing 8 payloads"):
+        block = os.urandom(1 << 20)
+        agents = ["fly-a", "fly-b"]  # with admission: 8 payloads, as BENCH.md asks
+        names = sample_payload_names(agents, admission=True)
+        part = size // len(names)
+        payloads = [(name, (block * (part // len(block) + 1))[:part]) for name in names]
+        views = [memoryview(data) for _, data in payloads]
+        total = part * len(names)  # the bytes every figure below measured
+        manifest = manifest_to_builtins(
+            build_manifest(sample_body("bench-1", agent_ids=agents, admission=True), payloads)
+        )
     gib = total / (1 << 30)
 
     # Encode: lay out, hash and stream every piece (what the store writes from).
@@ -106,13 +112,16 @@ def run(*, size: int, runs: int) -> list[Result]:
         for _ in envelope.plan(manifest, payloads).stream():
             pass
 
-    enc_ours, enc_one = _pairs(encode_stream, lambda: _sha_one(views), runs)
-    _, enc_two = _pairs(lambda: None, lambda: _sha_two(views), runs)
-    to_bytes = _timed(lambda: envelope.encode(manifest, payloads))
+    with progress.phase("envelope.encode_1gib", runs):
+        enc_ours, enc_one = _pairs(encode_stream, lambda: _sha_one(views), runs, progress)
+    with progress.phase("envelope.encode_1gib: two-sha256 reference", runs):
+        _, enc_two = _pairs(lambda: None, lambda: _sha_two(views), runs, progress)
+    with progress.phase("envelope.encode_1gib: encode() to one bytes"):
+        to_bytes = _timed(lambda: envelope.encode(manifest, payloads))
 
     with tempfile.TemporaryDirectory(prefix="coordinator-bench-") as folder:
         path = Path(folder) / "bench.flysess"
-        with path.open("wb") as file:
+        with progress.phase("envelope: writing the file"), path.open("wb") as file:
             for piece in envelope.plan(manifest, payloads).stream():
                 file.write(piece)
         body = os.path.getsize(path) - envelope.FOOTER_BYTES
@@ -120,11 +129,14 @@ def run(*, size: int, runs: int) -> list[Result]:
         verify = _mapped(path, envelope.decode)
         two = _mapped(path, lambda mapped: _sha_two([memoryview(mapped)[:body]]))
         one = _mapped(path, lambda mapped: _sha_one([memoryview(mapped)[:body]]))
-        ver_ours, ver_two = _pairs(verify, two, runs)
-        _, ver_one = _pairs(lambda: None, one, runs)
-        rss = _decode_rss(path)
+        with progress.phase("envelope.verify_1gib", runs):
+            ver_ours, ver_two = _pairs(verify, two, runs, progress)
+        with progress.phase("envelope.verify_1gib: one-sha256 reference", runs):
+            _, ver_one = _pairs(lambda: None, one, runs, progress)
+        with progress.phase("envelope.decode_rss_mib"):
+            rss = _decode_rss(path)
 
-    hostile = _refuse_hostile(runs)
+    hostile = _refuse_hostile(runs, progress)
     ver_ratios = [o / b for o, b in zip(ver_ours, ver_two, strict=True)]
     enc_ratios = [o / b for o, b in zip(enc_ours, enc_one, strict=True)]
     return [
@@ -138,6 +150,7 @@ def run(*, size: int, runs: int) -> list[Result]:
             detail={
                 "ours_unit": "s",
                 "runs": runs,
+                "bytes": total,
                 "gib": round(gib, 3),
                 "median_pair_ratio": round(median(ver_ratios), 4),
                 "ours_spread_s": _spread(ver_ours),
@@ -157,6 +170,7 @@ def run(*, size: int, runs: int) -> list[Result]:
             detail={
                 "ours_unit": "s",
                 "runs": runs,
+                "bytes": total,
                 "median_pair_ratio": round(median(enc_ratios), 4),
                 "ours_spread_s": _spread(enc_ours),
                 "ratio_to_two_concurrent_sha256": round(median(enc_ours) / median(enc_two), 4),
@@ -173,7 +187,10 @@ def run(*, size: int, runs: int) -> list[Result]:
             baseline_name=None,
             better="lower",
             target=64,
-            detail={"how": "VmHWM after decode minus VmRSS before, fresh subprocess, mmap input"},
+            detail={
+                "bytes": total,
+                "how": "VmHWM after decode minus VmRSS before, fresh subprocess, mmap input",
+            },
         ),
         hostile,
     ]
@@ -271,21 +288,24 @@ def _refusal(data: bytes) -> Callable[[], object]:
     return refuse
 
 
-def _refuse_hostile(runs: int) -> Result:
+def _refuse_hostile(runs: int, progress: Progress = NO_PROGRESS) -> Result:
     """Worst median refusal over the hostile shapes, beside a valid file of the same size."""
-    files = {name: _sealed(manifest) for name, manifest in _hostile_manifests().items()}
-    assert all(len(data) < _FILE_LIMIT for data in files.values())
-    valid = _valid_of_size(max(len(data) for data in files.values()))
-    large = _valid_at_value_limit()
+    with progress.phase("envelope.refuse_hostile_ms: forging hostile files"):
+        files = {name: _sealed(manifest) for name, manifest in _hostile_manifests().items()}
+        assert all(len(data) < _FILE_LIMIT for data in files.values())
+        valid = _valid_of_size(max(len(data) for data in files.values()))
+        large = _valid_at_value_limit()
     repeats = max(runs, 5)
     times: dict[str, list[float]] = {name: [] for name in files}
     base_times: list[float] = []
     large_times: list[float] = []
-    for _ in range(repeats):  # interleaved, so drift hits every figure alike
-        base_times.append(_timed(lambda: envelope.decode(valid)))
-        large_times.append(_timed(lambda: envelope.decode(large)))
-        for name, data in files.items():
-            times[name].append(_timed(_refusal(data)))
+    with progress.phase("envelope.refuse_hostile_ms", repeats):
+        for _ in range(repeats):  # interleaved, so drift hits every figure alike
+            base_times.append(_timed(lambda: envelope.decode(valid)))
+            large_times.append(_timed(lambda: envelope.decode(large)))
+            for name, data in files.items():
+                times[name].append(_timed(_refusal(data)))
+            progress.advance()
     medians = {name: median(values) * 1000 for name, values in times.items()}
     worst = max(medians, key=medians.__getitem__)
     return result(

@@ -31,6 +31,7 @@ from ..session import CaptureScope, Coordinator
 from ..store import FileStore
 from ..writer import WriterLimits
 from . import Result, median, percentile, result, status_kib
+from .progress import NO_PROGRESS, Progress
 from .store import _fsync_dir, _raw_write
 
 AGENTS = ["fly-a", "fly-b"]  # with admission: 8 payloads
@@ -130,25 +131,29 @@ def _raw(folder: Path, parts: Sequence[_Bytes], run: int) -> float:
     return elapsed
 
 
-def _large(folder: Path, size: int, runs: int) -> list[Result]:
-    names = sample_payload_names(AGENTS, admission=True)
-    block = os.urandom(1 << 20)
-    part = size // len(names)
-    parts = [_Bytes(name, (block * (part // len(block) + 1))[:part]) for name in names]
+def _large(folder: Path, size: int, runs: int, progress: Progress = NO_PROGRESS) -> list[Result]:
+    with progress.phase("runtime: preparing 8 participants"):
+        names = sample_payload_names(AGENTS, admission=True)
+        block = os.urandom(1 << 20)
+        part = size // len(names)
+        parts = [_Bytes(name, (block * (part // len(block) + 1))[:part]) for name in names]
     saves: list[dict[str, float]] = []
     raws: list[float] = []
     hashes: list[float] = []
-    for run in range(runs):
-        os.sync()
-        saves.append(anyio.run(_save_once, folder, parts, run))
-        hashes.append(anyio.run(_hash_only, parts))
-        os.sync()
-        raws.append(_raw(folder, parts, run))
-        for leftover in folder.glob(f"rt-{run}/*.flysess"):
-            leftover.unlink()
+    with progress.phase("runtime.capture_to_committed_1gib (+ loop lag, capture, RSS)", runs):
+        for run in range(runs):
+            os.sync()
+            saves.append(anyio.run(_save_once, folder, parts, run))
+            hashes.append(anyio.run(_hash_only, parts))
+            os.sync()
+            raws.append(_raw(folder, parts, run))
+            for leftover in folder.glob(f"rt-{run}/*.flysess"):
+                leftover.unlink()
+            progress.advance()
     total = median([s["total_s"] for s in saves])
     blocks = [s["capture_block_ms"] for s in saves]
-    detail = {"runs": runs, "gib": round(part * len(names) / (1 << 30), 3)}
+    measured = part * len(names)  # the payload bytes each save held and wrote
+    detail = {"runs": runs, "bytes": measured, "gib": round(measured / (1 << 30), 3)}
     return [
         result(
             "runtime.loop_lag_p99_ms", unit="ms", ours=median([s["lag_p99_ms"] for s in saves]),
@@ -202,7 +207,7 @@ def small_describe(scope: CaptureScope) -> ManifestBody:
     )
 
 
-def _small(folder: Path, runs: int) -> Result:
+def _small(folder: Path, runs: int, progress: Progress = NO_PROGRESS) -> Result:
     parts = small_parts()
     describe = small_describe
 
@@ -241,10 +246,12 @@ def _small(folder: Path, runs: int) -> Result:
 
     ours: list[float] = []
     base: list[float] = []
-    for run in range(runs):
-        pair = [(ours, pipeline), (base, store_only)]
-        for rates, measure in pair if run % 2 == 0 else reversed(pair):
-            rates.append(anyio.run(measure, run))
+    with progress.phase("runtime.pipeline_small_rate", runs):
+        for run in range(runs):
+            pair = [(ours, pipeline), (base, store_only)]
+            for rates, measure in pair if run % 2 == 0 else reversed(pair):
+                rates.append(anyio.run(measure, run))
+            progress.advance()
     return result(
         "runtime.pipeline_small_rate", ours=median(ours), baseline=median(base),
         baseline_name="FileStore.commit of the same checkpoints, one after another",
@@ -257,8 +264,8 @@ def _small(folder: Path, runs: int) -> Result:
     )  # fmt: skip
 
 
-def run(*, size: int, runs: int) -> list[Result]:
+def run(*, size: int, runs: int, progress: Progress = NO_PROGRESS) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="coordinator-bench-") as folder:
-        large = _large(Path(folder), size, max(3, runs))
-        small = _small(Path(folder), runs)
+        large = _large(Path(folder), size, max(3, runs), progress)
+        small = _small(Path(folder), runs, progress)
     return [*large, small]

@@ -26,6 +26,7 @@ from .._sample import sample_body, sample_payload_names
 from ..manifest import CheckpointManifest, build_manifest, manifest_to_builtins
 from ..store import FileStore, SyncStore
 from . import Result, median, result
+from .progress import NO_PROGRESS, Progress
 
 SMALL_PAYLOAD = 4096
 SMALL_BATCH = 25  # commits per round; rounds alternate the loops to share the noise
@@ -75,20 +76,21 @@ def _encoded(manifest: CheckpointManifest, payloads: Any) -> list[memoryview]:
     return list(envelope.plan(manifest_to_builtins(manifest), payloads).stream())
 
 
-def _small(folder: Path, runs: int) -> list[Result]:
-    block = os.urandom(SMALL_PAYLOAD)
-    checkpoints = [
-        _checkpoint(i, ["fly-a"], SMALL_PAYLOAD, block)
-        for i in range(runs * ROUNDS_PER_RUN * SMALL_BATCH)
-    ]
-    # The raw loop gets the exact bytes our store writes: envelopes and manifests.
-    work = []
-    with SyncStore(folder / "reference") as reference:
-        for manifest, payloads in checkpoints:
-            pieces = _encoded(manifest, payloads)
-            receipt = reference.commit(manifest, payloads)
-            manifest_bytes = (folder / "reference" / "manifest.json").read_bytes()
-            work.append((receipt.record.file, pieces, manifest_bytes, receipt.dropped))
+def _small(folder: Path, runs: int, progress: Progress = NO_PROGRESS) -> list[Result]:
+    with progress.phase("store.commit_small_rate: preparing checkpoints"):
+        block = os.urandom(SMALL_PAYLOAD)
+        checkpoints = [
+            _checkpoint(i, ["fly-a"], SMALL_PAYLOAD, block)
+            for i in range(runs * ROUNDS_PER_RUN * SMALL_BATCH)
+        ]
+        # The raw loop gets the exact bytes our store writes: envelopes and manifests.
+        work = []
+        with SyncStore(folder / "reference") as reference:
+            for manifest, payloads in checkpoints:
+                pieces = _encoded(manifest, payloads)
+                receipt = reference.commit(manifest, payloads)
+                manifest_bytes = (folder / "reference" / "manifest.json").read_bytes()
+                work.append((receipt.record.file, pieces, manifest_bytes, receipt.dropped))
 
     def raw_one(target: str, item: Any) -> None:
         name, pieces, manifest_bytes, dropped = item
@@ -138,12 +140,15 @@ def _small(folder: Path, runs: int) -> list[Result]:
 
     rates: dict[str, list[float]] = {"core": [], "raw": [], "facade": [], "raw_hop": []}
     kinds = {"core": core, "raw": raw, "facade": facade, "raw_hop": raw_hop}
-    for run in range(runs * ROUNDS_PER_RUN):
-        batch = checkpoints[run * SMALL_BATCH : (run + 1) * SMALL_BATCH]
-        items = work[run * SMALL_BATCH : (run + 1) * SMALL_BATCH]
-        order = list(kinds) if run % 2 == 0 else list(reversed(kinds))
-        for kind in order:
-            rates[kind].append(kinds[kind](batch, items, folder / f"{kind}-{run}"))
+    # A run of this phase is one round: each of the four loops over its own batch.
+    with progress.phase("store.commit_small_rate (+ _async)", runs * ROUNDS_PER_RUN):
+        for run in range(runs * ROUNDS_PER_RUN):
+            batch = checkpoints[run * SMALL_BATCH : (run + 1) * SMALL_BATCH]
+            items = work[run * SMALL_BATCH : (run + 1) * SMALL_BATCH]
+            order = list(kinds) if run % 2 == 0 else list(reversed(kinds))
+            for kind in order:
+                rates[kind].append(kinds[kind](batch, items, folder / f"{kind}-{run}"))
+            progress.advance()
     detail = {
         "ours_unit": "commits/s",
         "rounds": runs * ROUNDS_PER_RUN,
@@ -177,12 +182,13 @@ def _small(folder: Path, runs: int) -> list[Result]:
     ]
 
 
-def _large(folder: Path, size: int, runs: int) -> Result:
-    agents = ["fly-a", "fly-b"]  # with admission: 8 payloads
-    part = size // len(sample_payload_names(agents, admission=True))
-    manifest, payloads = _checkpoint(0, agents, part, os.urandom(1 << 20), admission=True)
-    pieces = _encoded(manifest, payloads)
-    total = sum(len(p) for p in pieces)
+def _large(folder: Path, size: int, runs: int, progress: Progress = NO_PROGRESS) -> Result:
+    with progress.phase("store.commit_1gib: preparing the checkpoint"):
+        agents = ["fly-a", "fly-b"]  # with admission: 8 payloads
+        part = size // len(sample_payload_names(agents, admission=True))
+        manifest, payloads = _checkpoint(0, agents, part, os.urandom(1 << 20), admission=True)
+        pieces = _encoded(manifest, payloads)
+        total = sum(len(p) for p in pieces)  # the envelope's bytes: what both sides write
     ours_times: list[float] = []
     raw_times: list[float] = []
     raw_sha_times: list[float] = []
@@ -217,13 +223,15 @@ def _large(folder: Path, size: int, runs: int) -> Result:
         (raw_times, raw),
         (raw_sha_times, lambda run: raw(run, with_sha=True)),
     ]
-    for run in range(runs):
-        # rotate the order: whoever goes after a GiB of writes meets the disk's backlog
-        for times, measure in measures[run % 3 :] + measures[: run % 3]:
-            os.sync()  # start each from a clean page cache, outside the timing
-            times.append(measure(run))
-        for path in folder.glob(f"*big-{run}*/*.flysess"):
-            path.unlink()
+    with progress.phase("store.commit_1gib", runs):
+        for run in range(runs):
+            # rotate the order: whoever goes after a GiB of writes meets the disk's backlog
+            for times, measure in measures[run % 3 :] + measures[: run % 3]:
+                os.sync()  # start each from a clean page cache, outside the timing
+                times.append(measure(run))
+            for path in folder.glob(f"*big-{run}*/*.flysess"):
+                path.unlink()
+            progress.advance()
     ratios = [o / r for o, r in zip(ours_times, raw_times, strict=True)]
     return result(
         "store.commit_1gib",
@@ -250,8 +258,8 @@ def _large(folder: Path, size: int, runs: int) -> Result:
     )
 
 
-def run(*, size: int, runs: int) -> list[Result]:
+def run(*, size: int, runs: int, progress: Progress = NO_PROGRESS) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="coordinator-bench-") as folder:
-        small = _small(Path(folder), runs)
-        large = _large(Path(folder), size, max(3, runs))
+        small = _small(Path(folder), runs, progress)
+        large = _large(Path(folder), size, max(3, runs), progress)
     return [*small, large]
