@@ -310,3 +310,21 @@ def test_restore_errors_name_the_target_not_a_staging_directory(tmp_path: Path) 
     result = run("restore", str(store), "--to", str(target))
     assert result.returncode == 1, result
     assert str(target) in result.stderr and "staging" not in result.stderr, result.stderr
+
+
+@pytest.mark.asyncio
+async def test_a_closed_pipe_ends_watch_quietly(tmp_path: Path) -> None:
+    """watch prints too: its reader going away ends it quietly."""
+    import functools
+
+    import anyio.to_thread
+
+    from coordinator.server import EmbeddedServer
+
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        demo = functools.partial(run, "demo", "--steps", "12", "--nats", server.url)
+        assert (await anyio.to_thread.run_sync(demo)).returncode == 0
+        watch = functools.partial(closed_pipe_run, "watch", "--nats", server.url, "--json")
+        status, stderr = await anyio.to_thread.run_sync(watch)
+    assert status in (0, 141), (status, stderr)
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
