@@ -75,21 +75,21 @@ def _path(text: str) -> Path:
 
 def _store(path: Path) -> Path:
     """``path`` if it is a store directory: ``FileNotFoundError`` if there is nothing
-    there, ``NotAStoreError`` for a file or a directory without ``manifest.json`` or
-    ``LOCK`` (an empty directory, loose checkpoint files)."""
+    there, ``NotAStoreError`` for a file or a directory without ``manifest.json``
+    (an empty directory, loose checkpoint files, a store never committed to)."""
     try:
         os.stat(path)
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path)) from None
     if not path.is_dir():
+        if not path.is_file():  # a FIFO, a device: as `verify` and `inspect` say it
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         raise NotAStoreError(str(path))
-    for name in ("manifest.json", "LOCK"):
-        try:
-            os.stat(path / name)  # a PermissionError says so: not "not a store"
-            return path
-        except FileNotFoundError:
-            continue
-    raise NotAStoreError(str(path))
+    try:
+        os.stat(path / "manifest.json")  # a PermissionError says so: not "not a store"
+    except FileNotFoundError:  # (a store never committed to holds nothing to read)
+        raise NotAStoreError(str(path)) from None
+    return path
 
 
 def _positive(text: str) -> int:
@@ -327,6 +327,9 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     target = Path(args.to).absolute()
     if target.exists():
         print(f"coordinator: {target} exists; restore writes a new directory", file=err)
+        return EXIT_USAGE
+    if target.resolve().is_relative_to(args.store.resolve()):
+        print(f"coordinator: {target} is inside the store; restore writes elsewhere", file=err)
         return EXIT_USAGE
     with SyncStore(_store(args.store), read_only=True, create=False) as store:
         stored = store.read(store.select(args.checkpoint, session_id=args.session))

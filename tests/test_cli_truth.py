@@ -328,3 +328,29 @@ async def test_a_closed_pipe_ends_watch_quietly(tmp_path: Path) -> None:
         status, stderr = await anyio.to_thread.run_sync(watch)
     assert status in (0, 141), (status, stderr)
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+
+
+def test_the_attack_rounds_cli_breaks(tmp_path: Path) -> None:
+    """A directory holding only LOCK verified 'ok, 0 of 0'; ls and restore disagreed
+    with verify on a FIFO; restore wrote into the store itself; a server that accepts
+    TCP but never speaks NATS took the whole connect timeout."""
+    import socket
+
+    lock_only = tmp_path / "lock-only"
+    lock_only.mkdir()
+    (lock_only / "LOCK").write_text("")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, status in ((lock_only, 4), (fifo, 3)):
+        for argv in (("verify", str(path)), ("ls", str(path)),
+                     ("restore", str(path), "--to", str(tmp_path / "out"))):  # fmt: skip
+            assert run(*argv).returncode == status, (argv, status)
+    store = a_store(tmp_path / "store")
+    inside = run("restore", str(store), "--to", str(store / "inner"))
+    assert inside.returncode == 2 and not (store / "inner").exists()
+    with socket.socket() as silent:  # accepts connections, says nothing
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"nats://127.0.0.1:{silent.getsockname()[1]}"
+        result = run("watch", "--nats", url, "--replay-only")
+    assert result.returncode == 1 and "cannot reach NATS" in result.stderr, result.stderr

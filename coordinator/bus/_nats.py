@@ -693,11 +693,16 @@ async def _probe(servers: Sequence[str], timeout: float) -> None:
         try:
             with anyio.fail_after(timeout):
                 stream = await anyio.connect_tcp(host, port)
-        except (OSError, TimeoutError) as error:
+                try:  # a NATS server greets at once; a black hole or a proxy does not
+                    greeting = await stream.receive(4096)
+                finally:
+                    await stream.aclose()
+        except (OSError, TimeoutError, anyio.EndOfStream) as error:
             reasons.append(getattr(error, "strerror", None) or str(error) or "no answer")
             continue
-        await stream.aclose()
-        return
+        if greeting.startswith(b"INFO"):
+            return
+        reasons.append("it does not speak NATS")
     raise BusUnavailableError(
         f"cannot reach NATS at {_redacted(servers)} ({'; '.join(map(str, reasons))})"
     )
