@@ -209,3 +209,13 @@ def _variants(
         choices = [_contents(inodes[ino]) for _, ino in listed]
         for combination in itertools.product(*choices):
             yield {name: data for (name, _), data in zip(listed, combination, strict=True)}
+
+
+def no_space_creating(prefix: str, on: dict[str, bool]) -> RecordingFS:
+    """A disk that is full (ENOSPC) for files named ``prefix...`` while ``on["on"]``."""
+    return RecordingFS(
+        lambda op, name: (
+            errno.ENOSPC if on["on"] and op == "create" and name.startswith(prefix) else None
+        ),
+        keep_data=False,
+    )

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
-from fsmodel import RecordingFS, fail_nth
+from fsmodel import RecordingFS, fail_nth, no_space_creating
 from hostkit import NAMES, GateFS, Part, RecordingBus, coordinator, parts
 
 from coordinator import (
@@ -982,14 +982,7 @@ async def test_an_unseen_failure_does_not_cost_the_final_checkpoint(tmp_path: Pa
     from coordinator import SaveFailedError
 
     fail = {"on": False}
-    fs = RecordingFS(
-        lambda op, name: (
-            errno.ENOSPC
-            if fail["on"] and op == "create" and name.startswith("tmp+epoch-1-2")
-            else None
-        ),
-        keep_data=False,
-    )
+    fs = no_space_creating("tmp+epoch-1-2", fail)
     async with FileStore(tmp_path, fs=fs) as store:
         with pytest.raises(SaveFailedError, match="epoch-1-2"):  # still raised, once
             async with coordinator(store, parts(), final_step=lambda: 100) as c:
@@ -1324,14 +1317,7 @@ async def test_claims_end_with_their_jobs(tmp_path: Path) -> None:
     """A submitted capture's store-wide id claim was never released: claims grew
     forever, and a later coordinator was refused an id nothing ran or listed."""
     fail = {"on": False}
-    fs = RecordingFS(
-        lambda op, name: (
-            errno.ENOSPC
-            if fail["on"] and op == "create" and name.startswith("tmp+nightly")
-            else None
-        ),
-        keep_data=False,
-    )
+    fs = no_space_creating("tmp+nightly", fail)
     from coordinator import SaveFailedError
 
     async with FileStore(tmp_path, fs=fs) as store:
@@ -1526,13 +1512,7 @@ async def test_a_failing_final_capture_still_raises_the_earlier_save_failure(
     from coordinator import CaptureFailedError, SaveFailedError
 
     fail = {"on": True}
-    fs = RecordingFS(
-        lambda op, name: (
-            errno.ENOSPC if fail["on"] and op == "create" and name.startswith("tmp+epoch-1-1")
-            else None
-        ),
-        keep_data=False,
-    )  # fmt: skip
+    fs = no_space_creating("tmp+epoch-1-1", fail)
     participants = parts()
     raised: BaseException | None = None
     async with FileStore(tmp_path, fs=fs) as store:

@@ -45,7 +45,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -87,6 +87,8 @@ DEFAULT_MAX_BYTES = 1 << 30  # one remote payload, declared by the other side
 DEFAULT_LEASE_BUCKET = "CKPT_WORKERS"
 DEFAULT_LEASE_TTL = 15.0  # seconds: how long a killed worker blocks its successor, at most
 
+ScopeT = TypeVar("ScopeT", CaptureScope, RestoreScope)
+
 Op = Literal["capture", "stage", "activate", "abort"]
 
 
@@ -98,6 +100,15 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     object: str = ""  # capture: where to put the bytes; stage: where they are
     byte_length: int = 0  # stage: what the object must hold
     digest: str = ""
+
+    def scope(self, kind: type[ScopeT]) -> ScopeT:
+        """The worker's side of ``at``: the scope this request carries."""
+        return kind(
+            session_id=self.session_id,
+            epoch=self.epoch,
+            checkpoint_id=self.checkpoint_id,
+            step=self.step,
+        )
 
     @classmethod
     def at(cls, scope: CaptureScope | RestoreScope, **fields: Any) -> Request:
@@ -610,13 +621,7 @@ class _Worker:
     async def _do(self, op: str, request: Request) -> Reply:
         key = (request.epoch, request.checkpoint_id)
         if op == "capture":
-            scope = CaptureScope(
-                session_id=request.session_id,
-                epoch=request.epoch,
-                step=request.step,
-                checkpoint_id=request.checkpoint_id,
-            )
-            data = await owned_bytes(await self.participant.capture(scope))
+            data = await owned_bytes(await self.participant.capture(request.scope(CaptureScope)))
             if not self.lease.held():  # nothing put for a request another worker owns now
                 raise self.lease.lost("it expired while the participant captured")
             with memoryview(data) as view:
@@ -624,12 +629,7 @@ class _Worker:
                 digest = await self.bucket.put(request.object, flat)
                 return Reply(ok=True, byte_length=flat.nbytes, digest=digest)
         if op == "stage":
-            restore = RestoreScope(
-                session_id=request.session_id,
-                epoch=request.epoch,
-                checkpoint_id=request.checkpoint_id,
-                step=request.step,
-            )
+            restore = request.scope(RestoreScope)
             held = await self.bucket.read(request.object, request.byte_length, request.digest)
             try:
                 with memoryview(held) as payload:
