@@ -19,11 +19,14 @@ into typed attributes; the message is built once, here.
     ├── WriterClosedError                 writer.closed
     ├── SaveFailedError                   save.failed      an earlier save failed (raised once)
     ├── CaptureFailedError                capture.failed   a participant failed: epoch fenced
+    │   ├── IdentityMismatchError         capture.identity_mismatch  a reply for another scope
+    │   └── IncompatibleCaptureError      capture.incompatible  a reply of another compatibility
     ├── EpochFencedError                  epoch.fenced     capture refused until a restore
     ├── DeadlineExpiredError              deadline.expired no outcome in time (may still commit)
     ├── StaleEpochError                   restore.stale_epoch  an epoch that was used before
     ├── DuplicateCheckpointError          capture.duplicate_id an id that was captured before
     ├── RestoreFailedError                restore.failed   the group did not install; see tainted
+    ├── IncompatibleStateError            restore.incompatible  the checkpoint's identity differs
     ├── ServerError                       server.unavailable  no embedded nats-server
     ├── BusConfigError                    bus.config       an existing stream/bucket does not fit
     ├── BusUnavailableError               bus.unavailable  the NATS server cannot be reached
@@ -47,6 +50,9 @@ into typed attributes; the message is built once, here.
         │   └── StorePoisonedError        store.poisoned   refused: a directory fsync failed
         └── DurabilityUnknownError        store.durability_unknown  the commit point's fsync
                                                            failed: durable or not, unknown
+
+The codes the reference coordinator gives the STATE-01 refusals are kept as
+``reference_code`` (``IDENTITY_MISMATCH``, ``INCOMPATIBLE_STATE``).
 
 The split between ``UsageError`` (we were called wrongly) and the corrupt-input
 errors (the bytes we were handed are bad) follows h11's Local/RemoteProtocolError.
@@ -75,6 +81,9 @@ __all__ = [
     "EpochFencedError",
     "GenerationCorruptError",
     "GenerationNotFoundError",
+    "IdentityMismatchError",
+    "IncompatibleCaptureError",
+    "IncompatibleStateError",
     "InvalidScalarError",
     "JsonError",
     "JsonValueError",
@@ -107,6 +116,7 @@ class CoordinatorError(Exception):
     """Root of every error the coordinator raises on purpose."""
 
     code: ClassVar[str] = "coordinator"
+    reference_code: ClassVar[str | None] = None  # the reference coordinator's name for it
 
 
 class UsageError(CoordinatorError, ValueError):
@@ -241,6 +251,36 @@ class CaptureFailedError(CoordinatorError):
         super().__init__(f"participant {participant!r} failed to capture: {reason}")
 
 
+class IdentityMismatchError(CaptureFailedError):
+    """A participant answered for another checkpoint id or boundary than it was
+    asked for: its bytes are not this checkpoint's. Fences the epoch."""
+
+    code: ClassVar[str] = "capture.identity_mismatch"
+    reference_code: ClassVar[str | None] = "IDENTITY_MISMATCH"
+
+    def __init__(self, participant: str, asked: tuple[str, int], answered: tuple[str, int]) -> None:
+        self.asked = asked
+        self.answered = answered
+        super().__init__(
+            participant,
+            f"asked for checkpoint {asked[0]} at step {asked[1]}, it answered for "
+            f"checkpoint {answered[0]} at step {answered[1]}",
+        )
+
+
+class IncompatibleCaptureError(CaptureFailedError):
+    """A participant's capture states another compatibility digest than the
+    host's: state of another build. Fences the epoch."""
+
+    code: ClassVar[str] = "capture.incompatible"
+    reference_code: ClassVar[str | None] = "INCOMPATIBLE_STATE"
+
+    def __init__(self, participant: str, expected: str, found: str) -> None:
+        self.expected = expected
+        self.found = found
+        super().__init__(participant, f"compatibility digest {found}, the host expects {expected}")
+
+
 class EpochFencedError(CoordinatorError):
     """Capture is refused: a participant failed in this epoch. Restore into a new one."""
 
@@ -286,6 +326,27 @@ class RestoreFailedError(CoordinatorError):
         super().__init__(
             f"restore failed at {participant!r}: {reason}; tainted: {list(tainted) or 'none'}"
         )
+
+
+class IncompatibleStateError(CoordinatorError):
+    """A restore refused before anything changed: the checkpoint's compatibility
+    identity differs from the host's. ``differences`` names each identity, with
+    what the host expects and what the checkpoint holds; ``skipped`` (a default
+    selection) every generation of the timeline that was tried."""
+
+    code: ClassVar[str] = "restore.incompatible"
+    reference_code: ClassVar[str | None] = "INCOMPATIBLE_STATE"
+
+    def __init__(
+        self, checkpoint_id: str, differences: tuple[Any, ...], skipped: tuple[str, ...] = ()
+    ) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.differences = differences
+        self.skipped = skipped
+        named = "; ".join(str(d) for d in differences[:4])
+        more = f" (and {len(differences) - 4} more)" if len(differences) > 4 else ""
+        tried = f"; no compatible generation among {list(skipped)}" if skipped else ""
+        super().__init__(f"checkpoint {checkpoint_id} is incompatible: {named}{more}{tried}")
 
 
 class ServerError(CoordinatorError):
@@ -390,6 +451,7 @@ class StoreDirectoryError(StoreError):
 
 class GenerationNotFoundError(StoreError, LookupError):
     code: ClassVar[str] = "store.not_found"
+    reference_code: ClassVar[str | None] = "INCOMPATIBLE_STATE"  # nothing to restore
 
 
 class GenerationCorruptError(StoreError, ValueError):

@@ -1,7 +1,9 @@
-"""The five save-state events, as frozen tagged msgspec Structs.
+"""The save-state events, as frozen tagged msgspec Structs.
 
 Per checkpoint the order is always ``captured`` < ``queued`` < one terminal
-event (``superseded`` | ``committed`` | ``failed``). Every event of a session
+event (``superseded`` | ``committed`` | ``failed``). A sixth, ``restored``,
+says that a restore installed a checkpoint into a new epoch, and which steps
+of the old timeline it abandoned. Every event of a session
 carries a strictly increasing ``seq``, so a subscriber can detect gaps (a new
 host run goes on from the bus's last ``seq``; see ``Bus.last_seq``), and an
 ``eventId`` derived from (session, epoch, checkpoint, event): publishing the
@@ -19,6 +21,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from .identity import Identity
 from .ids import U64, Digest, Id, check_id
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "Failed",
     "PayloadSummary",
     "Queued",
+    "Restored",
     "Superseded",
     "Timings",
     "decode_event",
@@ -44,7 +48,7 @@ __all__ = [
 ]
 
 DEFAULT_PREFIX: Final = "ckpt"
-EVENT_NAMES: Final = ("captured", "queued", "superseded", "committed", "failed")
+EVENT_NAMES: Final = ("captured", "queued", "superseded", "committed", "failed", "restored")
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
@@ -124,7 +128,25 @@ class Failed(_Event, frozen=True, kw_only=True, tag="failed"):
     durable: Literal[False, "unknown"] = False
 
 
-Event = Captured | Queued | Superseded | Committed | Failed
+class Restored(_Event, frozen=True, kw_only=True, tag="restored"):
+    """A restore installed ``checkpointId`` (its step: ``boundary``) into ``epoch``,
+    every participant active, and the fork is durable. The steps the old timeline
+    reached after it, ``abandonedFrom``..``abandonedTo`` of ``previousEpoch``, are
+    lost (``null``: none). ``reason``: ``rollback`` (the host asked, after it had
+    captured or restored in this run) or ``recovery`` (a run's first act, after a
+    restart). ``identity`` is what was compared with the host's, and matched, but
+    for the identities named in ``allowedIncompatible`` (the host overrode the
+    check)."""
+
+    previous_epoch: Id
+    reason: Literal["rollback", "recovery"]
+    abandoned_from: U64 | None
+    abandoned_to: U64 | None
+    identity: Identity
+    allowed_incompatible: tuple[str, ...] = ()
+
+
+Event = Captured | Queued | Superseded | Committed | Failed | Restored
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(Event)
@@ -167,7 +189,7 @@ def subject_token(session_id: str) -> str:
 
 def subject(session_id: str, event: str, *, prefix: str = DEFAULT_PREFIX) -> str:
     """``<prefix>.<session>.<event>``, the subject an event is published on."""
-    if event not in EVENT_NAMES and event != "restored":
+    if event not in EVENT_NAMES:
         raise ValueError(f"unknown event {event!r}")
     return f"{prefix}.{subject_token(session_id)}.{event}"
 

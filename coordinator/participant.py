@@ -5,18 +5,34 @@ restores in two phases (stage, then activate or abort) so that a group restore
 installs every participant or none. A participant that already holds its
 capture as an artifact (a remote one, whose bytes are an object on the bus) is
 an ``ArtifactSource`` as well, and the coordinator takes its handle as it is.
+
+A capture may answer with a ``CaptureReply``: the bytes, and the scope they
+are for (checkpoint id, step) and the participant's compatibility digest. The
+coordinator checks them against what it asked (``check_reply``, the
+reference's STATE-01 order): another id or step is ``IdentityMismatchError``,
+another digest ``IncompatibleCaptureError``; either fails the capture and
+fences the epoch. Bare bytes state nothing beyond the call they answer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
+from ._errors import IdentityMismatchError, IncompatibleCaptureError
 from ._types import BytesLike
 from .artifacts import ArtifactHandle, ArtifactLedger
 
-__all__ = ["ArtifactSource", "CaptureScope", "Participant", "RestoreScope"]
+__all__ = [
+    "ArtifactSource",
+    "CaptureReply",
+    "CaptureScope",
+    "Participant",
+    "RestoreScope",
+    "check_reply",
+]
 
 
 class CaptureScope(msgspec.Struct, frozen=True, kw_only=True):
@@ -24,6 +40,39 @@ class CaptureScope(msgspec.Struct, frozen=True, kw_only=True):
     epoch: str
     step: int
     checkpoint_id: str
+    # The host's compatibility digest: what a reply that states one must state.
+    compatibility_digest: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CaptureReply:
+    """A capture that says what it answers: checked against the scope asked."""
+
+    data: BytesLike
+    checkpoint_id: str
+    step: int
+    compatibility_digest: str | None = None  # None: the participant states none
+
+
+def check_reply(
+    participant: str,
+    scope: CaptureScope,
+    checkpoint_id: str,
+    step: int,
+    compatibility_digest: str | None,
+) -> None:
+    """The reference's order: the checkpoint id and boundary, then the digest."""
+    if (checkpoint_id, step) != (scope.checkpoint_id, scope.step):
+        raise IdentityMismatchError(
+            participant, (scope.checkpoint_id, scope.step), (checkpoint_id, step)
+        )
+    expected = scope.compatibility_digest
+    if (
+        compatibility_digest is not None
+        and expected is not None
+        and compatibility_digest != expected
+    ):
+        raise IncompatibleCaptureError(participant, expected, compatibility_digest)
 
 
 class RestoreScope(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,7 +91,7 @@ class Participant(Protocol):
 
     name: str
 
-    async def capture(self, scope: CaptureScope) -> BytesLike: ...
+    async def capture(self, scope: CaptureScope) -> BytesLike | CaptureReply: ...
 
     async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Any: ...
 

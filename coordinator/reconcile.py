@@ -15,6 +15,13 @@ so a bus that did store it the first time drops the copy (NATS:
 event's: reconciliations never re-issue a ``seq``. Run it where no coordinator
 of the session is running (it claims each session on the store meanwhile, and
 skips one a coordinator of this process holds).
+
+A crash right after a restore leaves a durable fork (the store manifest's epoch
+record) whose ``restored`` event may never have gone out. ``unannounced_restore``
+finds it: the session's newest fork, unless the bus's latest ``restored`` event
+is that one. A coordinator announces it as it enters; ``reconcile`` does too.
+The event is rebuilt from the fork record and the restored generation, under
+the original ``eventId``, so a bus that stored it once drops the copy.
 """
 
 from __future__ import annotations
@@ -22,13 +29,19 @@ from __future__ import annotations
 from typing import Protocol
 
 from ._errors import GenerationCorruptError, UsageError
-from .events import Committed, Event, event_id, rfc3339_now
-from .store import FileStore, GenerationRecord
+from .events import Committed, Event, Restored, Timings, event_id, rfc3339_now
+from .identity import identity_of
+from .manifest import CheckpointManifest
+from .store import EpochRecord, FileStore, GenerationRecord
 
-__all__ = ["reconcile"]
+__all__ = ["reconcile", "restored_event", "unannounced_restore"]
 
 
-class _AnnouncingBus(Protocol):
+class _RestoreKnowingBus(Protocol):
+    async def latest_restored(self, session_id: str) -> Restored | None: ...
+
+
+class _AnnouncingBus(_RestoreKnowingBus, Protocol):
     async def publish(self, event: Event) -> None: ...
 
     async def latest_committed(self, session_id: str) -> Committed | None: ...
@@ -50,6 +63,10 @@ async def reconcile(store: FileStore, bus: _AnnouncingBus) -> tuple[str, ...]:
             record = _newer_high_water(store, session_id, latest)
             if record is not None and await _announce(store, bus, record):
                 announced.append(record.checkpoint_id)
+            restore = await unannounced_restore(store, bus, session_id)
+            if restore is not None:
+                await bus.publish(restore)
+                announced.append(restore.checkpoint_id)
         finally:
             store.release_session(session_id)
     return tuple(announced)
@@ -105,3 +122,66 @@ async def _announce(store: FileStore, bus: _AnnouncingBus, record: GenerationRec
         )
     )
     return True
+
+
+def restored_event(
+    session_id: str,
+    epoch: EpochRecord,
+    manifest: CheckpointManifest,
+    *,
+    total_ms: float | None = None,
+) -> Restored:
+    """The ``restored`` event of the restore that opened ``epoch`` (a fork) by
+    installing ``manifest``'s checkpoint: from the durable record alone, so it is
+    the same event whenever it is built (``seq``: the publisher's)."""
+    fork = epoch.fork
+    assert fork is not None, "an epoch opened by a restore"
+    return Restored(
+        seq=0,
+        event_id=event_id(session_id, epoch.epoch, fork.checkpoint_id, "restored"),
+        time=rfc3339_now(),
+        checkpoint_id=fork.checkpoint_id,
+        session_id=session_id,
+        epoch=epoch.epoch,
+        episode_id=manifest.episode_id,
+        boundary=fork.step,
+        byte_length=str(sum(int(record.byte_length) for record in manifest.payloads)),
+        timings=Timings(total_ms=None if total_ms is None else round(total_ms, 3)),
+        previous_epoch=fork.previous_epoch,
+        reason=fork.reason,
+        abandoned_from=fork.abandoned_from,
+        abandoned_to=fork.abandoned_to,
+        identity=identity_of(manifest),
+        allowed_incompatible=fork.allowed_incompatible,
+    )
+
+
+async def unannounced_restore(
+    store: FileStore, bus: _RestoreKnowingBus, session_id: str
+) -> Restored | None:
+    """The ``restored`` event of the session's newest restore, if the bus's
+    latest ``restored`` is an older restore's (or there is none). ``None`` when
+    it was announced, or when it cannot be rebuilt any more (the restored
+    generation rotated away or unreadable: by then later events followed it)."""
+    session = store.session(session_id)
+    forks = [record for record in session.epochs if record.fork is not None] if session else []
+    if session is None or not forks:
+        return None
+    newest = forks[-1]
+    assert newest.fork is not None
+    latest = await bus.latest_restored(session_id)
+    if latest is not None:
+        if latest.epoch == newest.epoch:
+            return None  # announced
+        earlier = {record.epoch for record in forks[:-1]} | set(session.retired_epochs)
+        if latest.epoch not in earlier:
+            return None  # a restore this store does not know of: not ours to follow
+    record = store.lookup(newest.fork.checkpoint_id, session_id=session_id)
+    if record is None or record.sequence != newest.fork.sequence:
+        return None
+    try:
+        stored = await store.read(record.checkpoint_id, session_id=session_id)
+    except GenerationCorruptError:
+        return None  # `coordinator verify` reports it
+    with stored:
+        return restored_event(session_id, newest, stored.manifest)

@@ -53,6 +53,8 @@ from ._errors import (
     DuplicateCheckpointError,
     DurabilityUnknownError,
     EpochFencedError,
+    GenerationNotFoundError,
+    IncompatibleStateError,
     RestoreFailedError,
     SaveFailedError,
     StaleEpochError,
@@ -64,26 +66,56 @@ from ._errors import (
 )
 from .artifacts import ArtifactHandle, ArtifactLedger, capture, hashing_limiter, release_off_loop
 from .bus import Bus
+from .events import Restored
+from .identity import (
+    Identity,
+    IdentityDifference,
+    compatibility_digest,
+    identity_differences,
+    identity_of,
+)
 from .ids import ID_MAX_LENGTH, U64_MAX, check_digest, check_id, format_u64
 from .manifest import ManifestBody, PayloadRecord, manifest_with_records
-from .participant import ArtifactSource, CaptureScope, Participant, RestoreScope
-from .store import FileStore, GenerationRecord
+from .participant import (
+    ArtifactSource,
+    CaptureReply,
+    CaptureScope,
+    Participant,
+    RestoreScope,
+    check_reply,
+)
+from .reconcile import restored_event, unannounced_restore
+from .store import FileStore, GenerationRecord, StoredCheckpoint
 from .writer import Outcome, RetryPolicy, Ticket, Writer, WriterLimits
 
 __all__ = [
     "ArtifactSource",
+    "CaptureReply",
     "CaptureScope",
     "Coordinator",
     "Participant",
     "RestoreReport",
     "RestoreScope",
+    "SkippedGeneration",
 ]
 
 
+class SkippedGeneration(msgspec.Struct, frozen=True, kw_only=True):
+    """A newer generation a default restore passed over: its identity differs."""
+
+    checkpoint_id: str
+    differences: tuple[IdentityDifference, ...]
+
+
 class RestoreReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a restore installed, what it passed over, and what it announced."""
+
     record: GenerationRecord
     epoch: str
     participants: tuple[str, ...]
+    event: Restored  # as published: the abandoned range, the reason, the identity
+    skipped: tuple[SkippedGeneration, ...] = ()  # newer, incompatible (default selection)
+    allowed_incompatible: tuple[IdentityDifference, ...] = ()  # overridden differences
 
 
 def _described(
@@ -156,6 +188,8 @@ class Coordinator:
         self._claimed = True
         try:
             last_seq = await self.bus.last_seq(self.session_id)
+            # A crash right after a restore: its event may never have gone out.
+            unannounced = await unannounced_restore(self.store, self.bus, self.session_id)
             await self.store.open_epoch(self.session_id, self.epoch)
             self._hashing = hashing_limiter()
             await self.writer.__aenter__()
@@ -166,6 +200,8 @@ class Coordinator:
             self._shut.set()
             raise
         self.writer.resume_seq(self.session_id, last_seq)
+        if unannounced is not None:
+            self.writer.announce(unannounced)
         self._open = True
         self._entering.set()
         return self
@@ -293,6 +329,11 @@ class Coordinator:
         scope = CaptureScope(
             session_id=self.session_id, epoch=self.epoch, step=step, checkpoint_id=checkpoint_id
         )
+        # The host's body first: its compatibility digest is what each reply must state.
+        body = _described(self.describe, scope)
+        scope = msgspec.structs.replace(
+            scope, compatibility_digest=compatibility_digest(body.compatibility)
+        )
         with self.writer.reserve() as reservation:  # before any participant is asked
             self.store.claim_checkpoint(checkpoint_id)  # ... and so is the id, store-wide
             self._ids.add(checkpoint_id)
@@ -303,7 +344,7 @@ class Coordinator:
                 handles = [handle for handle, _ in captured]
                 try:
                     records = [record for _, record in captured]
-                    manifest = manifest_with_records(_described(self.describe, scope), records)
+                    manifest = manifest_with_records(body, records)
                     refusal = self.writer.refusal(manifest, replaceable=replaceable)
                     if refusal is not None:
                         raise refusal
@@ -354,6 +395,12 @@ class Coordinator:
                     handle = await participant.capture_artifact(scope, self.ledger)
                 else:
                     data = await participant.capture(scope)
+                    if isinstance(data, CaptureReply):
+                        check_reply(
+                            participant.name, scope, data.checkpoint_id, data.step,
+                            data.compatibility_digest,
+                        )  # fmt: skip
+                        data = data.data
                     handle = await capture(
                         participant.name,
                         data,
@@ -366,7 +413,10 @@ class Coordinator:
             except BaseException as error:  # its own failure, or bytes we cannot take
                 if not isinstance(error, Exception) and not await raised_on_its_own(error):
                     raise  # we are cancelled
-                failure.append(CaptureFailedError(participant.name, repr(error)))
+                if isinstance(error, CaptureFailedError):  # a reply for another scope
+                    failure.append(error)
+                else:
+                    failure.append(CaptureFailedError(participant.name, repr(error)))
                 raise failure[-1] from None
 
         try:
@@ -442,11 +492,25 @@ class Coordinator:
                 "epochs are used once: choose a new one"
             )
 
-    async def restore(self, checkpoint_id: str | None = None, *, new_epoch: str) -> RestoreReport:
-        """Verify a generation of this session (named, or its high water) and
-        install it into ``new_epoch``: every participant stages, new captures of the
-        old epoch are refused, all activate, the old epoch's queued captures are
-        superseded, and the fork is made durable. All or none.
+    async def restore(
+        self,
+        checkpoint_id: str | None = None,
+        *,
+        new_epoch: str,
+        allow_incompatible: bool = False,
+    ) -> RestoreReport:
+        """Verify a generation of this session and install it into ``new_epoch``:
+        every participant stages, new captures of the old epoch are refused, all
+        activate, the old epoch's queued captures are superseded, the fork is made
+        durable and a ``restored`` event is published. All or none.
+
+        The generation's identity must be the host's (``describe()``'s
+        compatibility block and agents): ``IncompatibleStateError`` otherwise,
+        before anything changes. With no ``checkpoint_id``, the newest compatible
+        generation of the session's timeline is taken; newer incompatible ones are
+        named in ``RestoreReport.skipped``. ``allow_incompatible=True`` installs
+        the named generation (or the high water) whatever differs, and the
+        differences are recorded, in the store and in the event.
         """
         if not self._open or self._shutting:
             raise WriterClosedError("the coordinator is closed (or not open yet)")
@@ -456,15 +520,20 @@ class Coordinator:
         poisoned = self.store.poisoned
         if poisoned is not None:  # before any participant is touched
             raise StorePoisonedError(new_epoch, f"restore ({poisoned})", self.store.path)
+        started = time.perf_counter()
         self._restoring = anyio.CancelScope()
         self._restored = anyio.Event()
         self.writer.pause()  # what is queued waits for the outcome
         try:
             with self._restoring:
-                stored = await self.store.read(checkpoint_id, session_id=self.session_id)
+                expected = self._host_identity()
+                stored, differences, skipped = await self._select(
+                    checkpoint_id, expected, allow_incompatible
+                )
                 self.store.pin(stored.record.checkpoint_id)  # rotation keeps it: we fork from it
                 try:
-                    return await self._install(stored, new_epoch)
+                    report = await self._install(stored, new_epoch, differences, started)
+                    return msgspec.structs.replace(report, skipped=skipped)
                 except BaseException as error:
                     release_frames(error)  # their locals may hold views of the mapped file
                     raise
@@ -477,9 +546,57 @@ class Coordinator:
             self._restored.set()
             self.writer.resume()
 
-    async def _install(self, stored: Any, new_epoch: str) -> RestoreReport:
-        record: GenerationRecord = stored.record
-        old_epoch = self.epoch
+    def _host_identity(self) -> Identity:
+        """What the host is now: the identity of the body ``describe()`` gives for
+        the current epoch's latest boundary."""
+        step = self._last_step or 0
+        scope = CaptureScope(
+            session_id=self.session_id,
+            epoch=self.epoch,
+            step=step,
+            checkpoint_id=f"{self.epoch}-{step}",
+        )
+        return identity_of(_described(self.describe, scope))
+
+    async def _select(
+        self, checkpoint_id: str | None, expected: Identity, allow_incompatible: bool
+    ) -> tuple[StoredCheckpoint, tuple[IdentityDifference, ...], tuple[SkippedGeneration, ...]]:
+        """The generation to install, read and verified, and its differences from
+        ``expected`` (empty unless allowed): the named one, or the newest of the
+        timeline whose identity is the host's. A corrupt candidate is an error,
+        never passed over (an older one is the caller's explicit choice)."""
+        if checkpoint_id is not None:
+            candidates: list[str | None] = [checkpoint_id]
+        else:
+            timeline = self.store.timeline(self.session_id)
+            candidates = [record.checkpoint_id for record in timeline] or [None]
+        skipped: list[SkippedGeneration] = []
+        for candidate in candidates:
+            try:
+                stored = await self.store.read(candidate, session_id=self.session_id)
+            except GenerationNotFoundError:
+                if checkpoint_id is not None or candidate is None:
+                    raise
+                continue  # rotated away by the commit that was in flight
+            differences = identity_differences(expected, identity_of(stored.manifest))
+            if not differences or allow_incompatible:
+                return stored, differences, tuple(skipped)
+            stored.close()
+            skipped.append(
+                SkippedGeneration(checkpoint_id=candidate or "", differences=differences)
+            )
+        if not skipped:
+            raise GenerationNotFoundError(
+                f"{self.store.path}: session {self.session_id} has no checkpoint"
+            )
+        tried = tuple(s.checkpoint_id for s in skipped) if checkpoint_id is None else ()
+        raise IncompatibleStateError(skipped[0].checkpoint_id, skipped[0].differences, tried)
+
+    async def _stage_all(
+        self, stored: StoredCheckpoint, new_epoch: str
+    ) -> list[tuple[Participant, Any]]:
+        """Every participant stages its payload, or every staged one is aborted."""
+        record = stored.record
         scope = RestoreScope(
             session_id=self.session_id,
             epoch=new_epoch,
@@ -497,6 +614,18 @@ class Coordinator:
                     raise  # cancelled: staged ones were aborted
                 raise RestoreFailedError(participant.name, repr(error), tainted) from None
             staged.append((participant, token))
+        return staged
+
+    async def _install(
+        self,
+        stored: StoredCheckpoint,
+        new_epoch: str,
+        differences: tuple[IdentityDifference, ...],
+        started: float,
+    ) -> RestoreReport:
+        record: GenerationRecord = stored.record
+        old_epoch = self.epoch
+        staged = await self._stage_all(stored, new_epoch)
 
         # Fence the old timeline: no new capture of it is accepted, and the one
         # being written finishes first. What is queued waits for the outcome.
@@ -529,12 +658,13 @@ class Coordinator:
             # this timeline.
             reason: Literal["rollback", "recovery"] = "rollback" if self._acted else "recovery"
             try:
-                await self.store.fork_epoch(
+                session = await self.store.fork_epoch(
                     self.session_id,
                     new_epoch,
                     record.checkpoint_id,
                     last_step=self._last_step,
                     reason=reason,
+                    allowed_incompatible=tuple(d.identity for d in differences),
                 )
             except DurabilityUnknownError as error:
                 self._fenced = error  # every participant is live in it; durable or not
@@ -548,8 +678,16 @@ class Coordinator:
         self._last_step = None
         self._acted = True
         self._fenced = None
+        forked = session.epoch(new_epoch)
+        assert forked is not None
+        total_ms = (time.perf_counter() - started) * 1000
+        event = restored_event(self.session_id, forked, stored.manifest, total_ms=total_ms)
         return RestoreReport(
-            record=record, epoch=new_epoch, participants=tuple(p.name for p, _ in staged)
+            record=record,
+            epoch=new_epoch,
+            participants=tuple(p.name for p, _ in staged),
+            event=self.writer.announce(event),
+            allowed_incompatible=differences,
         )
 
 

@@ -83,6 +83,7 @@ from .events import (
     Failed,
     PayloadSummary,
     Queued,
+    Restored,
     Superseded,
     Timings,
     event_id,
@@ -873,6 +874,15 @@ class Writer:
     def _emit(self, event: Event) -> None:
         self._outbox.append(event)
         self._outbox_wake.set()
+
+    def announce(self, event: Restored) -> Restored:
+        """Publish an event no job makes (a restore), in order after everything
+        emitted so far, with the session's next ``seq``."""
+        self._seq[event.session_id] += 1
+        event = msgspec.structs.replace(event, seq=self._seq[event.session_id])
+        self._counts["announced"] += 1
+        self._emit(event)
+        return event
 
     async def _run_outbox(
         self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED

@@ -125,7 +125,13 @@ async def lying_worker(
         requests.append(request)
         if meta_size is not None:
             await forge_meta(bucket, request.object, meta_size, DIGEST, chunks=[])
-        reply = Reply(ok=True, byte_length=reply_size, digest=DIGEST)
+        reply = Reply(
+            ok=True,
+            byte_length=reply_size,
+            digest=DIGEST,
+            checkpoint_id=request.checkpoint_id,  # for the scope asked: only the size lies
+            step=request.step,
+        )
         await message.respond(msgspec.json.encode(reply))
 
     try:  # it holds the lease as a real worker would, under the id "liar"

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import msgspec
 
-from ..events import Event
+from ..events import Event, Restored
 from .memory import MemoryBus, Subscription
 
 __all__ = [
@@ -37,6 +37,12 @@ class Bus(Protocol):
 
     async def subscribe(self, session_id: str | None = None, *, buffer: int = 1024) -> Subscription:
         """Events of one session (or all) from now on, in publication order."""
+        ...
+
+    async def latest_restored(self, session_id: str) -> Restored | None:
+        """The newest ``restored`` event the bus holds for a session (``None``: none,
+        or it cannot tell): how a restarted host knows whether its last restore was
+        announced before it went down."""
         ...
 
     async def last_seq(self, session_id: str) -> int:

@@ -63,6 +63,7 @@ from ..events import (
     EVENT_NAMES,
     Committed,
     Event,
+    Restored,
     decode_event,
     encode_event,
     event_name,
@@ -558,6 +559,28 @@ class NatsBus:
             self._counts["invalid"] += 1
             return None
         return event if isinstance(event, Committed) else None
+
+    async def latest_restored(self, session_id: str) -> Restored | None:
+        """The last ``restored`` event of a session on the stream (its subject's last
+        message). ``None`` if there is none, it is not one, or the server is away
+        (counted as ``restored_unknown``: the caller announces again, under the same
+        ``eventId``)."""
+        assert self._js is not None
+        name = subject(check_id(session_id), "restored", prefix=self.prefix)
+        try:
+            with anyio.fail_after(self.publish_timeout):
+                message = await self._js.get_last_msg(self.stream, name)
+        except NotFoundError:
+            return None
+        except (*TRANSIENT, APIError):
+            self._counts["restored_unknown"] += 1
+            return None
+        try:
+            event = decode_event(message.data or b"")
+        except msgspec.MsgspecError:
+            self._counts["invalid"] += 1
+            return None
+        return event if isinstance(event, Restored) else None
 
     async def last_seq(self, session_id: str) -> int:
         """The highest ``seq`` the bus holds for a session. 0 if none, or if the

@@ -15,7 +15,7 @@ import anyio
 import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..events import Committed, Event
+from ..events import Committed, Event, Restored
 from ..ids import check_id
 
 if TYPE_CHECKING:
@@ -88,12 +88,18 @@ class MemoryBus:
         self._dropped = 0
         self._closed = False
         self._committed: dict[str, Committed] = {}
+        self._restored: dict[str, Restored] = {}
         self._last_seq: dict[str, int] = {}
 
     async def latest_committed(self, session_id: str) -> Committed | None:
         """The last ``committed`` event of a session this bus carried."""
         await anyio.lowlevel.checkpoint()
         return self._committed.get(session_id)
+
+    async def latest_restored(self, session_id: str) -> Restored | None:
+        """The last ``restored`` event of a session this bus carried."""
+        await anyio.lowlevel.checkpoint()
+        return self._restored.get(session_id)
 
     async def last_seq(self, session_id: str) -> int:
         """The highest ``seq`` of a session this bus carried (0: none)."""
@@ -111,6 +117,8 @@ class MemoryBus:
         self._last_seq[event.session_id] = max(event.seq, self._last_seq.get(event.session_id, 0))
         if isinstance(event, Committed):
             self._committed[event.session_id] = event
+        elif isinstance(event, Restored):
+            self._restored[event.session_id] = event
         for subscription in list(self._subscriptions):
             try:
                 if subscription._offer(event):

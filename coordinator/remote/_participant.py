@@ -69,7 +69,7 @@ from ..artifacts import ArtifactHandle, ArtifactLedger, owned_bytes
 from ..bus._nats import NatsBus, connect
 from ..events import subject_token
 from ..ids import U64_MAX, check_id, is_digest, is_id
-from ..participant import CaptureScope, Participant, RestoreScope
+from ..participant import CaptureReply, CaptureScope, Participant, RestoreScope, check_reply
 from ._companion import DEFAULT_OBJECT_TTL, remote_objects, unmap
 from ._objects import DEFAULT_OBJECT_BUCKET, ObjectArtifact, ObjectBucket
 
@@ -100,18 +100,25 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     object: str = ""  # capture: where to put the bytes; stage: where they are
     byte_length: int = 0  # stage: what the object must hold
     digest: str = ""
+    compatibility_digest: str | None = None  # capture: the host's
 
     def scope(self, kind: type[ScopeT]) -> ScopeT:
         """The worker's side of ``at``: the scope this request carries."""
+        fields: dict[str, Any] = {}
+        if kind is CaptureScope:
+            fields["compatibility_digest"] = self.compatibility_digest
         return kind(
             session_id=self.session_id,
             epoch=self.epoch,
             checkpoint_id=self.checkpoint_id,
             step=self.step,
+            **fields,
         )
 
     @classmethod
     def at(cls, scope: CaptureScope | RestoreScope, **fields: Any) -> Request:
+        if isinstance(scope, CaptureScope):
+            fields["compatibility_digest"] = scope.compatibility_digest
         return cls(
             session_id=scope.session_id,
             epoch=scope.epoch,
@@ -127,6 +134,12 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defa
     digest: str = ""
     code: str = ""
     reason: str = ""
+    # A capture reply says what it answers (the participant's ``CaptureReply``,
+    # else the request's scope) and, if the participant states one, its
+    # compatibility digest: the host checks them against what it asked.
+    checkpoint_id: str = ""
+    step: int = -1
+    compatibility_digest: str | None = None
 
 
 def _subject(prefix: str, session_id: str, participant: str, op: str) -> str:
@@ -196,6 +209,9 @@ class RemoteParticipant:
         try:
             bucket = await self.objects.bucket()
             reply = await self._request("capture", request)
+            check_reply(
+                self.name, scope, reply.checkpoint_id, reply.step, reply.compatibility_digest
+            )
             if reply.byte_length > self.max_bytes:  # before anything is reserved for it
                 raise RemoteWorkerError(
                     self.name,
@@ -621,13 +637,25 @@ class _Worker:
     async def _do(self, op: str, request: Request) -> Reply:
         key = (request.epoch, request.checkpoint_id)
         if op == "capture":
-            data = await owned_bytes(await self.participant.capture(request.scope(CaptureScope)))
+            answer = await self.participant.capture(request.scope(CaptureScope))
+            if not isinstance(answer, CaptureReply):  # it answers the scope it was handed
+                answer = CaptureReply(
+                    data=answer, checkpoint_id=request.checkpoint_id, step=request.step
+                )
+            data = await owned_bytes(answer.data)
             if not self.lease.held():  # nothing put for a request another worker owns now
                 raise self.lease.lost("it expired while the participant captured")
             with memoryview(data) as view:
                 flat = view.cast("B") if view.format != "B" else view
                 digest = await self.bucket.put(request.object, flat)
-                return Reply(ok=True, byte_length=flat.nbytes, digest=digest)
+                return Reply(
+                    ok=True,
+                    byte_length=flat.nbytes,
+                    digest=digest,
+                    checkpoint_id=answer.checkpoint_id,
+                    step=answer.step,
+                    compatibility_digest=answer.compatibility_digest,
+                )
         if op == "stage":
             restore = request.scope(RestoreScope)
             held = await self.bucket.read(request.object, request.byte_length, request.digest)

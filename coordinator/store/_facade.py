@@ -149,9 +149,15 @@ class FileStore:
         *,
         last_step: int | None = None,
         reason: Literal["rollback", "recovery"] = "rollback",
+        allowed_incompatible: tuple[str, ...] = (),
     ) -> SessionRecord:
         self._refuse_squatted(epoch)
-        fork = functools.partial(self.core.fork_epoch, last_step=last_step, reason=reason)
+        fork = functools.partial(
+            self.core.fork_epoch,
+            last_step=last_step,
+            reason=reason,
+            allowed_incompatible=allowed_incompatible,
+        )
         async with self._lock:
             record: SessionRecord = await self._run(fork, session_id, epoch, restored)
             return record
@@ -188,6 +194,9 @@ class FileStore:
         self, checkpoint_id: str | None = None, *, session_id: str | None = None
     ) -> GenerationRecord:
         return self.core.select(checkpoint_id, session_id=session_id)
+
+    def timeline(self, session_id: str) -> tuple[GenerationRecord, ...]:
+        return self.core.timeline(session_id)
 
     @property
     def generations(self) -> tuple[GenerationRecord, ...]:

@@ -165,6 +165,7 @@ def with_forked_epoch(
     *,
     last_step: int | None,
     reason: Literal["rollback", "recovery"],
+    allowed_incompatible: tuple[str, ...] = (),
 ) -> StoreManifest:
     """``epoch`` opened by a restore of ``restored``: the session's timeline now
     runs through ``restored`` and goes on in ``epoch``. The abandoned range runs
@@ -184,6 +185,7 @@ def with_forked_epoch(
         abandoned_from=None,
         abandoned_to=None,
         reason=reason,
+        allowed_incompatible=allowed_incompatible,
     )
     record = EpochRecord(epoch=epoch, parent=restored.epoch, fork=fork)
     forked = msgspec.structs.replace(session, epochs=(*session.epochs, record))

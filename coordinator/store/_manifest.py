@@ -89,9 +89,11 @@ class GenerationRecord(_Record, frozen=True, kw_only=True):
     sequence: U64  # the store's commit counter when this generation was committed
 
 
-class Fork(_Record, frozen=True, kw_only=True):
+class Fork(_Record, frozen=True, kw_only=True, omit_defaults=True):
     """How an epoch began with a restore: from which checkpoint, and which steps
-    of the timeline that was current then were abandoned (``None``: none)."""
+    of the timeline that was current then were abandoned (``None``: none), and
+    the identities that differed from the host's when it overrode the check
+    (absent when none did: manifests written before it existed still read)."""
 
     checkpoint_id: Id  # the generation restored
     step: U64  # its boundary: the new epoch goes on from here
@@ -100,6 +102,7 @@ class Fork(_Record, frozen=True, kw_only=True):
     abandoned_from: U64 | None
     abandoned_to: U64 | None
     reason: Literal["rollback", "recovery"]
+    allowed_incompatible: tuple[str, ...] = ()
 
 
 class EpochRecord(_Record, frozen=True, kw_only=True):

@@ -7,8 +7,6 @@ commit sequence (``_commit``), the session rules (``_lineage``) and reading
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
 import time
 from collections.abc import Sequence
@@ -28,11 +26,11 @@ from .._errors import (
     UsageError,
 )
 from .._types import BytesLike
-from ..canonical import canonical_bytes
 from ..envelope import plan
 from ..fs import FileSystem
+from ..identity import compatibility_digest
 from ..ids import U64_MAX, check_id
-from ..manifest import CheckpointManifest, Compatibility, manifest_to_builtins
+from ..manifest import CheckpointManifest, manifest_to_builtins
 from ..sealed import is_owned
 from ._commit import CommitSequence, UnlinkFailure
 from ._lineage import (
@@ -90,12 +88,6 @@ class CommitReceipt(msgspec.Struct, frozen=True, kw_only=True):
     high_water: str  # the session's high water now: this checkpoint
     dropped: tuple[str, ...]
     timings_ms: dict[str, float]
-
-
-@functools.lru_cache(maxsize=64)
-def _compatibility_digest(compatibility: Compatibility) -> str:
-    """SHA-256 of the canonical compatibility record (it rarely changes: cached)."""
-    return hashlib.sha256(canonical_bytes(msgspec.to_builtins(compatibility))).hexdigest()
 
 
 class SyncStore:
@@ -296,6 +288,19 @@ class SyncStore:
             raise GenerationNotFoundError(f"{self.path}: {wanted!r} is not committed{whose}")
         return record
 
+    def timeline(self, session_id: str) -> tuple[GenerationRecord, ...]:
+        """The session's generations on its current timeline, newest first: what a
+        default restore may install (the first is the high water)."""
+        self._check_open()
+        session = self.session(session_id)
+        if session is None:
+            return ()
+        return tuple(
+            record
+            for record in reversed(self._manifest.generations)
+            if record.session_id == session_id and on_timeline(session, record)
+        )
+
     # --- reading -------------------------------------------------------------------
 
     def read(self, record: GenerationRecord) -> StoredCheckpoint:
@@ -309,11 +314,7 @@ class SyncStore:
         self._check_open()
         session = self._only_session() if session_id is None else self.session(session_id)
         errors: list[GenerationCorruptError] = []
-        for record in reversed(self._manifest.generations):
-            if session is None or record.session_id != session.session_id:
-                continue
-            if not on_timeline(session, record):
-                continue
+        for record in self.timeline(session.session_id) if session is not None else ():
             try:
                 return self.read(record)
             except GenerationCorruptError as error:
@@ -409,7 +410,7 @@ class SyncStore:
             epoch=manifest.source_scope.epoch,
             episode_id=manifest.episode_id,
             boundary=manifest.source_scope.step,
-            compatibility_digest=_compatibility_digest(manifest.compatibility),
+            compatibility_digest=compatibility_digest(manifest.compatibility),
             envelope_digest=sealed.envelope_digest,
             byte_length=str(envelope_plan.size),
             sequence=sequence,
@@ -455,6 +456,7 @@ class SyncStore:
         *,
         last_step: int | None = None,
         reason: Literal["rollback", "recovery"] = "rollback",
+        allowed_incompatible: tuple[str, ...] = (),
     ) -> SessionRecord:
         """Record durably that ``session_id`` was restored to checkpoint ``restored``
         and goes on in ``epoch``: what its old timeline held after that step is
@@ -465,7 +467,7 @@ class SyncStore:
             raise GenerationNotFoundError(f"{self.path}: {restored!r} is not committed")
         updated = with_forked_epoch(
             self._manifest, check_id(session_id), check_id(epoch), record,
-            last_step=last_step, reason=reason,
+            last_step=last_step, reason=reason, allowed_incompatible=allowed_incompatible,
         )  # fmt: skip
         return self._record(epoch, updated, session_id)
 
