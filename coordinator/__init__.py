@@ -19,6 +19,9 @@ from ._errors import EnvelopeInputError as EnvelopeInputError
 from ._errors import EpochFencedError as EpochFencedError
 from ._errors import GenerationCorruptError as GenerationCorruptError
 from ._errors import GenerationNotFoundError as GenerationNotFoundError
+from ._errors import IdentityMismatchError as IdentityMismatchError
+from ._errors import IncompatibleCaptureError as IncompatibleCaptureError
+from ._errors import IncompatibleStateError as IncompatibleStateError
 from ._errors import InvalidScalarError as InvalidScalarError
 from ._errors import JsonError as JsonError
 from ._errors import JsonValueError as JsonValueError
@@ -94,6 +97,9 @@ __all__ = [
     "FileStore",
     "GenerationCorruptError",
     "GenerationNotFoundError",
+    "IdentityMismatchError",
+    "IncompatibleCaptureError",
+    "IncompatibleStateError",
     "InvalidScalarError",
     "JsonError",
     "JsonValueError",

@@ -5,8 +5,8 @@ simulation host (a world and three agents with MiB-sized state, one of them
 served by a worker process of its own over NATS) that checkpoints by policy,
 shows every save-state event as it happens, deliberately provokes a supersede
 (a writer held busy) and a failure (a simulated write error), then verifies the
-store, restores the newest generation into a new epoch, checks the restored
-world, and prints a summary.
+store, rolls back to the oldest generation it keeps (a ``restored`` event names
+the steps that abandons), checks the restored world, and prints a summary.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import msgspec
 from ._errors import RemoteWorkerError, SaveFailedError, UsageError, WriterBusyError
 from ._sample import sample_body
 from ._stats import percentile
-from .events import Committed, Event, Failed, Superseded, event_name
+from .events import Committed, Event, Failed, Restored, Superseded, event_name
 from .fs import FileSystem
 from .manifest import ManifestBody
 from .server import EmbeddedServer
@@ -62,6 +62,7 @@ class DemoSummary(msgspec.Struct, frozen=True, kw_only=True):
     remote_participants: list[str]
     restored: str
     restored_epoch: str
+    abandoned: list[str] | None  # the steps the rollback abandoned: [first, last]
     world_identical: bool
     store: str
     store_kept: bool = True  # False: a temporary store, removed at the end
@@ -129,6 +130,12 @@ def _say(out: TextIO, line: str) -> None:
     out.flush()
 
 
+def _abandoned_text(event: Restored) -> str:
+    if event.abandoned_from is None:
+        return "nothing"
+    return f"steps {event.abandoned_from}-{event.abandoned_to} of {event.previous_epoch}"
+
+
 def _show(event: Event, out: TextIO) -> None:
     kind = event_name(event)
     extra = ""
@@ -139,6 +146,9 @@ def _show(event: Event, out: TextIO) -> None:
         extra = f"by {event.superseded_by}"
     elif isinstance(event, Failed):  # its reason says when the fault is simulated
         extra = f"[{event.code}] {event.reason}"
+    elif isinstance(event, Restored):
+        extra = f"into {event.epoch} ({event.reason}); abandoned "
+        extra += _abandoned_text(event)
     _say(out, f"  {event.seq:4}  {kind:10}  {event.checkpoint_id:12}  {extra}")
 
 
@@ -339,7 +349,8 @@ async def _host(
                 raise report.failures[0]
             for part in parts:
                 part.state = b"scrambled"
-            restored = await coordinator.restore(new_epoch=f"{run}-2")
+            oldest = store.timeline("demo")[-1].checkpoint_id  # a rollback: it abandons steps
+            restored = await coordinator.restore(oldest, new_epoch=f"{run}-2")
             identical = world.state == worlds[int(restored.record.boundary)]
         generations = store.generations
         await anyio.sleep(0.2)  # let the last events reach the monitor
@@ -356,6 +367,11 @@ async def _host(
         remote_participants=[REMOTE_AGENT],
         restored=restored.record.checkpoint_id,
         restored_epoch=restored.epoch,
+        abandoned=(
+            None
+            if restored.event.abandoned_from is None
+            else [restored.event.abandoned_from, str(restored.event.abandoned_to)]
+        ),
         world_identical=identical,
         store=store_dir,
     )
@@ -403,7 +419,8 @@ def summary_text(summary: DemoSummary) -> str:
         f"  events: {events}\n"
         f"  remote participants (own processes): {', '.join(summary.remote_participants)}\n"
         f"  restored {summary.restored} into {summary.restored_epoch}: world "
-        f"{'identical' if summary.world_identical else 'DIFFERENT'}"
+        f"{'identical' if summary.world_identical else 'DIFFERENT'}; abandoned "
+        f"{'steps ' + '-'.join(summary.abandoned) if summary.abandoned else 'nothing'}"
     )
 
 

@@ -2,8 +2,9 @@
 
 Every subscriber, in any language, can rebuild the same view from the events
 alone: what is durable (the high water), what is in flight, what failed and
-why, and what was superseded. Applying an event never changes the old state;
-it returns a new one. ``seq`` gaps (events a subscriber missed) are counted.
+why, what was superseded, and what a restore rolled back. Applying an event
+never changes the old state; it returns a new one. ``seq`` gaps (events a
+subscriber missed) are counted.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from .events import Captured, Committed, Event, Failed, Queued, Superseded
+from .events import Captured, Committed, Event, Failed, Queued, Restored, Superseded
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -33,6 +34,9 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     last_committed_ms: float | None = None
     last_committed_bytes: int | None = None
     last_failure: str | None = None  # "code: reason"
+    epoch: str | None = None  # the newest epoch seen
+    restores: int = 0
+    last_restore: str | None = None  # "<checkpoint> into <epoch> (<reason>; abandoned a-b)"
     last_seq: int = 0
     gaps: int = 0
 
@@ -59,8 +63,18 @@ def _fold(state: SessionState, event: Event) -> SessionState:
         if state.last_seq and event.seq > state.last_seq + 1:
             changes["gaps"] = state.gaps + (event.seq - state.last_seq - 1)
         changes["last_seq"] = event.seq
+    if not late:
+        changes["epoch"] = event.epoch
     open_ids = set(state.in_flight)
-    if isinstance(event, Captured):
+    if isinstance(event, Restored):
+        changes.update(restores=state.restores + 1, last_restore=_restore_text(event))
+        if not late:  # the store's high water is the checkpoint restored now
+            changes.update(
+                high_water=event.checkpoint_id,
+                high_water_boundary=event.boundary,
+                high_water_seq=event.seq,
+            )
+    elif isinstance(event, Captured):
         if not late:  # a late one may already be over
             open_ids.add(event.checkpoint_id)
     elif isinstance(event, Queued):
@@ -91,13 +105,22 @@ def _fold(state: SessionState, event: Event) -> SessionState:
     return msgspec.structs.replace(state, **changes)
 
 
+def _restore_text(event: Restored) -> str:
+    if event.abandoned_from is None:
+        lost = "nothing abandoned"
+    else:
+        lost = f"abandoned {event.previous_epoch} steps {event.abandoned_from}-{event.abandoned_to}"
+    return f"{event.checkpoint_id} into {event.epoch} ({event.reason}; {lost})"
+
+
 def render(state: SaveState) -> Table:
     """The live terminal view: one row per session (rich loads only when asked for)."""
     from rich.table import Table
 
     table = Table(title="save state", title_justify="left")
     columns = ("session", "high water", "step", "in flight", "queue", "committed",
-               "last commit", "size", "superseded", "failed", "last failure")  # fmt: skip
+               "last commit", "size", "superseded", "failed", "last failure",
+               "last restore")  # fmt: skip
     for column in columns:
         table.add_column(column, overflow="fold")
     for session in sorted(state.sessions.values(), key=lambda s: s.session_id):
@@ -115,5 +138,6 @@ def render(state: SaveState) -> Table:
             str(session.superseded),
             str(session.failed),
             session.last_failure or "",
+            session.last_restore or "",
         )
     return table

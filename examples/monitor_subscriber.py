@@ -8,9 +8,10 @@ session from the KV bucket CKPT_COMMITTED, replays the stream CKPT (subjects
 ``ckpt.<session>.<event>``) from the start with an ordered consumer, then
 follows it live. Every event prints one line with the session's folded state:
 high water and its step, checkpoints in flight, committed, superseded, failures
-with their codes. A jump in a session's ``seq`` means events were missed: it is
-reported. ``--once`` exits when the history is replayed and nothing new has come
-for ``--idle`` seconds, printing a final JSON summary line.
+with their codes, and restores with the steps they abandoned. A jump in a
+session's ``seq`` means events were missed: it is reported. ``--once`` exits
+when the history is replayed and nothing new has come for ``--idle`` seconds,
+printing a final JSON summary line.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Session:
     committed: int = 0
     superseded: int = 0
     failures: list[dict[str, str]] = field(default_factory=list)
+    restores: list[dict] = field(default_factory=list)  # what each restore installed, and lost
     last_seq: int = 0
     high_water_seq: int = 0  # the seq of the committed that set the high water
     gaps: list[list[int]] = field(default_factory=list)  # [first, last] seqs missed
@@ -74,13 +76,26 @@ class Session:
         elif kind == "failed":
             self.failures.append({"checkpointId": ckpt, "code": event["code"]})
             note += f"  {event['code']}: {event['reason']}"
+        elif kind == "restored":  # the high water is the checkpoint restored now
+            if not late:
+                self.high_water, self.boundary = ckpt, event["boundary"]
+                self.high_water_seq = seq
+            lost = [event["abandonedFrom"], event["abandonedTo"]]
+            self.restores.append({
+                "checkpointId": ckpt, "epoch": event["epoch"], "reason": event["reason"],
+                "previousEpoch": event["previousEpoch"],
+                "abandoned": lost if lost[0] is not None else None,
+            })  # fmt: skip
+            note += f"  {event['reason']} into {event['epoch']}; abandoned " + (
+                f"{event['previousEpoch']} steps {lost[0]}-{lost[1]}" if lost[0] else "nothing"
+            )
         return note
 
     def summary(self) -> dict:
         return {
             "kv": self.kv, "highWater": self.high_water, "boundary": self.boundary,
             "inFlight": sorted(self.in_flight), "committed": self.committed,
-            "superseded": self.superseded, "failed": self.failures,
+            "superseded": self.superseded, "failed": self.failures, "restores": self.restores,
             "lastSeq": self.last_seq, "gaps": self.gaps,
         }  # fmt: skip
 
@@ -120,7 +135,7 @@ class Monitor:
             self.duplicates += 1
             return
         self.seen.add(event_id)
-        if kind not in ("captured", "queued", "superseded", "committed", "failed"):
+        if kind not in ("captured", "queued", "superseded", "committed", "failed", "restored"):
             return  # a newer kind of event: ignore it, as the schema allows
         self.events += 1
         state = self.sessions.setdefault(session_id, Session())

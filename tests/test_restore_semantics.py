@@ -1,0 +1,436 @@
+"""Restore as the reference defines it (STATE-01): identities compared before
+anything changes, capture replies checked against the scope asked, and a
+``restored`` event naming what a rollback abandoned, published once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import nats
+import pytest
+import pytest_asyncio
+from hostkit import NAMES, Part, RecordingBus, parts
+from test_writer import wait_until
+
+from coordinator import (
+    CaptureFailedError,
+    EpochFencedError,
+    IdentityMismatchError,
+    IncompatibleCaptureError,
+    IncompatibleStateError,
+)
+from coordinator._sample import sample_body
+from coordinator.bus import MemoryBus, NatsBus
+from coordinator.events import Captured, Committed, Restored, decode_event
+from coordinator.identity import IdentityDifference, compatibility_digest
+from coordinator.manifest import ManifestBody
+from coordinator.monitor import SaveState
+from coordinator.reconcile import reconcile, unannounced_restore
+from coordinator.remote import RemoteParticipant, serve_participant
+from coordinator.server import EmbeddedServer
+from coordinator.session import CaptureReply, CaptureScope, Coordinator
+from coordinator.store import FileStore, SyncStore
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+CRASH_HOST = Path(__file__).parent / "restore_crash_host.py"
+
+
+def sha(label: str) -> str:
+    return hashlib.sha256(label.encode()).hexdigest()
+
+
+class Host:
+    """A host whose identity can change between runs (an upgrade, a new dataset)."""
+
+    def __init__(self) -> None:
+        self.model_version = "1"
+        self.dataset = sha("dataset")
+        self.backend = sha("backend")
+
+    def describe(self, scope: CaptureScope) -> ManifestBody:
+        body = sample_body(
+            scope.checkpoint_id, step=scope.step, epoch=scope.epoch, session_id=scope.session_id
+        )
+        agents = [
+            msgspec.structs.replace(
+                agent, model_version=self.model_version, dataset_digest=self.dataset
+            )
+            for agent in body.agents
+        ]
+        compatibility = msgspec.structs.replace(body.compatibility, backend_digest=self.backend)
+        return msgspec.structs.replace(body, agents=agents, compatibility=compatibility)
+
+
+def host_coordinator(
+    store: FileStore, participants: list[Any], bus: Any, host: Host, epoch: str = "e1"
+) -> Coordinator:
+    return Coordinator(
+        store, bus, participants, session_id="s", epoch=epoch, describe=host.describe
+    )
+
+
+# --- restore compares identities before anything changes --------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("change", "identity", "expected", "found"),
+    [
+        ("model_version", "agents[fly-a].modelVersion", "2", "1"),
+        ("dataset", "agents[fly-a].datasetDigest", sha("dataset-2"), sha("dataset")),
+        ("backend", "compatibility.backendDigest", sha("backend-2"), sha("backend")),
+    ],
+)
+async def test_an_incompatible_checkpoint_is_refused_before_anything_is_staged(
+    tmp_path: Path, change: str, identity: str, expected: str, found: str
+) -> None:
+    """A host whose model version, an agent's dataset digest or the backend changed
+    is refused with restore.incompatible (the reference's INCOMPATIBLE_STATE), naming
+    that identity, expected and found. No participant staged, the store manifest is
+    byte for byte the same, no event, and the epoch goes on capturing."""
+    host, participants, bus = Host(), parts(), RecordingBus()
+    async with FileStore(tmp_path) as store:
+        async with host_coordinator(store, participants, bus, host) as coordinator:
+            await coordinator.checkpoint(10)
+            setattr(host, change, expected)
+            manifest_before = (tmp_path / "manifest.json").read_bytes()
+            await wait_until(lambda: any(isinstance(e, Committed) for e in bus.events))
+            events_before = len(bus.events)
+            with pytest.raises(IncompatibleStateError) as refused:
+                await coordinator.restore("e1-10", new_epoch="e2")
+            assert refused.value.code == "restore.incompatible"
+            assert refused.value.reference_code == "INCOMPATIBLE_STATE"
+            assert refused.value.differences == (
+                IdentityDifference(identity=identity, expected=expected, found=found),
+            )
+            assert identity in str(refused.value)
+            assert all(p.staged == [] and p.aborted == 0 for p in participants)
+            assert (tmp_path / "manifest.json").read_bytes() == manifest_before
+            assert len(bus.events) == events_before
+            assert coordinator.epoch == "e1"
+            assert isinstance(await coordinator.checkpoint(20), Committed)  # not fenced
+            assert store.epoch_owner("e2") is None  # e2 is still free
+
+
+@pytest.mark.asyncio
+async def test_default_selection_skips_newer_incompatible_generations(tmp_path: Path) -> None:
+    """Step 10 was saved by model 1, steps 20 and 30 by model 2. A host on model 1
+    restores by default: it gets step 10 and is told that 30 and 20 were passed
+    over, and why; the event names 11-30 as abandoned. With no compatible
+    generation at all, the refusal lists every one it tried."""
+    host, participants = Host(), parts()
+    async with FileStore(tmp_path, keep=5) as store:
+        async with host_coordinator(store, participants, MemoryBus(), host) as coordinator:
+            await coordinator.checkpoint(10)
+            host.model_version = "2"
+            await coordinator.checkpoint(20)
+            await coordinator.checkpoint(30)
+            host.model_version = "1"
+            report = await coordinator.restore(new_epoch="e2")
+            assert report.record.checkpoint_id == "e1-10"
+            assert [s.checkpoint_id for s in report.skipped] == ["e1-30", "e1-20"]
+            difference = IdentityDifference(
+                identity="agents[fly-a].modelVersion", expected="1", found="2"
+            )
+            assert all(s.differences == (difference,) for s in report.skipped)
+            assert (report.event.abandoned_from, report.event.abandoned_to) == ("11", "30")
+            assert participants[0].state == b"world@0"
+
+            host.model_version = "3"
+            with pytest.raises(IncompatibleStateError) as refused:
+                await coordinator.restore(new_epoch="e3")
+            assert refused.value.skipped == ("e1-10",)  # the timeline is e1-10 now
+            assert coordinator.epoch == "e2"
+
+
+@pytest.mark.asyncio
+async def test_allow_incompatible_installs_and_records_the_override(tmp_path: Path) -> None:
+    """The explicit override installs a checkpoint of another model version; the
+    report, the event and the durable fork record all name what differed."""
+    host, bus = Host(), RecordingBus()
+    async with FileStore(tmp_path) as store:
+        async with host_coordinator(store, parts(), bus, host) as coordinator:
+            await coordinator.checkpoint(10)
+            host.model_version = "2"
+            report = await coordinator.restore("e1-10", new_epoch="e2", allow_incompatible=True)
+    assert [d.identity for d in report.allowed_incompatible] == ["agents[fly-a].modelVersion"]
+    restored = [e for e in bus.events if isinstance(e, Restored)]
+    assert [e.allowed_incompatible for e in restored] == [("agents[fly-a].modelVersion",)]
+    with SyncStore(tmp_path, read_only=True) as reopened:
+        session = reopened.session("s")
+        assert session is not None
+        fork = session.epochs[-1].fork
+        assert fork is not None and fork.allowed_incompatible == ("agents[fly-a].modelVersion",)
+
+
+# --- participants answer for the scope they were asked ---------------------------
+
+
+class Answering(Part):
+    """A participant that answers with a ``CaptureReply``, truthful or not."""
+
+    def __init__(self, name: str, lie: str | None = None) -> None:
+        super().__init__(name)
+        self.lie = lie
+
+    async def capture(self, scope: CaptureScope) -> CaptureReply:  # type: ignore[override]
+        checkpoint_id, step = scope.checkpoint_id, scope.step
+        digest = scope.compatibility_digest
+        if self.lie == "checkpoint":
+            checkpoint_id = "e1-999"
+        elif self.lie == "step":
+            step += 1
+        elif self.lie == "digest":
+            digest = sha("another build")
+        return CaptureReply(
+            data=self.state, checkpoint_id=checkpoint_id, step=step, compatibility_digest=digest
+        )
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("lie", "error", "code", "reference"),
+    [
+        ("checkpoint", IdentityMismatchError, "capture.identity_mismatch", "IDENTITY_MISMATCH"),
+        ("step", IdentityMismatchError, "capture.identity_mismatch", "IDENTITY_MISMATCH"),
+        ("digest", IncompatibleCaptureError, "capture.incompatible", "INCOMPATIBLE_STATE"),
+    ],
+)
+async def test_a_reply_for_another_scope_fails_the_capture_and_fences_the_epoch(
+    tmp_path: Path, lie: str, error: type[CaptureFailedError], code: str, reference: str
+) -> None:
+    """A local participant answering for another checkpoint id, another step or
+    another compatibility digest fails the capture with the reference's code; no
+    event is published for it, nothing reaches the writer, and the epoch is fenced
+    until a restore, as for any capture failure."""
+    host, bus = Host(), RecordingBus()
+    participants: list[Any] = [Part(n) for n in NAMES[:-1]] + [Answering(NAMES[-1])]
+    async with FileStore(tmp_path) as store:
+        async with host_coordinator(store, participants, bus, host) as coordinator:
+            await coordinator.checkpoint(10)
+            participants[-1].lie = lie
+            with pytest.raises(error) as failed:
+                await coordinator.capture(20)
+            assert failed.value.code == code and failed.value.reference_code == reference
+            assert failed.value.participant == NAMES[-1]
+            assert isinstance(failed.value, CaptureFailedError)
+            assert [e.checkpoint_id for e in bus.events if isinstance(e, Captured)] == ["e1-10"]
+            assert coordinator.writer.statistics().queued == 0
+            with pytest.raises(EpochFencedError):
+                await coordinator.capture(21)
+            participants[-1].lie = None
+            await coordinator.restore("e1-10", new_epoch="e2")
+            assert isinstance(await coordinator.checkpoint(30), Committed)
+        assert [g.checkpoint_id for g in store.generations] == ["e1-10", "e2-30"]
+
+
+@pytest.mark.asyncio
+async def test_a_truthful_reply_commits_and_states_the_hosts_digest(tmp_path: Path) -> None:
+    """The scope a participant is asked carries the host's compatibility digest, so
+    an honest participant can state it; such a capture commits."""
+    host = Host()
+    answering = Answering(NAMES[-1])
+    participants: list[Any] = [Part(n) for n in NAMES[:-1]] + [answering]
+    seen: list[CaptureScope] = []
+    original = answering.capture
+
+    async def capture(scope: CaptureScope) -> CaptureReply:
+        seen.append(scope)
+        return await original(scope)
+
+    answering.capture = capture  # type: ignore[method-assign]
+    async with FileStore(tmp_path) as store:
+        async with host_coordinator(store, participants, MemoryBus(), host) as coordinator:
+            assert isinstance(await coordinator.checkpoint(10), Committed)
+            assert [g.checkpoint_id for g in store.generations] == ["e1-10"]
+    body = host.describe(seen[0])
+    assert seen[0].compatibility_digest == compatibility_digest(body.compatibility)
+
+
+# --- remote participants too, on a real nats-server ------------------------------
+
+
+@pytest_asyncio.fixture
+async def server(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
+    async with EmbeddedServer(tmp_path / "nats") as running:
+        yield running
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("lie", ["checkpoint", "digest"])
+async def test_a_remote_reply_for_another_scope_fails_the_capture(
+    server: EmbeddedServer, tmp_path: Path, lie: str
+) -> None:
+    """A worker whose participant answers for another checkpoint, or states another
+    build's compatibility digest, fails the capture with the reference's code; the
+    object it put is deleted, and the epoch is fenced."""
+    host = Host()
+    worker_part = Answering("agent-fly-a", lie)
+    local = [Part(n) for n in ("world", "task-ledger", "prior-inspection", "executor-fly-a")]
+    async with anyio.create_task_group() as group:
+        await group.start(
+            lambda task_status: serve_participant(
+                server.url, worker_part, session_id="s", task_status=task_status
+            )
+        )
+        async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+            remote = RemoteParticipant(bus, "agent-fly-a", timeout=5)
+            async with host_coordinator(store, [*local, remote], bus, host) as coordinator:
+                expected = (
+                    IdentityMismatchError if lie == "checkpoint" else IncompatibleCaptureError
+                )
+                with pytest.raises(expected):
+                    await coordinator.capture(10)
+                with pytest.raises(EpochFencedError):
+                    await coordinator.capture(11)
+                bucket = await remote.objects.bucket()
+                await wait_until(lambda: remote.objects.counts().get("objects_deleted") == 1)
+                assert await bucket.names() == []
+        group.cancel_scope.cancel()
+
+
+# --- the restored event ------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_rollback_publishes_restored_with_the_abandoned_range_on_nats(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A rollback from step 60 to step 10 publishes `restored` on a real nats-server:
+    old and new epoch, the checkpoint and its step, abandoned 11-60, reason
+    rollback, the identity compared. Its seq follows the others with no gap, the
+    library fold moves the high water back to it, and the plain nats-py monitor
+    example reads it."""
+    host = Host()
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "store", keep=10) as store:
+        async with host_coordinator(store, parts(), bus, host) as coordinator:
+            for step in range(10, 61, 10):
+                await coordinator.checkpoint(step)
+            report = await coordinator.restore("e1-10", new_epoch="e2")
+        await wait_until(lambda: not bus.pending, timeout=20)
+        history = await bus.history("s")
+    restored = [e for e in history if isinstance(e, Restored)]
+    assert len(restored) == 1
+    event = restored[0]
+    assert event == msgspec.structs.replace(report.event, time=event.time)
+    assert (event.checkpoint_id, event.boundary, event.epoch) == ("e1-10", "10", "e2")
+    assert (event.previous_epoch, event.reason) == ("e1", "rollback")
+    assert (event.abandoned_from, event.abandoned_to) == ("11", "60")
+    assert event.identity.compatibility_digest == report.record.compatibility_digest
+    assert [a.model_version for a in event.identity.agents] == ["1"]
+    assert event.event_id == "s:e2:e1-10:restored"
+    assert [e.seq for e in history] == list(range(1, len(history) + 1))
+    assert history[-1] == event
+    state = SaveState()
+    for item in history:
+        state = state.apply(item)
+    session = state.sessions["s"]
+    assert (session.high_water, session.high_water_boundary) == ("e1-10", "10")
+    assert session.restores == 1 and session.epoch == "e2" and session.gaps == 0
+    assert session.last_restore == "e1-10 into e2 (rollback; abandoned e1 steps 11-60)"
+
+    argv = [sys.executable, str(EXAMPLES / "monitor_subscriber.py"), "--nats", server.url]
+    with anyio.fail_after(60):
+        result = await anyio.run_process([*argv, "--once", "--idle", "0.5"], check=False)
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()
+    folded = json.loads(out.splitlines()[-1])["sessions"]["s"]
+    assert folded["restores"] == [{
+        "checkpointId": "e1-10", "epoch": "e2", "reason": "rollback",
+        "previousEpoch": "e1", "abandoned": ["11", "60"],
+    }]  # fmt: skip
+    assert (folded["highWater"], folded["boundary"]) == ("e1-10", "10")
+    assert "rollback into e2; abandoned e1 steps 11-60" in out
+
+
+@pytest.mark.asyncio
+async def test_a_recovery_is_a_runs_first_restore(tmp_path: Path) -> None:
+    """A restore as a run's first act (after a restart) is a recovery, and the
+    abandoned range comes from the store: what the old timeline listed after it."""
+    host, bus = Host(), RecordingBus()
+    async with FileStore(tmp_path, keep=5) as store:
+        async with host_coordinator(store, parts(), bus, host) as first:
+            for step in (10, 20, 30):
+                await first.checkpoint(step)
+        async with host_coordinator(store, parts(), bus, host, epoch="e2") as second:
+            report = await second.restore("e1-10", new_epoch="e3")
+    assert (report.event.reason, report.event.previous_epoch) == ("recovery", "e2")
+    assert (report.event.abandoned_from, report.event.abandoned_to) == ("11", "30")
+
+
+def crash_after_restore(url: str, store: Path, mode: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(CRASH_HOST), url, str(store), mode],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()[-1]
+
+
+async def restored_on_stream(url: str) -> list[dict[str, Any]]:
+    """Every message on the stream's `restored` subject of session `s`, raw."""
+    client = await nats.connect(url)
+    try:
+        js = client.jetstream()
+        subscription = await js.pull_subscribe("ckpt.s.restored", stream="CKPT")
+        try:
+            messages = await subscription.fetch(100, timeout=1)
+        except nats.errors.TimeoutError:
+            messages = []
+        return [json.loads(m.data) for m in messages]
+    finally:
+        await client.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["sent", "unsent"])
+async def test_a_crash_right_after_a_restore_is_announced_once(
+    server: EmbeddedServer, tmp_path: Path, mode: str
+) -> None:
+    """A host process restores and dies at once (os._exit), with its `restored`
+    event on the stream (sent) or never sent (unsent). The store knows the
+    abandoned range; the next run announces the event if the bus never carried it,
+    under the same event id, and no run after that announces it again."""
+    event_id = crash_after_restore(server.url, tmp_path / "store", mode)
+    assert event_id == "s:e2:e1-10:restored"
+    with SyncStore(tmp_path / "store", read_only=True) as reopened:
+        session = reopened.session("s")
+        assert session is not None and session.current == "e2"
+        fork = session.epochs[-1].fork
+        assert fork is not None
+        assert (fork.abandoned_from, fork.abandoned_to, fork.reason) == ("11", "20", "rollback")
+    for epoch in ("e3", "e4"):  # two restarts
+        async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+            async with host_coordinator(store, parts(), bus, Host(), epoch=epoch):
+                pass
+            await wait_until(lambda: not bus.pending, timeout=20)
+            assert await unannounced_restore(store, bus, "s") is None
+            if mode == "sent" or epoch == "e4":
+                assert bus.counts().get("duplicates", 0) == 0  # not even sent again
+    raw = await restored_on_stream(server.url)
+    assert [m["eventId"] for m in raw] == [event_id]
+    event = decode_event(json.dumps(raw[0]).encode())
+    assert isinstance(event, Restored)
+    assert (event.abandoned_from, event.abandoned_to) == ("11", "20")
+
+
+@pytest.mark.asyncio
+async def test_reconcile_announces_a_restore_the_bus_never_carried(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Where no coordinator runs, reconcile() announces the unannounced restore."""
+    event_id = crash_after_restore(server.url, tmp_path / "store", "unsent")
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "store", read_only=True) as store:
+        announced = await reconcile(store, bus)
+        await wait_until(lambda: not bus.pending, timeout=20)
+        assert "e1-10" in announced
+        assert await reconcile(store, bus) == ()
+    assert [m["eventId"] for m in await restored_on_stream(server.url)] == [event_id]
