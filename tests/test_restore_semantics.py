@@ -97,27 +97,29 @@ async def test_an_incompatible_checkpoint_is_refused_before_anything_is_staged(
     that identity, expected and found. No participant staged, the store manifest is
     byte for byte the same, no event, and the epoch goes on capturing."""
     host, participants, bus = Host(), parts(), RecordingBus()
-    async with FileStore(tmp_path) as store:
-        async with host_coordinator(store, participants, bus, host) as coordinator:
-            await coordinator.checkpoint(10)
-            setattr(host, change, expected)
-            manifest_before = (tmp_path / "manifest.json").read_bytes()
-            await wait_until(lambda: any(isinstance(e, Committed) for e in bus.events))
-            events_before = len(bus.events)
-            with pytest.raises(IncompatibleStateError) as refused:
-                await coordinator.restore("e1-10", new_epoch="e2")
-            assert refused.value.code == "restore.incompatible"
-            assert refused.value.reference_code == "INCOMPATIBLE_STATE"
-            assert refused.value.differences == (
-                IdentityDifference(identity=identity, expected=expected, found=found),
-            )
-            assert identity in str(refused.value)
-            assert all(p.staged == [] and p.aborted == 0 for p in participants)
-            assert (tmp_path / "manifest.json").read_bytes() == manifest_before
-            assert len(bus.events) == events_before
-            assert coordinator.epoch == "e1"
-            assert isinstance(await coordinator.checkpoint(20), Committed)  # not fenced
-            assert store.epoch_owner("e2") is None  # e2 is still free
+    async with (
+        FileStore(tmp_path) as store,
+        host_coordinator(store, participants, bus, host) as coordinator,
+    ):
+        await coordinator.checkpoint(10)
+        setattr(host, change, expected)
+        manifest_before = (tmp_path / "manifest.json").read_bytes()
+        await wait_until(lambda: any(isinstance(e, Committed) for e in bus.events))
+        events_before = len(bus.events)
+        with pytest.raises(IncompatibleStateError) as refused:
+            await coordinator.restore("e1-10", new_epoch="e2")
+        assert refused.value.code == "restore.incompatible"
+        assert refused.value.reference_code == "INCOMPATIBLE_STATE"
+        assert refused.value.differences == (
+            IdentityDifference(identity=identity, expected=expected, found=found),
+        )
+        assert identity in str(refused.value)
+        assert all(p.staged == [] and p.aborted == 0 for p in participants)
+        assert (tmp_path / "manifest.json").read_bytes() == manifest_before
+        assert len(bus.events) == events_before
+        assert coordinator.epoch == "e1"
+        assert isinstance(await coordinator.checkpoint(20), Committed)  # not fenced
+        assert store.epoch_owner("e2") is None  # e2 is still free
 
 
 @pytest.mark.asyncio
@@ -127,28 +129,30 @@ async def test_default_selection_skips_newer_incompatible_generations(tmp_path: 
     over, and why; the event names 11-30 as abandoned. With no compatible
     generation at all, the refusal lists every one it tried."""
     host, participants = Host(), parts()
-    async with FileStore(tmp_path, keep=5) as store:
-        async with host_coordinator(store, participants, MemoryBus(), host) as coordinator:
-            await coordinator.checkpoint(10)
-            host.model_version = "2"
-            await coordinator.checkpoint(20)
-            await coordinator.checkpoint(30)
-            host.model_version = "1"
-            report = await coordinator.restore(new_epoch="e2")
-            assert report.record.checkpoint_id == "e1-10"
-            assert [s.checkpoint_id for s in report.skipped] == ["e1-30", "e1-20"]
-            difference = IdentityDifference(
-                identity="agents[fly-a].modelVersion", expected="1", found="2"
-            )
-            assert all(s.differences == (difference,) for s in report.skipped)
-            assert (report.event.abandoned_from, report.event.abandoned_to) == ("11", "30")
-            assert participants[0].state == b"world@0"
+    async with (
+        FileStore(tmp_path, keep=5) as store,
+        host_coordinator(store, participants, MemoryBus(), host) as coordinator,
+    ):
+        await coordinator.checkpoint(10)
+        host.model_version = "2"
+        await coordinator.checkpoint(20)
+        await coordinator.checkpoint(30)
+        host.model_version = "1"
+        report = await coordinator.restore(new_epoch="e2")
+        assert report.record.checkpoint_id == "e1-10"
+        assert [s.checkpoint_id for s in report.skipped] == ["e1-30", "e1-20"]
+        difference = IdentityDifference(
+            identity="agents[fly-a].modelVersion", expected="1", found="2"
+        )
+        assert all(s.differences == (difference,) for s in report.skipped)
+        assert (report.event.abandoned_from, report.event.abandoned_to) == ("11", "30")
+        assert participants[0].state == b"world@0"
 
-            host.model_version = "3"
-            with pytest.raises(IncompatibleStateError) as refused:
-                await coordinator.restore(new_epoch="e3")
-            assert refused.value.skipped == ("e1-10",)  # the timeline is e1-10 now
-            assert coordinator.epoch == "e2"
+        host.model_version = "3"
+        with pytest.raises(IncompatibleStateError) as refused:
+            await coordinator.restore(new_epoch="e3")
+        assert refused.value.skipped == ("e1-10",)  # the timeline is e1-10 now
+        assert coordinator.epoch == "e2"
 
 
 @pytest.mark.asyncio
@@ -156,11 +160,13 @@ async def test_allow_incompatible_installs_and_records_the_override(tmp_path: Pa
     """The explicit override installs a checkpoint of another model version; the
     report, the event and the durable fork record all name what differed."""
     host, bus = Host(), RecordingBus()
-    async with FileStore(tmp_path) as store:
-        async with host_coordinator(store, parts(), bus, host) as coordinator:
-            await coordinator.checkpoint(10)
-            host.model_version = "2"
-            report = await coordinator.restore("e1-10", new_epoch="e2", allow_incompatible=True)
+    async with (
+        FileStore(tmp_path) as store,
+        host_coordinator(store, parts(), bus, host) as coordinator,
+    ):
+        await coordinator.checkpoint(10)
+        host.model_version = "2"
+        report = await coordinator.restore("e1-10", new_epoch="e2", allow_incompatible=True)
     assert [d.identity for d in report.allowed_incompatible] == ["agents[fly-a].modelVersion"]
     restored = [e for e in bus.events if isinstance(e, Restored)]
     assert [e.allowed_incompatible for e in restored] == [("agents[fly-a].modelVersion",)]
@@ -247,10 +253,12 @@ async def test_a_truthful_reply_commits_and_states_the_hosts_digest(tmp_path: Pa
         return await original(scope)
 
     answering.capture = capture  # type: ignore[method-assign]
-    async with FileStore(tmp_path) as store:
-        async with host_coordinator(store, participants, MemoryBus(), host) as coordinator:
-            assert isinstance(await coordinator.checkpoint(10), Committed)
-            assert [g.checkpoint_id for g in store.generations] == ["e1-10"]
+    async with (
+        FileStore(tmp_path) as store,
+        host_coordinator(store, participants, MemoryBus(), host) as coordinator,
+    ):
+        assert isinstance(await coordinator.checkpoint(10), Committed)
+        assert [g.checkpoint_id for g in store.generations] == ["e1-10"]
     body = host.describe(seen[0])
     assert seen[0].compatibility_digest == compatibility_digest(body.compatibility)
 
