@@ -19,11 +19,15 @@ each result as owned, digested bytes, builds the manifest from those digests and
 hands the job to the writer. A participant that fails fences the epoch:
 capture is refused until a restore into a new epoch.
 
-``restore`` verifies a generation of this session, stages every participant,
-fences the old epoch (its queued captures are superseded, the one being written
-finishes first), activates every participant, and records the fork in the store
-manifest durably before it returns: all or none, and a default restore after a
-crash never goes back to the abandoned timeline.
+``restore`` verifies a generation of this session whose identity is the host's
+(``describe()``'s compatibility block and agents; ``IncompatibleStateError``
+before anything changes), stages every participant, fences the old epoch (its
+queued captures are superseded, the one being written finishes first),
+activates every participant, records the fork in the store manifest durably and
+publishes ``restored`` (what it installed, what it abandoned): all or none, and
+a default restore after a crash never goes back to the abandoned timeline. A
+capture reply for another checkpoint, step or compatibility digest fails the
+capture (``IdentityMismatchError``, ``IncompatibleCaptureError``).
 
 Leaving the block is the one close path: an optional durable final capture
 (``final_step``), then the writer's close, whatever happened before.
