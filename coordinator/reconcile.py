@@ -160,15 +160,19 @@ async def unannounced_restore(
     store: FileStore, bus: _RestoreKnowingBus, session_id: str
 ) -> Restored | None:
     """The ``restored`` event of the session's newest restore, if the bus's
-    latest ``restored`` is an older restore's (or there is none). ``None`` when
-    it was announced, or when it cannot be rebuilt any more (the restored
-    generation rotated away or unreadable: by then later events followed it)."""
+    latest ``restored`` is an older restore's (or there is none), while the
+    checkpoint it restored is still the session's high water. ``None`` when it
+    was announced, or once anything was committed after it: announcing it then
+    would move every monitor's high water back to an older checkpoint (say, after
+    the stream's retention dropped the original)."""
     session = store.session(session_id)
     forks = [record for record in session.epochs if record.fork is not None] if session else []
     if session is None or not forks:
         return None
     newest = forks[-1]
     assert newest.fork is not None
+    if session.high_water != newest.fork.checkpoint_id:
+        return None  # committed since: later events followed it
     latest = await bus.latest_restored(session_id)
     if latest is not None:
         if latest.epoch == newest.epoch:

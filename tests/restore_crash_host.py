@@ -1,13 +1,14 @@
 """A host that rolls back and dies at once: a real crash right after ``restore()``
 returns, before anything closes.
 
-    python tests/restore_crash_host.py NATS_URL STORE (sent|unsent)
+    python tests/restore_crash_host.py NATS_URL STORE (sent|unsent|unsent-committed)
 
 It commits steps 10 and 20 in epoch ``e1`` of session ``s``, restores ``e1-10``
 into ``e2`` and exits with ``os._exit``. ``sent``: on NATS, once the bus has
 sent everything (the ``restored`` event is on the stream). ``unsent``: its bus
-is a ``MemoryBus``, so no event of this run ever reaches NATS. It prints the
-``restored`` event's id last.
+is a ``MemoryBus``, so no event of this run ever reaches NATS;
+``unsent-committed`` also commits step 30 in ``e2`` before it dies. It prints
+the ``restored`` event's id last.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ async def main(url: str, store_path: str, mode: str) -> None:
         for step in (10, 20):
             await host.checkpoint(step)
         report = await host.restore("e1-10", new_epoch="e2")
+        if mode == "unsent-committed":
+            await host.checkpoint(30)
         if mode == "sent":  # on the stream before the crash
             with anyio.fail_after(20):
                 while await nats_bus.latest_restored("s") is None:

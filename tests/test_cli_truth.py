@@ -198,7 +198,8 @@ def test_a_demo_over_a_corrupt_store_says_which_generation_in_one_line(tmp_path:
     ExceptionGroup."""
     store = tmp_path / "saves"
     assert run("demo", "--steps", "3", "--store", str(store)).returncode == 0
-    newest = max(store.glob("*.flysess"), key=lambda path: path.stat().st_mtime_ns)
+    with SyncStore(store, read_only=True) as reopened:  # the generation every run keeps
+        newest = store / reopened.select(session_id="demo").file
     with open(newest, "r+b") as file:
         file.seek(100)
         file.write(b"XXXX")

@@ -194,12 +194,15 @@ def test_watch_replays_the_same_high_water_as_ls(server: EmbeddedServer, tmp_pat
         return out.getvalue()
 
     store = str(tmp_path / "saves")
-    run("demo", "--steps", "25", "--store", store, "--nats", server.url, "--json")
+    summary = json.loads(
+        run("demo", "--steps", "25", "--store", store, "--nats", server.url, "--json")
+    )
     lines = run("watch", "--nats", server.url, "--session", "demo", "--json", "--replay-only")
     states = [json.loads(line) for line in lines.splitlines()]
     listed = json.loads(run("ls", "--json", store))
     assert states[-1]["highWater"] == listed["highWater"]
-    assert listed["highWater"].endswith("-final-25")
+    assert listed["highWater"] == summary["restored"]  # the demo ends with a rollback
+    assert states[-1]["restores"] == 1 and states[-1]["epoch"] == summary["restored_epoch"]
     assert states[-1]["gaps"] == 0
 
 
@@ -220,16 +223,19 @@ async def test_an_unreachable_server_is_a_clear_typed_error() -> None:
 def test_watch_draws_a_table_per_session(server: EmbeddedServer, tmp_path: Path) -> None:
     """Without --json, watch shows the rich table: the session, its high water, its counts."""
     import io
+    import json
 
     from coordinator.cli import main
 
-    out = io.StringIO()
+    out, demo = io.StringIO(), io.StringIO()
     store = str(tmp_path / "saves")
     assert main(["demo", "--steps", "12", "--store", store, "--nats", server.url, "--json"],
-                out=io.StringIO(), err=io.StringIO()) == 0  # fmt: skip
+                out=demo, err=io.StringIO()) == 0  # fmt: skip
     assert main(["watch", "--nats", server.url, "--replay-only"], out=out, err=io.StringIO()) == 0
     text = out.getvalue()
-    assert "save state" in text and "demo" in text and "final-12" in text
+    restored = json.loads(demo.getvalue())["restored"]
+    assert "save state" in text and "demo" in text and restored in text
+    assert "last restore" in text and "rollback" in text
 
 
 # --- review findings -------------------------------------------------------------------

@@ -431,6 +431,23 @@ async def test_a_crash_right_after_a_restore_is_announced_once(
 
 
 @pytest.mark.asyncio
+async def test_a_restore_followed_by_a_commit_is_not_announced_late(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Once something was committed after the restored checkpoint, its `restored`
+    event is not rebuilt: announcing it would move every monitor's high water back
+    to an older checkpoint. The commit itself is what reconcile() announces."""
+    crash_after_restore(server.url, tmp_path / "store", "unsent-committed")
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+        assert await unannounced_restore(store, bus, "s") is None
+        assert await reconcile(store, bus) == ("e2-30",)
+        await wait_until(lambda: not bus.pending, timeout=20)
+        history = await bus.history("s")
+    assert [type(e) for e in history] == [Committed]
+    assert await restored_on_stream(server.url) == []
+
+
+@pytest.mark.asyncio
 async def test_reconcile_announces_a_restore_the_bus_never_carried(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:
