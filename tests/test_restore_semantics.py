@@ -26,11 +26,12 @@ from coordinator import (
     IdentityMismatchError,
     IncompatibleCaptureError,
     IncompatibleStateError,
+    RestoreFailedError,
 )
 from coordinator._sample import sample_body
 from coordinator.bus import MemoryBus, NatsBus
 from coordinator.events import Captured, Committed, Restored, decode_event
-from coordinator.identity import IdentityDifference, compatibility_digest
+from coordinator.identity import IdentityDifference, compatibility_digest, identity_of
 from coordinator.manifest import ManifestBody
 from coordinator.monitor import SaveState
 from coordinator.reconcile import reconcile, unannounced_restore
@@ -459,3 +460,44 @@ async def test_reconcile_announces_a_restore_the_bus_never_carried(
         assert "e1-10" in announced
         assert await reconcile(store, bus) == ()
     assert [m["eventId"] for m in await restored_on_stream(server.url)] == [event_id]
+
+
+@pytest.mark.asyncio
+async def test_a_failed_restore_publishes_no_restored_event(tmp_path: Path) -> None:
+    """A participant that refuses to stage fails the group: no fork, no event."""
+    bus, participants = RecordingBus(), parts()
+    async with (
+        FileStore(tmp_path) as store,
+        host_coordinator(store, participants, bus, Host()) as coordinator,
+    ):
+        await coordinator.checkpoint(10)
+        participants[2].refuse_restore = True
+        with pytest.raises(RestoreFailedError):
+            await coordinator.restore("e1-10", new_epoch="e2")
+        assert store.epoch_owner("e2") is None
+        await coordinator.checkpoint(20)
+    assert not [e for e in bus.events if isinstance(e, Restored)]
+
+
+def test_the_fold_takes_a_restore_in_order_and_never_a_late_one() -> None:
+    """`restored` moves the high water to the checkpoint restored (the store's high
+    water now); a late one (a seq below one already folded) never moves it."""
+    identity = identity_of(sample_body("e1-10"))
+    restored = Restored(
+        seq=5, event_id="s:e2:e1-10:restored", time="2026-11-30T00:00:00Z",
+        checkpoint_id="e1-10", session_id="s", epoch="e2", episode_id="episode-1",
+        boundary="10", byte_length="67", previous_epoch="e1", reason="rollback",
+        abandoned_from="11", abandoned_to="60", identity=identity,
+    )  # fmt: skip
+    committed = Committed(
+        seq=6, event_id="s:e2:e2-70:committed", time="2026-11-30T00:00:01Z",
+        checkpoint_id="e2-70", session_id="s", epoch="e2", episode_id="episode-1",
+        boundary="70", byte_length="67", generation="e2-70.flysess",
+        envelope_digest=sha("x"), envelope_bytes="100", high_water="e2-70",
+    )  # fmt: skip
+    state = SaveState().apply(restored)
+    assert state.sessions["s"].high_water == "e1-10" and state.sessions["s"].restores == 1
+    state = state.apply(committed).apply(restored)  # the same restore, stored late
+    session = state.sessions["s"]
+    assert (session.high_water, session.high_water_boundary) == ("e2-70", "70")
+    assert session.restores == 2 and session.epoch == "e2"
