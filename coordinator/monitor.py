@@ -66,9 +66,14 @@ def _fold(state: SessionState, event: Event) -> SessionState:
     if not late:
         changes["epoch"] = event.epoch
     open_ids = set(state.in_flight)
+    # The high water moves to what a committed or restored event names only if it
+    # comes after the event that set it: one stored late behind it, or a seq-0
+    # re-announcement (outside the sequence), never moves it back. One stored
+    # late behind other kinds of event still does.
+    newest = state.high_water is None or (event.seq > 0 and event.seq >= state.high_water_seq)
     if isinstance(event, Restored):
         changes.update(restores=state.restores + 1, last_restore=_restore_text(event))
-        if not late:  # the store's high water is the checkpoint restored now
+        if newest:  # the store's high water is the checkpoint restored now
             changes.update(
                 high_water=event.checkpoint_id,
                 high_water_boundary=event.boundary,
@@ -84,11 +89,6 @@ def _fold(state: SessionState, event: Event) -> SessionState:
         open_ids.discard(event.checkpoint_id)
         if isinstance(event, Committed):
             changes["committed"] = state.committed + 1
-            # The high water never moves back: a late committed (behind the newest
-            # seen) or a seq-0 re-announcement (outside the sequence) leaves it.
-            newest = not late and (
-                state.high_water is None or (event.seq > 0 and event.seq >= state.high_water_seq)
-            )
             if newest:
                 changes.update(
                     high_water=event.high_water,

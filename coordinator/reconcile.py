@@ -26,15 +26,18 @@ the original ``eventId``, so a bus that stored it once drops the copy.
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
-from ._errors import GenerationCorruptError, UsageError
+from ._errors import BusUnavailableError, GenerationCorruptError, UsageError
 from .events import Committed, Event, Restored, Timings, event_id, rfc3339_now
 from .identity import identity_of
 from .manifest import CheckpointManifest
 from .store import EpochRecord, FileStore, GenerationRecord
 
 __all__ = ["reconcile", "restored_event", "unannounced_restore"]
+
+_log = logging.getLogger("coordinator.reconcile")
 
 
 class _RestoreKnowingBus(Protocol):
@@ -173,7 +176,11 @@ async def unannounced_restore(
     assert newest.fork is not None
     if session.high_water != newest.fork.checkpoint_id:
         return None  # committed since: later events followed it
-    latest = await bus.latest_restored(session_id)
+    try:
+        latest = await bus.latest_restored(session_id)
+    except BusUnavailableError as error:  # a copy would spend a seq: leave it for later
+        _log.warning("restore of %s not re-announced: %s", newest.fork.checkpoint_id, error)
+        return None
     if latest is not None:
         if latest.epoch == newest.epoch:
             return None  # announced

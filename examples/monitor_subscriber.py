@@ -64,10 +64,11 @@ class Session:
             self.in_flight.add(ckpt)
         elif kind in ("superseded", "committed", "failed"):
             self.in_flight.discard(ckpt)
+        # Only an event after the one that set the high water moves it: never back.
+        newest = self.high_water is None or (seq > 0 and seq >= self.high_water_seq)
         if kind == "committed":  # the only event that means saved
             self.committed += 1
-            newest = self.high_water is None or (seq > 0 and seq >= self.high_water_seq)
-            if not late and newest:  # the high water never moves back
+            if newest:
                 self.high_water, self.boundary = event["highWater"], event["boundary"]
                 self.high_water_seq = seq
         elif kind == "superseded":
@@ -77,7 +78,7 @@ class Session:
             self.failures.append({"checkpointId": ckpt, "code": event["code"]})
             note += f"  {event['code']}: {event['reason']}"
         elif kind == "restored":  # the high water is the checkpoint restored now
-            if not late:
+            if newest:
                 self.high_water, self.boundary = ckpt, event["boundary"]
                 self.high_water_seq = seq
             lost = [event["abandonedFrom"], event["abandonedTo"]]

@@ -500,4 +500,56 @@ def test_the_fold_takes_a_restore_in_order_and_never_a_late_one() -> None:
     state = state.apply(committed).apply(restored)  # the same restore, stored late
     session = state.sessions["s"]
     assert (session.high_water, session.high_water_boundary) == ("e2-70", "70")
-    assert session.restores == 2 and session.epoch == "e2"
+    assert session.epoch == "e2"
+
+    # Stored late behind a `captured` of the new epoch (a connection drop), the
+    # restore still moves the high water off the abandoned timeline.
+    old = msgspec.structs.replace(committed, seq=3, checkpoint_id="e1-60", high_water="e1-60")
+    captured = Captured(
+        seq=6, event_id="s:e2:e2-20:captured", time="2026-11-30T00:00:01Z",
+        checkpoint_id="e2-20", session_id="s", epoch="e2", episode_id="episode-1",
+        boundary="20", byte_length="67", payloads=(),
+    )  # fmt: skip
+    state = SaveState().apply(old).apply(captured).apply(restored)
+    assert state.sessions["s"].high_water == "e1-10"
+    assert state.sessions["s"].gaps == 1  # seq 4 is still missing; 5 filled in
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("lost", ["last_seq", "latest_restored"])
+async def test_entering_while_the_bus_cannot_tell_spends_no_seq(
+    server: EmbeddedServer, tmp_path: Path, lost: str
+) -> None:
+    """A restore whose event is on the stream, a crash, and a restart through a link
+    that loses one server answer: the one `last_seq` reads (it used to escape as an
+    ExceptionGroup and stop the host from entering), or the one `latest_restored`
+    reads (the event used to be published again: the stream dropped the copy, and
+    its seq was a gap that never filled). The host enters, nothing is announced
+    twice, and the stream's seqs have no gap."""
+    from natsproxy import NatsProxy
+
+    crash_after_restore(server.url, tmp_path / "store", "sent")
+    asked = {"count": 0, "on": True}
+
+    def drop(line: bytes, body: bytes) -> bool:
+        if asked["on"] and b"STREAM.MSG.GET" in line and b"ckpt.s.restored" in body:
+            asked["count"] += 1
+            return asked["count"] == (1 if lost == "last_seq" else 2)
+        return False
+
+    async with NatsProxy(server.port) as proxy:
+        proxy.drop = drop
+        async with (
+            NatsBus(proxy.url, publish_timeout=1.0) as bus,
+            FileStore(tmp_path / "store") as store,
+        ):
+            async with host_coordinator(store, parts(), bus, Host(), epoch="e3") as host:
+                asked["on"] = False
+                await host.checkpoint(30)
+            await wait_until(lambda: not bus.pending, timeout=20)
+            counts = bus.counts()
+            history = await bus.history("s")
+    assert asked["count"] >= 1  # the answer was lost
+    assert counts.get("duplicates", 0) == 0
+    assert [e.seq for e in history] == list(range(1, len(history) + 1))
+    assert [e.event_id for e in history if isinstance(e, Restored)] == ["s:e2:e1-10:restored"]

@@ -40,9 +40,9 @@ class Bus(Protocol):
         ...
 
     async def latest_restored(self, session_id: str) -> Restored | None:
-        """The newest ``restored`` event the bus holds for a session (``None``: none,
-        or it cannot tell): how a restarted host knows whether its last restore was
-        announced before it went down."""
+        """The newest ``restored`` event the bus holds for a session (``None``: none):
+        how a restarted host knows whether its last restore was announced before it
+        went down. ``BusUnavailableError`` if it cannot tell now."""
         ...
 
     async def last_seq(self, session_id: str) -> int:

@@ -562,9 +562,10 @@ class NatsBus:
 
     async def latest_restored(self, session_id: str) -> Restored | None:
         """The last ``restored`` event of a session on the stream (its subject's last
-        message). ``None`` if there is none, it is not one, or the server is away
-        (counted as ``restored_unknown``: the caller announces again, under the same
-        ``eventId``)."""
+        message); ``None`` if there is none, or it is not one.
+        ``BusUnavailableError`` if the server cannot tell now: announcing again
+        then would spend a ``seq`` on a copy the stream drops (a gap that never
+        fills), so the caller leaves it for a later entry or ``reconcile()``."""
         assert self._js is not None
         name = subject(check_id(session_id), "restored", prefix=self.prefix)
         try:
@@ -572,9 +573,11 @@ class NatsBus:
                 message = await self._js.get_last_msg(self.stream, name)
         except NotFoundError:
             return None
-        except (*TRANSIENT, APIError):
+        except (*TRANSIENT, APIError) as error:
             self._counts["restored_unknown"] += 1
-            return None
+            raise BusUnavailableError(
+                f"cannot read the latest restored event now ({type(error).__name__})"
+            ) from None
         try:
             event = decode_event(message.data or b"")
         except msgspec.MsgspecError:
@@ -603,22 +606,32 @@ class NatsBus:
         js, kv = self._js, self._kv
         found: list[int] = [0]
 
+        failures: list[Exception] = []  # raised as themselves, never as a group
+
         async def last_message(name: str) -> None:
-            with contextlib.suppress(NotFoundError), anyio.fail_after(self.publish_timeout):
-                message = await js.get_last_msg(
-                    self.stream, subject(session_id, name, prefix=self.prefix)
-                )
-                found.append(_seq_of(message.data))
+            try:
+                with contextlib.suppress(NotFoundError), anyio.fail_after(self.publish_timeout):
+                    message = await js.get_last_msg(
+                        self.stream, subject(session_id, name, prefix=self.prefix)
+                    )
+                    found.append(_seq_of(message.data))
+            except Exception as error:
+                failures.append(error)
 
         async def kv_value(key: str) -> None:
-            with contextlib.suppress(KeyNotFoundError), anyio.fail_after(self.publish_timeout):
-                found.append(_seq_of((await kv.get(key)).value))
+            try:
+                with contextlib.suppress(KeyNotFoundError), anyio.fail_after(self.publish_timeout):
+                    found.append(_seq_of((await kv.get(key)).value))
+            except Exception as error:
+                failures.append(error)
 
         async with anyio.create_task_group() as group:
             for name in EVENT_NAMES:
                 group.start_soon(last_message, name)
             group.start_soon(kv_value, subject_token(session_id))
             group.start_soon(kv_value, _seq_key(session_id))
+        if failures:
+            raise failures[0]
         return max(found)
 
     async def history(self, session_id: str | None = None) -> list[Event]:
