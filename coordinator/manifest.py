@@ -156,10 +156,14 @@ class CheckpointManifest(ManifestBody, frozen=True, kw_only=True):
 
 
 def _check_payload_names(manifest: CheckpointManifest) -> None:
-    """Rules a type cannot express: every payload the manifest names is present."""
+    """Rules a type cannot express: every payload the manifest names is present,
+    and each agent has one row (its identity is compared by id)."""
     present = {record.name for record in manifest.payloads}
     if len(present) != len(manifest.payloads):
         raise ManifestError("payload names repeat")
+    agent_ids = [agent.agent_id for agent in manifest.agents]
+    if len(set(agent_ids)) != len(agent_ids):
+        raise ManifestError(f"agent ids repeat: {sorted(agent_ids)}")
     named = [
         *(agent.payload for agent in manifest.agents),
         *(executor.payload for executor in manifest.coordinator.executor_state),

@@ -61,8 +61,10 @@ def check_reply(
     step: int,
     compatibility_digest: str | None,
 ) -> None:
-    """The reference's order: the checkpoint id and boundary, then the digest."""
-    if (checkpoint_id, step) != (scope.checkpoint_id, scope.step):
+    """The reference's order: the checkpoint id and boundary, then the digest.
+    Types too: ``True`` or ``10.0`` is no step, even where Python finds it equal."""
+    exact = type(checkpoint_id) is str and type(step) is int
+    if not exact or (checkpoint_id, step) != (scope.checkpoint_id, scope.step):
         raise IdentityMismatchError(
             participant, (scope.checkpoint_id, scope.step), (checkpoint_id, step)
         )
@@ -70,7 +72,7 @@ def check_reply(
     if (
         compatibility_digest is not None
         and expected is not None
-        and compatibility_digest != expected
+        and (type(compatibility_digest) is not str or compatibility_digest != expected)
     ):
         raise IncompatibleCaptureError(participant, expected, compatibility_digest)
 

@@ -26,13 +26,14 @@ from coordinator import (
     IdentityMismatchError,
     IncompatibleCaptureError,
     IncompatibleStateError,
+    ManifestError,
     RestoreFailedError,
 )
 from coordinator._sample import sample_body
 from coordinator.bus import MemoryBus, NatsBus
 from coordinator.events import Captured, Committed, Restored, decode_event
 from coordinator.identity import IdentityDifference, compatibility_digest, identity_of
-from coordinator.manifest import ManifestBody
+from coordinator.manifest import ManifestBody, build_manifest
 from coordinator.monitor import SaveState
 from coordinator.reconcile import reconcile, unannounced_restore
 from coordinator.remote import RemoteParticipant, serve_participant
@@ -195,6 +196,8 @@ class Answering(Part):
             checkpoint_id = "e1-999"
         elif self.lie == "step":
             step += 1
+        elif self.lie == "step-type":
+            step = float(step)  # type: ignore[assignment]  # equal in Python, no step
         elif self.lie == "digest":
             digest = sha("another build")
         return CaptureReply(
@@ -208,6 +211,7 @@ class Answering(Part):
     [
         ("checkpoint", IdentityMismatchError, "capture.identity_mismatch", "IDENTITY_MISMATCH"),
         ("step", IdentityMismatchError, "capture.identity_mismatch", "IDENTITY_MISMATCH"),
+        ("step-type", IdentityMismatchError, "capture.identity_mismatch", "IDENTITY_MISMATCH"),
         ("digest", IncompatibleCaptureError, "capture.incompatible", "INCOMPATIBLE_STATE"),
     ],
 )
@@ -553,3 +557,33 @@ async def test_entering_while_the_bus_cannot_tell_spends_no_seq(
     assert counts.get("duplicates", 0) == 0
     assert [e.seq for e in history] == list(range(1, len(history) + 1))
     assert [e.event_id for e in history if isinstance(e, Restored)] == ["s:e2:e1-10:restored"]
+
+
+@pytest.mark.asyncio
+async def test_a_lost_generation_below_the_restored_step_is_in_the_abandoned_range(
+    tmp_path: Path,
+) -> None:
+    """Steps need not increase: step 50 committed, then step 10, then a restore of
+    step 50 loses step 10's generation. The range says so (10-50), never null."""
+    async with (
+        FileStore(tmp_path, keep=5) as store,
+        host_coordinator(store, parts(), MemoryBus(), Host()) as coordinator,
+    ):
+        await coordinator.checkpoint(50)
+        await coordinator.checkpoint(10)
+        report = await coordinator.restore("e1-50", new_epoch="e2")
+        assert [g.checkpoint_id for g in store.timeline("s")] == ["e1-50"]
+    assert (report.event.abandoned_from, report.event.abandoned_to) == ("10", "50")
+
+
+def test_a_manifest_with_one_agent_twice_is_refused() -> None:
+    """An agent's identity is compared by id: a manifest holding fly-a twice (model 1
+    and model 2) could hide one of them from the comparison, so it is no manifest."""
+    body = sample_body("e1-10")
+    twice = msgspec.structs.replace(
+        body,
+        agents=[*body.agents, msgspec.structs.replace(body.agents[0], model_version="2")],
+    )
+    payloads = [(name, b"x") for name in NAMES]
+    with pytest.raises(ManifestError, match="agent ids repeat"):
+        build_manifest(twice, payloads)

@@ -170,7 +170,9 @@ def with_forked_epoch(
     """``epoch`` opened by a restore of ``restored``: the session's timeline now
     runs through ``restored`` and goes on in ``epoch``. The abandoned range runs
     from the step after ``restored`` to the last step the old timeline reached
-    (``last_step``, what the host captured, or a listed generation's boundary)."""
+    (``last_step``, what the host captured, or a listed generation's boundary);
+    a lost generation whose step lies below ``restored``'s (steps need not
+    increase) extends it down to that step, so it is never ``None`` then."""
     session = _new_epoch(manifest, session_id, epoch)
     if session is None or restored.session_id != session_id:
         raise DuplicateCheckpointError(
@@ -189,15 +191,17 @@ def with_forked_epoch(
     )
     record = EpochRecord(epoch=epoch, parent=restored.epoch, fork=fork)
     forked = msgspec.structs.replace(session, epochs=(*session.epochs, record))
-    reached = [last_step] if last_step is not None else []
-    reached += [
+    lost = [
         int(g.boundary)
         for g in manifest.generations
         if g.session_id == session_id and on_timeline(session, g) and not on_timeline(forked, g)
     ]
-    end = max(reached, default=step)
-    if end > step:
-        fork = msgspec.structs.replace(fork, abandoned_from=str(step + 1), abandoned_to=str(end))
+    end = max([*lost, *([last_step] if last_step is not None else [])], default=step)
+    if end > step or lost:  # (steps need not increase: a lost one may lie below it)
+        start = min([step + 1, *lost])
+        fork = msgspec.structs.replace(
+            fork, abandoned_from=str(start), abandoned_to=str(max(end, start))
+        )
         record = msgspec.structs.replace(record, fork=fork)
     session = msgspec.structs.replace(session, epochs=(*session.epochs, record))
     return _with_session(manifest, session, manifest.generations)
