@@ -489,12 +489,7 @@ class Coordinator:
         _check_epoch(epoch)
         if epoch == self.epoch:
             raise StaleEpochError(f"epoch {epoch} is the current one; restore into a new one")
-        owner = self.store.epoch_owner(epoch)
-        if owner is not None:
-            raise StaleEpochError(
-                f"epoch {epoch} was opened before in this store (session {owner}); "
-                "epochs are used once: choose a new one"
-            )
+        self.store.check_new_epoch(epoch)
 
     async def restore(
         self,

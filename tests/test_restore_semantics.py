@@ -28,6 +28,7 @@ from coordinator import (
     IncompatibleStateError,
     ManifestError,
     RestoreFailedError,
+    StaleEpochError,
 )
 from coordinator._sample import sample_body
 from coordinator.bus import MemoryBus, NatsBus
@@ -587,3 +588,73 @@ def test_a_manifest_with_one_agent_twice_is_refused() -> None:
     payloads = [(name, b"x") for name in NAMES]
     with pytest.raises(ManifestError, match="agent ids repeat"):
         build_manifest(twice, payloads)
+
+
+@pytest.mark.asyncio
+async def test_a_restore_still_in_the_outbox_is_not_announced_again(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A clean close, then a new coordinator of the session on the same bus, over a
+    40 ms link: the `restored` event is still in the bus's outbox when the next one
+    enters. It counts as announced (it used to go out twice: the stream dropped the
+    copy, and its seq was a gap that never filled)."""
+    from natsproxy import NatsProxy
+
+    async with NatsProxy(server.port) as proxy:
+        proxy.delay = 0.02
+        async with NatsBus(proxy.url) as bus, FileStore(tmp_path / "store") as store:
+            async with host_coordinator(store, parts(), bus, Host()) as first:
+                await first.checkpoint(10)
+                await first.checkpoint(20)
+                await first.restore("e1-10", new_epoch="e2")
+            assert bus.pending  # the event has not reached the server yet
+            async with host_coordinator(store, parts(), bus, Host(), epoch="e3") as second:
+                await second.checkpoint(30)
+            await wait_until(lambda: not bus.pending, timeout=20)
+            counts, history = bus.counts(), await bus.history("s")
+    assert counts.get("duplicates", 0) == 0
+    assert [e.seq for e in history] == list(range(1, len(history) + 1))
+    assert sum(isinstance(e, Restored) for e in history) == 1
+
+
+@pytest.mark.asyncio
+async def test_entering_after_reconcile_does_not_announce_its_restore_again(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """reconcile() queues the unannounced restore; a coordinator entering at once on
+    the same bus sees it queued and does not announce it a second time."""
+    crash_after_restore(server.url, tmp_path / "store", "unsent")
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+        assert "e1-10" in await reconcile(store, bus)
+        async with host_coordinator(store, parts(), bus, Host(), epoch="e3") as host:
+            await host.checkpoint(30)
+        await wait_until(lambda: not bus.pending, timeout=20)
+        counts, history = bus.counts(), await bus.history("s")
+    assert counts.get("duplicates", 0) == 0
+    assert [e.seq for e in history] == list(range(1, len(history) + 1))
+    assert sum(isinstance(e, Restored) for e in history) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_restore_into_an_epoch_whose_default_ids_are_taken_stages_nothing(
+    tmp_path: Path,
+) -> None:
+    """Two sessions share a store; one commits the explicit id `x-5`. The other's
+    restore into epoch `x` (whose default ids would collide) is StaleEpochError
+    before any participant is staged (it used to fail after activating them all,
+    fencing the host), and the host goes on."""
+    mine, others = parts(), parts()
+    async with (
+        FileStore(tmp_path) as store,
+        host_coordinator(store, mine, MemoryBus(), Host()) as host,
+        Coordinator(
+            store, MemoryBus(), others, session_id="t", epoch="f1", describe=Host().describe
+        ) as other,
+    ):
+        await host.checkpoint(10)
+        await other.checkpoint(5, checkpoint_id="x-5")
+        with pytest.raises(StaleEpochError, match="x-5"):
+            await host.restore("e1-10", new_epoch="x")
+        assert all(p.staged == [] for p in mine)
+        assert isinstance(await host.checkpoint(20), Committed)
+        await host.restore("e1-10", new_epoch="y")

@@ -40,7 +40,8 @@ class Bus(Protocol):
         ...
 
     async def latest_restored(self, session_id: str) -> Restored | None:
-        """The newest ``restored`` event the bus holds for a session (``None``: none):
+        """The newest ``restored`` event the bus holds or is about to send for a
+        session (``None``: none):
         how a restarted host knows whether its last restore was announced before it
         went down. ``BusUnavailableError`` if it cannot tell now."""
         ...

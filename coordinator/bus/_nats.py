@@ -561,13 +561,16 @@ class NatsBus:
         return event if isinstance(event, Committed) else None
 
     async def latest_restored(self, session_id: str) -> Restored | None:
-        """The last ``restored`` event of a session on the stream (its subject's last
-        message); ``None`` if there is none, or it is not one.
+        """The last ``restored`` event of a session in this bus's outbox, else on the
+        stream (its subject's last message); ``None`` if there is none, or it is not one.
         ``BusUnavailableError`` if the server cannot tell now: announcing again
         then would spend a ``seq`` on a copy the stream drops (a gap that never
         fills), so the caller leaves it for a later entry or ``reconcile()``."""
         assert self._js is not None
         name = subject(check_id(session_id), "restored", prefix=self.prefix)
+        for event in reversed(self._outbox.items):  # on its way: the stream has it soon
+            if isinstance(event, Restored) and event.session_id == session_id:
+                return event
         try:
             with anyio.fail_after(self.publish_timeout):
                 message = await self._js.get_last_msg(self.stream, name)

@@ -135,6 +135,12 @@ class FileStore:
                     "would collide with it; choose another epoch"
                 )
 
+    def check_new_epoch(self, epoch: str) -> None:
+        """``StaleEpochError`` if ``epoch`` cannot be opened now (used, a listed
+        checkpoint has one of its default ids, or a capture in flight claims one)."""
+        self._refuse_squatted(epoch)
+        self.core.check_new_epoch(epoch)
+
     async def open_epoch(self, session_id: str, epoch: str) -> SessionRecord:
         self._refuse_squatted(epoch)
         async with self._lock:

@@ -41,6 +41,7 @@ from ._manifest import (
 __all__ = [
     "check_commit",
     "check_consistent",
+    "check_epoch_unused",
     "high_water_of",
     "on_timeline",
     "with_forked_epoch",
@@ -125,8 +126,14 @@ def _retired(session: SessionRecord, generations: Sequence[GenerationRecord]) ->
 
 
 def _new_epoch(manifest: StoreManifest, session_id: str, epoch: str) -> SessionRecord | None:
-    """The session's record, after checking that ``epoch`` was never opened here,
-    and that no listed checkpoint already has one of its default ids."""
+    """The session's record, after checking that ``epoch`` may be opened."""
+    check_epoch_unused(manifest, epoch)
+    return manifest.session(session_id)
+
+
+def check_epoch_unused(manifest: StoreManifest, epoch: str) -> None:
+    """``StaleEpochError`` unless ``epoch`` was never opened here and no listed
+    checkpoint already has one of its default ids."""
     owner = manifest.epoch_owner(epoch)
     if owner is not None:
         raise StaleEpochError(
@@ -140,7 +147,6 @@ def _new_epoch(manifest: StoreManifest, session_id: str, epoch: str) -> SessionR
                 f"checkpoint {record.checkpoint_id} is listed: epoch {epoch}'s default ids "
                 "would collide with it; choose another epoch"
             )
-    return manifest.session(session_id)
 
 
 def with_opened_epoch(manifest: StoreManifest, session_id: str, epoch: str) -> StoreManifest:

@@ -35,6 +35,7 @@ from ..sealed import is_owned
 from ._commit import CommitSequence, UnlinkFailure
 from ._lineage import (
     check_commit,
+    check_epoch_unused,
     on_timeline,
     with_forked_epoch,
     with_generation,
@@ -440,6 +441,13 @@ class SyncStore:
         if following > U64_MAX:  # only a hostile manifest gets here: refuse, write nothing
             raise CommitError(checkpoint_id, "sequence", self._join(MANIFEST))
         return str(following)
+
+    def check_new_epoch(self, epoch: str) -> None:
+        """``StaleEpochError`` if ``epoch`` cannot be opened here (used, or a listed
+        checkpoint has one of its default ids): what a restore asks before it
+        stages anything."""
+        self._check_open()
+        check_epoch_unused(self._manifest, check_id(epoch))
 
     def open_epoch(self, session_id: str, epoch: str) -> SessionRecord:
         """Record durably that ``session_id`` goes on in ``epoch`` (continuing its
