@@ -389,6 +389,13 @@ def crash_after_restore(url: str, store: Path, mode: str) -> str:
     return result.stdout.splitlines()[-1]
 
 
+def assert_announced_once_without_gaps(counts: dict[str, int], history: list[Any]) -> None:
+    """One `restored` event, never sent twice, and every seq in order, none missing."""
+    assert counts.get("duplicates", 0) == 0
+    assert [e.seq for e in history] == list(range(1, len(history) + 1))
+    assert [e.event_id for e in history if isinstance(e, Restored)] == ["s:e2:e1-10:restored"]
+
+
 async def restored_on_stream(url: str) -> list[dict[str, Any]]:
     """Every message on the stream's `restored` subject of session `s`, raw."""
     client = await nats.connect(url)
@@ -555,9 +562,7 @@ async def test_entering_while_the_bus_cannot_tell_spends_no_seq(
             counts = bus.counts()
             history = await bus.history("s")
     assert asked["count"] >= 1  # the answer was lost
-    assert counts.get("duplicates", 0) == 0
-    assert [e.seq for e in history] == list(range(1, len(history) + 1))
-    assert [e.event_id for e in history if isinstance(e, Restored)] == ["s:e2:e1-10:restored"]
+    assert_announced_once_without_gaps(counts, history)
 
 
 @pytest.mark.asyncio
@@ -612,9 +617,7 @@ async def test_a_restore_still_in_the_outbox_is_not_announced_again(
                 await second.checkpoint(30)
             await wait_until(lambda: not bus.pending, timeout=20)
             counts, history = bus.counts(), await bus.history("s")
-    assert counts.get("duplicates", 0) == 0
-    assert [e.seq for e in history] == list(range(1, len(history) + 1))
-    assert sum(isinstance(e, Restored) for e in history) == 1
+    assert_announced_once_without_gaps(counts, history)
 
 
 @pytest.mark.asyncio
@@ -630,9 +633,7 @@ async def test_entering_after_reconcile_does_not_announce_its_restore_again(
             await host.checkpoint(30)
         await wait_until(lambda: not bus.pending, timeout=20)
         counts, history = bus.counts(), await bus.history("s")
-    assert counts.get("duplicates", 0) == 0
-    assert [e.seq for e in history] == list(range(1, len(history) + 1))
-    assert sum(isinstance(e, Restored) for e in history) == 1
+    assert_announced_once_without_gaps(counts, history)
 
 
 @pytest.mark.asyncio
