@@ -17,11 +17,15 @@ afterwards (``coordinator.sealed``):
   ``bytes(buffer)`` would give them;
 - anything that is not a buffer is a ``UsageError``.
 
-Digests of 64 KiB or more are computed in worker threads (at most one fewer
-than the cores, see ``hashing_limiter``); below that, hashing takes less than a
-thread hop and runs inline. Releasing a large handle unmaps its memory in a
-worker thread too (``release_off_loop``): freeing 1 GiB of pages takes tens of
-milliseconds the event loop should not wait.
+**The host is held for ownership only.** ``capture`` returns once the bytes are
+owned: at once for ``bytes``, after the one copy for any other buffer. The
+digest of 64 KiB or more is left to the writer's pipeline (``digest is None``
+until ``settle_digest``, in a worker thread: at most one fewer than the cores,
+see ``hashing_limiter``), which computes it before the manifest that states it
+is written. Below 64 KiB, hashing takes less than a thread hop and runs inline.
+Releasing a large handle unmaps its memory in a worker thread too
+(``release_off_loop``): freeing 1 GiB of pages takes tens of milliseconds the
+event loop should not wait.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ RELEASE_IN_THREAD_BYTES = 16 << 20
 class ArtifactHandle(Protocol):
     name: str
     byte_length: int
-    digest: str
+    digest: str | None  # None: a ``MemoryArtifact``'s, not computed yet (``settle_digest``)
 
     @property
     def remote(self) -> bool:
@@ -151,7 +155,9 @@ class BaseHandle:
     remote = False
     release_in_thread = True  # freeing it unmaps its memory: large ones in a worker thread
 
-    def __init__(self, name: str, byte_length: int, digest: str, ledger: ArtifactLedger) -> None:
+    def __init__(
+        self, name: str, byte_length: int, digest: str | None, ledger: ArtifactLedger
+    ) -> None:
         if isinstance(byte_length, bool) or not isinstance(byte_length, int) or byte_length < 0:
             raise UsageError(f"artifact {name!r}: byte length {byte_length!r} is no count")
         self.name = name
@@ -189,11 +195,15 @@ class BaseHandle:
 
 
 class MemoryArtifact(BaseHandle):
-    """Owned bytes held by reference: ``bytes``, or a sealed or spooled map."""
+    """Owned bytes held by reference: ``bytes``, or a sealed or spooled map. Its
+    ``digest`` is ``None`` until ``settle_digest`` when ``capture`` left it to
+    the writer."""
 
     __slots__ = ("_data",)
 
-    def __init__(self, name: str, data: BytesLike, digest: str, ledger: ArtifactLedger) -> None:
+    def __init__(
+        self, name: str, data: BytesLike, digest: str | None, ledger: ArtifactLedger
+    ) -> None:
         if not is_owned(data):
             raise UsageError(f"artifact {name!r}: {type(data).__name__} is not owned memory")
         self._data: BytesLike | None = data
@@ -205,6 +215,17 @@ class MemoryArtifact(BaseHandle):
         self._check_live()
         assert self._data is not None
         return memoryview(self._data).toreadonly()
+
+    async def settle_digest(self, limiter: anyio.CapacityLimiter | None = None) -> str:
+        """The digest, computed now over the owned bytes (in a worker thread) if
+        ``capture`` deferred it; the handle is then verified as one of ours."""
+        if self.digest is None:
+            with self.view() as view:
+                digest = await anyio.to_thread.run_sync(sha256_hex, view, limiter=limiter)
+            self._check_live()
+            self.digest = digest
+            mark_verified(self)
+        return self.digest
 
     def _free(self) -> None:
         data, self._data = self._data, None
@@ -225,9 +246,11 @@ _VERIFIED: weakref.WeakKeyDictionary[ArtifactHandle, tuple[int, str, object, typ
 def mark_verified(handle: ArtifactHandle) -> None:
     """For the coordinator's own code only: ``handle``'s digest was computed here,
     over bytes nobody else can change: the object holding them is remembered too."""
+    digest = handle.digest
+    assert digest is not None, "a digest computed here"
     with handle.view() as view:
         held = view.obj
-    _VERIFIED[handle] = (handle.byte_length, handle.digest, held, type(handle))
+    _VERIFIED[handle] = (handle.byte_length, digest, held, type(handle))
 
 
 def is_verified(handle: ArtifactHandle, byte_length: int, digest: str, view: memoryview) -> bool:
@@ -335,14 +358,15 @@ def hashing_limiter() -> anyio.CapacityLimiter:
         return limiter
 
 
-def _take(data: BytesLike, spool_dir: str | None, spool_threshold: int) -> tuple[BytesLike, str]:
-    """Blocking: owned bytes for ``data`` (itself when it is owned and stays in
-    memory, else one copy) and the digest of exactly those bytes."""
+def _take(
+    data: BytesLike, spool_dir: str | None, spool_threshold: int
+) -> tuple[BytesLike, str | None]:
+    """Blocking: owned bytes for ``data`` (one copy; a spool file is hashed as it
+    is written, the digest of a copy in memory is left for later)."""
     with memoryview(data) as view:
         if spool_dir is not None and view.nbytes >= max(1, spool_threshold):
             return spool_copy(view, spool_dir)
-        owned = data if is_owned(data) and view.c_contiguous else seal_copy(view)
-    return owned, sha256_hex(owned)
+        return seal_copy(view), None
 
 
 async def owned_bytes(data: object) -> BytesLike:
@@ -381,12 +405,14 @@ async def capture(
     spool_threshold: int = 64 << 20,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> ArtifactHandle:
-    """Take one participant's bytes as an owned, digested handle.
+    """Take one participant's bytes as an owned handle, holding the caller for
+    ownership only: its digest is computed inline below 64 KiB, else later
+    (``settle_digest``; the writer does it).
 
     ``bytes`` is kept by reference; any other buffer is copied once (see the
     module docstring). Captures at or above ``spool_threshold`` go to a nameless
     file in ``spool_dir`` (when given) so they leave memory. A capture cancelled
-    while it copies or hashes releases what it made: it leaks nothing.
+    while it copies releases what it made: it leaks nothing.
     """
     check_id(name)
     try:
@@ -407,11 +433,17 @@ async def capture(
         small = MemoryArtifact(name, buffer, sha256_hex(buffer), ledger)
         mark_verified(small)
         return small
+    spooled = spool_dir is not None and length >= max(1, spool_threshold)
+    with memoryview(buffer) as view:
+        kept = is_owned(view) and view.c_contiguous and not spooled
+    if kept:  # owned already: nothing to copy, nothing to wait for
+        return MemoryArtifact(name, buffer, None, ledger)
     owned, digest = await anyio.to_thread.run_sync(
         _take, buffer, spool_dir, spool_threshold, limiter=limiter
     )
     handle = MemoryArtifact(name, owned, digest, ledger)
-    mark_verified(handle)
+    if digest is not None:
+        mark_verified(handle)
     # A cancellation that arrived while the thread ran is delivered here, after
     # the thread finished: the handle is released (off the loop) rather than lost.
     try:

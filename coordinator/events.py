@@ -55,6 +55,7 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_de
     """Milliseconds spent in each phase so far (absent: not reached)."""
 
     capture_ms: float | None = None
+    digest_ms: float | None = None  # hashing the payloads capture() left to the writer
     queue_wait_ms: float | None = None
     fetch_ms: float | None = None  # reading remote participants' objects
     write_ms: float | None = None
@@ -63,11 +64,13 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_de
 
 
 class PayloadSummary(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    """One captured payload: what a subscriber needs, not the bytes."""
+    """One captured payload: what a subscriber needs, not the bytes. ``digest`` is
+    ``null`` when it is computed after the capture returned (a local payload of
+    64 KiB or more: the writer hashes it before the manifest is written)."""
 
     name: Id
     byte_length: U64
-    digest: Digest
+    digest: Digest | None
 
 
 class _Event(msgspec.Struct, frozen=True, kw_only=True, rename="camel", tag_field="event"):

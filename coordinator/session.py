@@ -15,8 +15,9 @@ checkpoint and event ids never repeat.
 ``capture`` reserves the checkpoint id and a writer slot first (so two calls
 for one id cannot both go on; ``WriterBusyError`` if no slot is free: not a
 failure, try at a later boundary), asks every participant concurrently, takes
-each result as owned, digested bytes, builds the manifest from those digests and
-hands the job to the writer. A participant that fails fences the epoch:
+each result as owned bytes (held for ownership only: the writer digests large
+local payloads behind the return), builds the manifest and hands the job to
+the writer. A participant that fails fences the epoch:
 capture is refused until a restore into a new epoch.
 
 ``restore`` verifies a generation of this session whose identity is the host's
@@ -68,7 +69,14 @@ from ._errors import (
     WriterClosedError,
     release_frames,
 )
-from .artifacts import ArtifactHandle, ArtifactLedger, capture, hashing_limiter, release_off_loop
+from .artifacts import (
+    ArtifactHandle,
+    ArtifactLedger,
+    MemoryArtifact,
+    capture,
+    hashing_limiter,
+    release_off_loop,
+)
 from .bus import Bus
 from .events import Restored
 from .identity import (
@@ -705,15 +713,24 @@ def _check_epoch(epoch: str) -> str:
     return epoch
 
 
+# What the record of a payload whose digest the writer computes holds until then:
+# the manifest validates at capture, and the writer replaces it before any write.
+PENDING_DIGEST = "0" * 64
+
+
 def _record_of(handle: ArtifactHandle, name: str) -> PayloadRecord:
-    """A handle's name, length and digest, read once and checked."""
+    """A handle's name, length and digest, read once and checked (a digest the
+    writer computes later is ``PENDING_DIGEST`` here)."""
     declared = handle.name
     if declared != name:
         raise UsageError(f"a handle named {declared!r}, not {name!r}")
     length = handle.byte_length
     if isinstance(length, bool) or not isinstance(length, int) or length < 0:
         raise UsageError(f"handle {name!r}: byte length {length!r} is no count")
-    return PayloadRecord(name=name, byte_length=str(length), digest=check_digest(handle.digest))
+    digest = handle.digest
+    if digest is None and type(handle) is MemoryArtifact:  # our own: the writer settles it
+        digest = PENDING_DIGEST
+    return PayloadRecord(name=name, byte_length=str(length), digest=check_digest(digest))
 
 
 def _chain_last(error: BaseException) -> BaseException:

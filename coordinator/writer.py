@@ -21,6 +21,12 @@ state changes, and it refuses any other move. Every terminal move releases the
 job's handles (large ones in a worker thread), emits the terminal event and
 resolves the ticket, in that order.
 
+**Digests behind the host.** A local capture of 64 KiB or more reaches the
+writer with its digest still to compute (``capture`` holds the host for
+ownership only). A digest task hashes such jobs in queue order, in worker
+threads, while the job task writes the job before: each job's digests are
+known before its manifest is written, and only then does the writer take it.
+
 **One close path.** The writer's tasks run in its own task group, shielded
 from the host's cancellation: only ``aclose`` stops them. Leaving the block
 cleanly, or with the host's own error, drains every accepted job. A
@@ -43,7 +49,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import anyio
 import anyio.to_thread
@@ -69,7 +75,9 @@ from .artifacts import (
     RELEASE_IN_THREAD_BYTES,
     ArtifactHandle,
     ArtifactLedger,
+    MemoryArtifact,
     handle_size,
+    hashing_limiter,
     is_verified,
     release_all,
     release_copies,
@@ -245,6 +253,11 @@ class _Job:
     queued_at: float = 0.0
     state: JobState = JobState.QUEUED
     timings: dict[str, float] = field(default_factory=dict)
+    # Handles whose digest the writer computes (their records hold a placeholder
+    # until then), and when that is over, well or not.
+    pending: tuple[int, ...] = ()
+    digested: anyio.Event = field(default_factory=anyio.Event)
+    digest_failure: CoordinatorError | None = None
 
     @property
     def checkpoint_id(self) -> str:
@@ -310,10 +323,14 @@ class Writer:
         self._outbox_scope = anyio.CancelScope(shield=True)
         self._jobs_done = anyio.Event()
         self._outbox_done = anyio.Event()
+        self._to_digest: collections.deque[_Job] = collections.deque()
+        self._digests_wake = _Wake()
+        self._digests_scope = anyio.CancelScope(shield=True)
+        self._digests_done = anyio.Event()
         self._abandoned: dict[str, str] = {}  # epoch -> why
         self._abandoned_by: dict[str, str] = {}  # epoch -> the checkpoint restored
         self._to_release: collections.deque[
-            tuple[Sequence[ArtifactHandle], Callable[[], None] | None]
+            tuple[Sequence[ArtifactHandle], Callable[[], None] | None, anyio.Event | None]
         ] = collections.deque()
         self._releases_done = anyio.Event()
         self._counts = collections.Counter[str]()
@@ -337,7 +354,7 @@ class Writer:
         # Shielded while they start: a task started in a cancelled scope could be
         # cancelled before its first line, and never enter its shield.
         with anyio.CancelScope(shield=True):
-            for task in (self._run_jobs, self._run_releases, self._run_outbox):
+            for task in (self._run_jobs, self._run_digests, self._run_releases, self._run_outbox):
                 await group.start(task)
         return self
 
@@ -407,7 +424,10 @@ class Writer:
         ``flush_timeout``, and end the outbox task."""
         if stop:
             self._jobs_scope.cancel()  # a load stops; a commit in progress finishes
+            self._digests_scope.cancel()  # a hash in a thread finishes
         await self._jobs_done.wait()
+        self._digests_scope.cancel()
+        await self._digests_done.wait()
         await self._abandon_queue()
         self._releases_scope.cancel()  # it finishes what it holds, shielded, then ends
         await self._releases_done.wait()
@@ -423,6 +443,7 @@ class Writer:
     def _wake_all(self) -> None:
         wakes = (
             self._jobs_wake,
+            self._digests_wake,
             self._releases_wake,
             self._outbox_wake,
             self._job_done,
@@ -494,9 +515,15 @@ class Writer:
             ticket=Ticket(manifest.checkpoint_id),
             byte_length=byte_length,
             captured_at=self._clock(),
+            pending=_pending_digests(handles),
         )
         if capture_ms is not None:
             job.timings["capture_ms"] = capture_ms
+        if job.pending:
+            self._to_digest.append(job)
+            self._digests_wake.set()
+        else:
+            job.digested.set()
         self._emit(self._captured(job))
         victim = self._victim(replaceable)
         if victim is not None:
@@ -604,6 +631,56 @@ class Writer:
         finally:
             self._jobs_done.set()
 
+    # --- the digest task -----------------------------------------------------------
+
+    async def _run_digests(
+        self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Hash the captures that came without a digest, in queue order, while the
+        job task writes the ones before. Stopped only by the close path."""
+        try:
+            with self._digests_scope:
+                task_status.started()
+                while True:
+                    while not self._to_digest:
+                        await self._digests_wake.wait()
+                    await self._digest(self._to_digest[0])
+                    self._to_digest.popleft()
+        finally:
+            for job in self._to_digest:  # whoever waits for them learns it
+                job.digest_failure = job.digest_failure or WriterClosedError(
+                    "the writer stopped before this checkpoint was digested"
+                )
+                job.digested.set()
+            self._to_digest.clear()
+            self._digests_done.set()
+
+    async def _digest(self, job: _Job) -> None:
+        """Every pending digest of ``job``, its payloads hashed at once in worker
+        threads (superseded meanwhile: nothing to do). A handle that cannot be
+        hashed fails its own job, never the writer."""
+        started = self._clock()
+        failures: list[BaseException] = []
+
+        async def settle(handle: MemoryArtifact) -> None:
+            try:
+                await handle.settle_digest(hashing_limiter())
+            except Exception as error:
+                failures.append(error)
+
+        try:
+            if job.state in (JobState.QUEUED, JobState.WRITING):
+                async with anyio.create_task_group() as group:
+                    for index in job.pending:
+                        group.start_soon(settle, cast(MemoryArtifact, job.handles[index]))
+                job.timings["digest_ms"] = (self._clock() - started) * 1000
+        finally:  # (stopped, or superseded: some digests stay unknown)
+            if failures:
+                job.digest_failure = _as_artifact_error(failures[0], ArtifactUnavailableError)
+            elif any(job.handles[index].digest is None for index in job.pending):
+                job.digest_failure = WriterClosedError("this checkpoint was never digested")
+            job.digested.set()
+
     async def _write(self, job: _Job) -> None:
         """One job from taken to terminal; a stop (cancellation) during the load
         fails it, and nothing else can interrupt it."""
@@ -626,6 +703,7 @@ class Writer:
                         await self._end(job, JobState.FAILED, internal)
         except BaseException:  # stopped while loading
             with anyio.CancelScope(shield=True):
+                await job.digested.wait()  # no thread hashes its handles any more
                 if job.state is JobState.WRITING:
                     closed = WriterClosedError("the writer stopped while loading this checkpoint")
                     await self._end(job, JobState.FAILED, closed, attempt=0)
@@ -635,9 +713,15 @@ class Writer:
             self._job_done.set()
 
     async def _load(self, job: _Job) -> CoordinatorError | None:
-        """Bring remote payloads here, verified, within ``load_timeout``; a payload
-        that cannot be read fails the save (nothing was written), like a failed
-        commit. Only the writer's own stop interrupts it."""
+        """The job's digests (the digest task's), then its remote payloads here,
+        verified, within ``load_timeout``; a payload that cannot be hashed or read
+        fails the save (nothing was written), like a failed commit. Only the
+        writer's own stop interrupts it."""
+        if job.pending:
+            await job.digested.wait()
+            if job.digest_failure is not None:
+                return job.digest_failure
+            job.manifest = _with_digests(job)
         if not any(job.remote):
             return None
         started = self._clock()
@@ -779,13 +863,18 @@ class Writer:
         self._queued_bytes -= victim.byte_length
         self._free_slot()
         victim.move(JobState.SUPERSEDED)
+        if victim in self._to_digest and self._to_digest[0] is not victim:
+            self._to_digest.remove(victim)  # not started: nothing to hash, nothing to wait for
+            victim.digested.set()
         fields: dict[str, Any] = {"superseded_by": superseded_by}
         if reason is not None:
             fields["reason"] = reason
         event: Superseded = self._event(Superseded, victim, **fields)
         self._counts["superseded"] += 1
         self._emit(event)
-        self._spawn_release(victim.handles, then=lambda: victim.ticket._resolve(event))
+        self._spawn_release(
+            victim.handles, then=lambda: victim.ticket._resolve(event), after=victim.digested
+        )
 
     async def _abandon_queue(self) -> None:
         """The writer stopped: what is still queued will not be written. Its
@@ -805,16 +894,21 @@ class Writer:
             self._spawn_release(handles)
 
     def _spawn_release(
-        self, handles: Sequence[ArtifactHandle], *, then: Callable[[], None] | None = None
+        self,
+        handles: Sequence[ArtifactHandle],
+        *,
+        then: Callable[[], None] | None = None,
+        after: anyio.Event | None = None,
     ) -> None:
         """Release ``handles`` in the writer's release task (large ones off the
-        loop), then call ``then``; the close path waits until it is done."""
+        loop), once ``after`` is set (their digests are no longer being computed),
+        then call ``then``; the close path waits until it is done."""
         if self._releases_done.is_set():  # closed: no task to run it, so inline
             self._note_release_errors(release_all(handles))
             if then is not None:
                 then()
             return
-        self._to_release.append((handles, then))
+        self._to_release.append((handles, then, after))
         self._releases_wake.set()
 
     async def _run_releases(
@@ -833,8 +927,10 @@ class Writer:
 
     async def _release_queued(self) -> None:
         while self._to_release:
-            handles, then = self._to_release.popleft()
+            handles, then, after = self._to_release.popleft()
             with anyio.CancelScope(shield=True):
+                if after is not None:
+                    await after.wait()
                 self._note_release_errors(await release_off_loop(handles))
             if then is not None:
                 then()
@@ -865,8 +961,12 @@ class Writer:
 
     def _captured(self, job: _Job) -> Captured:
         summaries = tuple(
-            PayloadSummary(name=r.name, byte_length=r.byte_length, digest=r.digest)
-            for r in job.manifest.payloads
+            PayloadSummary(
+                name=r.name,
+                byte_length=r.byte_length,
+                digest=None if index in job.pending else r.digest,  # (not computed yet)
+            )
+            for index, r in enumerate(job.manifest.payloads)
         )
         event: Captured = self._event(Captured, job, payloads=summaries)
         return event
@@ -951,6 +1051,26 @@ class Writer:
             accepted=self._accepted,
             durable=self._durable,
         )
+
+
+def _pending_digests(handles: Sequence[ArtifactHandle]) -> tuple[int, ...]:
+    """The handles whose digest ``capture`` left to the writer: its own, only."""
+    return tuple(
+        index
+        for index, handle in enumerate(handles)
+        if type(handle) is MemoryArtifact and handle.digest is None
+    )
+
+
+def _with_digests(job: _Job) -> CheckpointManifest:
+    """``job``'s manifest with the digests the digest task computed in place of
+    the placeholders its pending records held."""
+    records = list(job.manifest.payloads)
+    for index in job.pending:
+        digest = job.handles[index].digest
+        assert digest is not None
+        records[index] = msgspec.structs.replace(records[index], digest=digest)
+    return msgspec.structs.replace(job.manifest, payloads=records)
 
 
 def _is_cancellation(error: BaseException) -> bool:

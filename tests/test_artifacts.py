@@ -59,7 +59,7 @@ async def test_memory_someone_else_can_change_is_copied_once(make: object, size:
     memoryview(owner).cast("B")[:16] = b"\xff" * 16  # the host writes its state again
     view = handle.view()
     assert bytes(view) == before == bytes(size)
-    assert handle.digest == hashlib.sha256(before).hexdigest()
+    assert await handle.settle_digest() == hashlib.sha256(before).hexdigest()
     assert is_owned(view)
     view.release()
     handle.release()
@@ -136,7 +136,9 @@ async def test_names_must_be_ids() -> None:
 async def test_large_digests_are_computed_in_a_worker_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """At and above the threshold the hash runs off the event loop; below, inline."""
+    """Below the threshold the hash runs inline, at capture; at and above it,
+    capture leaves it (the host is held for ownership only) and settle_digest
+    runs it off the event loop."""
     import anyio.to_thread
 
     calls: list[object] = []
@@ -151,6 +153,9 @@ async def test_large_digests_are_computed_in_a_worker_thread(
     small = await capture("a", bytes(HASH_IN_THREAD_BYTES - 1), ledger=ledger)
     assert calls == []
     large = await capture("b", bytes(HASH_IN_THREAD_BYTES), ledger=ledger)
+    assert calls == [] and large.digest is None
+    assert isinstance(large, MemoryArtifact)
+    assert await large.settle_digest() == hashlib.sha256(bytes(HASH_IN_THREAD_BYTES)).hexdigest()
     assert len(calls) == 1
     assert large.digest == hashlib.sha256(bytes(HASH_IN_THREAD_BYTES)).hexdigest()
     small.release()
@@ -196,9 +201,9 @@ async def test_large_captures_spool_to_a_nameless_file(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_cancelled_capture_leaks_no_handle(tmp_path: Path) -> None:
-    """A capture cancelled while hashing or spooling leaves nothing live."""
+    """A capture cancelled while copying or spooling leaves nothing live."""
     ledger = ArtifactLedger()
-    data = os.urandom(1 << 20) * 64  # ~50 ms to hash: the deadline lands mid-thread
+    data = bytearray(os.urandom(1 << 20) * 64)  # ~30 ms to copy: the deadline lands mid-thread
     for spool in (None, str(tmp_path)):
         with anyio.move_on_after(0.005) as scope:
             await capture("world", data, ledger=ledger, spool_dir=spool, spool_threshold=1)

@@ -7,7 +7,7 @@ import os
 import random
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -16,7 +16,7 @@ from hostkit import GateFS
 
 from coordinator import SaveFailedError, WriterBusyError
 from coordinator._sample import sample_body, sample_payload_names
-from coordinator.artifacts import ArtifactLedger, capture
+from coordinator.artifacts import ArtifactLedger, MemoryArtifact, capture
 from coordinator.bus import MemoryBus
 from coordinator.events import Committed, Failed, Superseded
 from coordinator.manifest import PayloadRecord, manifest_with_records
@@ -393,7 +393,11 @@ async def test_a_commit_cut_short_by_cancellation_still_reports_committed(tmp_pa
                 reservation = writer.reserve()
                 handles = [await capture(n, os.urandom(4 << 20), ledger=ledger) for n in NAMES]
                 records = [
-                    PayloadRecord(name=h.name, byte_length=str(h.byte_length), digest=h.digest)
+                    PayloadRecord(
+                        name=h.name,
+                        byte_length=str(h.byte_length),
+                        digest=await cast(MemoryArtifact, h).settle_digest(),
+                    )
                     for h in handles
                 ]
                 manifest = manifest_with_records(sample_body("ckpt-1", step=1), records)

@@ -341,6 +341,7 @@ class ObjectArtifact(BaseHandle):
         if self.released:
             raise ArtifactReleasedError(f"artifact {self.name!r} was released")
         if self._map is None:
+            assert self.digest is not None  # the worker's, given at capture
             self._map = await self._bucket.read(self.object_name, self.byte_length, self.digest)
             mark_verified(self)  # read() checked every byte against the digest
 
