@@ -36,8 +36,8 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Iterable
-from typing import Protocol, cast
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol, cast
 
 import anyio
 import anyio.lowlevel
@@ -216,12 +216,21 @@ class MemoryArtifact(BaseHandle):
         assert self._data is not None
         return memoryview(self._data).toreadonly()
 
-    async def settle_digest(self, limiter: anyio.CapacityLimiter | None = None) -> str:
-        """The digest, computed now over the owned bytes (in a worker thread) if
-        ``capture`` deferred it; the handle is then verified as one of ours."""
+    async def settle_digest(
+        self,
+        limiter: anyio.CapacityLimiter | None = None,
+        *,
+        run: Callable[..., Awaitable[Any]] | None = None,
+    ) -> str:
+        """The digest, computed now over the owned bytes (in a worker thread, or by
+        ``run(function, view)``) if ``capture`` deferred it; the handle is then
+        verified as one of ours."""
         if self.digest is None:
             with self.view() as view:
-                digest = await anyio.to_thread.run_sync(sha256_hex, view, limiter=limiter)
+                if run is None:
+                    digest = await anyio.to_thread.run_sync(sha256_hex, view, limiter=limiter)
+                else:
+                    digest = await run(sha256_hex, view)
             self._check_live()
             self.digest = digest
             mark_verified(self)

@@ -155,6 +155,11 @@ class CheckpointManifest(ManifestBody, frozen=True, kw_only=True):
     payloads: list[PayloadRecord]
 
 
+# msgspec resolves a type's annotations on its first use: at import, then, and not
+# inside the first capture() a host waits for (about a millisecond).
+msgspec.json.Decoder(CheckpointManifest)
+
+
 def _check_payload_names(manifest: CheckpointManifest) -> None:
     """Rules a type cannot express: every payload the manifest names is present,
     and each agent has one row (its identity is compared by id)."""

@@ -403,8 +403,9 @@ class Coordinator:
 
         async def one(participant: Participant) -> None:
             try:
-                if isinstance(participant, ArtifactSource):
-                    handle = await participant.capture_artifact(scope, self.ledger)
+                source = getattr(participant, "capture_artifact", None)  # an ArtifactSource
+                if source is not None:  # (a runtime Protocol check costs more than the rest)
+                    handle = await source(scope, self.ledger)
                 else:
                     data = await participant.capture(scope)
                     if isinstance(data, CaptureReply):

@@ -23,8 +23,9 @@ resolves the ticket, in that order.
 
 **Digests behind the host.** A local capture of 64 KiB or more reaches the
 writer with its digest still to compute (``capture`` holds the host for
-ownership only). A digest task hashes such jobs in queue order, in worker
-threads, while the job task writes the job before: each job's digests are
+ownership only). A digest task hashes such jobs in queue order, on every core
+(threads of its own, at a lower priority than the host's loop), while the job
+task writes the job before: each job's digests are
 known before its manifest is written, and only then does the writer take it.
 
 **One close path.** The writer's tasks run in its own task group, shielded
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -77,7 +79,6 @@ from .artifacts import (
     ArtifactLedger,
     MemoryArtifact,
     handle_size,
-    hashing_limiter,
     is_verified,
     release_all,
     release_copies,
@@ -100,7 +101,7 @@ from .events import (
 )
 from .manifest import CheckpointManifest
 from .sealed import is_owned, seal_copy
-from .store import CommitReceipt, FileStore
+from .store import CommitReceipt, FileStore, run_in_bulk_thread
 
 __all__ = [
     "JobState",
@@ -661,10 +662,14 @@ class Writer:
         hashed fails its own job, never the writer."""
         started = self._clock()
         failures: list[BaseException] = []
+        # Every core, on threads of their own at a lower priority than the host's
+        # loop: the loop preempts them whenever it wakes (like a bulk commit).
+        cores = anyio.CapacityLimiter(os.cpu_count() or 1)
 
         async def settle(handle: MemoryArtifact) -> None:
             try:
-                await handle.settle_digest(hashing_limiter())
+                async with cores:
+                    await handle.settle_digest(run=run_in_bulk_thread)
             except Exception as error:
                 failures.append(error)
 
