@@ -90,15 +90,24 @@ class CommitSequence:
     # --- the generation -------------------------------------------------------------
 
     def write_generation(
-        self, checkpoint_id: str, name: str, pieces: Iterable[BytesLike], timings: dict[str, float]
+        self,
+        checkpoint_id: str,
+        name: str,
+        pieces: Iterable[BytesLike],
+        timings: dict[str, float],
+        *,
+        sync_dir: bool = True,
     ) -> str:
-        """Steps 1-4: the generation file, durable under ``name``; returns its path."""
+        """Steps 1-4: the generation file, durable under ``name``; returns its path.
+        Without ``sync_dir``, steps 1-3: a commit group syncs the directory once,
+        for all its files, before its manifest."""
         final = self.join(name)
         temporary = self.join(TMP_PREFIX + name)
         self.write_file(checkpoint_id, temporary, pieces, timings)
         started = time.perf_counter()
         self.rename(checkpoint_id, temporary, final)
-        self.sync_dir(checkpoint_id, cleanup=[final])
+        if sync_dir:
+            self.sync_dir(checkpoint_id, cleanup=[final])
         timings["rename_and_sync_dir"] = round((time.perf_counter() - started) * 1000, 3)
         return final
 

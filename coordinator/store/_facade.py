@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -16,11 +17,29 @@ from .._types import BytesLike
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest
 from ._manifest import GenerationRecord, SessionRecord
-from ._sync import BULK_BYTES, DEFAULT_KEEP, CommitReceipt, StoreStatistics, SyncStore
+from ._sync import (
+    BULK_BYTES,
+    DEFAULT_KEEP,
+    CommitReceipt,
+    GroupMember,
+    StoreStatistics,
+    SyncStore,
+)
 from ._threads import run_in_bulk_thread
 from ._verify import StoredCheckpoint, VerifyReport
 
 __all__ = ["FileStore"]
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A commit waiting to be taken into a group, and then its outcome."""
+
+    member: GroupMember
+    size: int
+    taken: bool = False
+    done: anyio.Event = field(default_factory=anyio.Event)
+    outcome: CommitReceipt | BaseException | None = None
 
 
 class FileStore:
@@ -51,6 +70,7 @@ class FileStore:
         self._core: SyncStore | None = None
         self._lock = anyio.Lock()
         self._claimed: set[str] = set()
+        self._waiting: list[_Waiting] = []  # commits not yet taken into a group
         self._capturing: set[str] = set()  # checkpoint ids being captured
 
     @property
@@ -177,15 +197,59 @@ class FileStore:
         *,
         payloads_verified: bool = False,
     ) -> CommitReceipt:
+        """Make one checkpoint durable (see ``SyncStore.commit``). Commits of other
+        sessions that wait meanwhile are made durable with it, as one group: one
+        directory fsync and one manifest for all (``SyncStore.commit_group``)."""
         size = 0
         for _, data in payloads:
             with memoryview(data) as view:
                 size += view.nbytes
+        waiting = _Waiting(GroupMember(manifest, payloads, payloads_verified), size)
+        self._waiting.append(waiting)
+        try:
+            async with self._lock:
+                if not waiting.taken:  # nobody took it along: lead a group
+                    await self._commit_group(self._take_group())
+        except BaseException:
+            if not waiting.taken:
+                self._waiting.remove(waiting)
+                raise
+            with anyio.CancelScope(shield=True):  # taken: a commit is never left half done
+                await waiting.done.wait()
+            raise
+        outcome = waiting.outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert outcome is not None
+        return outcome
+
+    def _take_group(self) -> list[_Waiting]:
+        """Every waiting commit, one per session (in arrival order): the rest wait
+        for the next group."""
+        group: list[_Waiting] = []
+        sessions: set[str] = set()
+        for waiting in self._waiting:
+            session_id = waiting.member.manifest.source_scope.session_id
+            if session_id not in sessions:
+                sessions.add(session_id)
+                group.append(waiting)
+        for waiting in group:
+            self._waiting.remove(waiting)
+            waiting.taken = True
+        return group
+
+    async def _commit_group(self, group: list[_Waiting]) -> None:
+        size = sum(waiting.size for waiting in group)
         run = run_in_bulk_thread if size >= BULK_BYTES else self._run
-        commit = functools.partial(self.core.commit, payloads_verified=payloads_verified)
-        async with self._lock:
-            receipt: CommitReceipt = await run(commit, manifest, payloads)
-            return receipt
+        try:
+            outcomes = await run(self.core.commit_group, [w.member for w in group])
+        except BaseException as error:  # (a bug, or the store closed): each member learns it
+            outcomes = [error] * len(group)
+            raise
+        finally:
+            for waiting, outcome in zip(group, outcomes, strict=True):
+                waiting.outcome = outcome
+                waiting.done.set()
 
     @property
     def poisoned(self) -> str | None:

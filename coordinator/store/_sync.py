@@ -7,6 +7,7 @@ commit sequence (``_commit``), the session rules (``_lineage``) and reading
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ import msgspec
 
 from .._errors import (
     CommitError,
+    CoordinatorError,
     GenerationCorruptError,
     GenerationNotFoundError,
     StoreClosedError,
@@ -61,7 +63,14 @@ from ._verify import (
     verify_generations,
 )
 
-__all__ = ["BULK_BYTES", "DEFAULT_KEEP", "CommitReceipt", "StoreStatistics", "SyncStore"]
+__all__ = [
+    "BULK_BYTES",
+    "DEFAULT_KEEP",
+    "CommitReceipt",
+    "GroupMember",
+    "StoreStatistics",
+    "SyncStore",
+]
 
 DEFAULT_KEEP = 3
 # A commit this large is bulk work: it runs on low-priority threads of its own.
@@ -89,6 +98,25 @@ class CommitReceipt(msgspec.Struct, frozen=True, kw_only=True):
     high_water: str  # the session's high water now: this checkpoint
     dropped: tuple[str, ...]
     timings_ms: dict[str, float]
+
+
+class GroupMember(msgspec.Struct, frozen=True):
+    """One checkpoint of a commit group (see ``SyncStore.commit_group``)."""
+
+    manifest: CheckpointManifest
+    payloads: Sequence[tuple[str, BytesLike]]
+    payloads_verified: bool = False
+
+
+class _Written(msgspec.Struct, kw_only=True):
+    """A group member whose generation file is durable under its name (steps 1-3)."""
+
+    record: GenerationRecord
+    path: str
+    replaced: str | None  # the file of the listed generation of the same id, if any
+    timings: dict[str, float]
+    index: int = 0
+    dropped: tuple[GenerationRecord, ...] = ()
 
 
 class SyncStore:
@@ -353,6 +381,58 @@ class SyncStore:
         digests were computed from these very bytes (artifact handles), so the
         envelope takes only the footer's hash (see ``envelope.plan``).
         """
+        (outcome,) = self.commit_group([GroupMember(manifest, payloads, payloads_verified)])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def commit_group(self, members: Sequence[GroupMember]) -> list[CommitReceipt | Exception]:
+        """Make several checkpoints durable together, one per session: each
+        generation file written, fsynced and renamed (steps 1-3 of the sequence),
+        one directory fsync for all of them (step 4), and one store manifest that
+        lists them all (step 5: its rename is the commit point of the whole group).
+
+        A member refused or failing before step 4 gets its error (its file is
+        gone) and the others go on; from step 4 on, the group succeeds or fails
+        whole. Returns each member's receipt or error, in order."""
+        outcomes: list[CommitReceipt | Exception | None] = [None] * len(members)
+        sessions = [m.manifest.source_scope.session_id for m in members]
+        if len(set(sessions)) != len(sessions):  # a later one would rotate an earlier away
+            raise UsageError(f"a commit group holds one checkpoint per session: {sessions}")
+        working = self._manifest
+        written: list[_Written] = []
+        for index, member in enumerate(members):
+            try:
+                done = self._write_member(member, working)
+            except Exception as error:
+                self._failed += 1
+                outcomes[index] = error
+                continue
+            try:
+                working, dropped = with_generation(
+                    working, done.record, self.keep, frozenset(self._pinned)
+                )
+            except Exception as error:  # (checked before it was written: never, in fact)
+                self._io.unlink(done.path)
+                self._failed += 1
+                outcomes[index] = error
+                continue
+            written.append(msgspec.structs.replace(done, index=index, dropped=tuple(dropped)))
+        if written:
+            failure = self._publish_group(written, working)
+            ids = [done.record.checkpoint_id for done in written]
+            for done in written:
+                outcomes[done.index] = (
+                    self._receipt(done, written)
+                    if failure is None
+                    else _as_member(failure, done.record.checkpoint_id, ids)
+                )
+        return [o for o in outcomes if o is not None]
+
+    def _write_member(self, member: GroupMember, working: StoreManifest) -> _Written:
+        """Steps 1-3 for one member, checked against ``working`` (the manifest as the
+        members before it in the group leave it)."""
+        manifest, payloads = member.manifest, member.payloads
         checkpoint_id = manifest.checkpoint_id
         self._writable(checkpoint_id)
         # Ids become file names and lineage keys here: checked again, because
@@ -360,7 +440,7 @@ class SyncStore:
         scope = manifest.source_scope
         for value in (checkpoint_id, scope.session_id, scope.epoch):
             check_id(value)
-        check_commit(self._manifest, scope.session_id, scope.epoch, checkpoint_id)
+        check_commit(working, scope.session_id, scope.epoch, checkpoint_id)
         for name, data in payloads:
             if not is_owned(data):
                 raise UsageError(
@@ -369,78 +449,76 @@ class SyncStore:
                     "which copies it once). Bytes that change while they are written "
                     "would commit a generation that fails its own digest."
                 )
-        try:
-            receipt = self._commit(manifest, payloads, payloads_verified)
-        except BaseException:
-            self._failed += 1
-            raise
-        self._commits += 1
-        self._bytes += int(receipt.record.byte_length)
-        return receipt
-
-    def _commit(
-        self,
-        manifest: CheckpointManifest,
-        payloads: Sequence[tuple[str, BytesLike]],
-        payloads_verified: bool,
-    ) -> CommitReceipt:
-        checkpoint_id = manifest.checkpoint_id
         started = time.perf_counter()
-        sequence = self._next_sequence(checkpoint_id)  # before anything is written
+        following = int(working.last_sequence) + 1
+        if following > U64_MAX:  # only a hostile manifest gets here: refuse, write nothing
+            raise CommitError(checkpoint_id, "sequence", self._join(MANIFEST))
         envelope_plan = plan(
-            manifest_to_builtins(manifest), payloads, payloads_verified=payloads_verified
+            manifest_to_builtins(manifest), payloads, payloads_verified=member.payloads_verified
         )
-        previous = self._manifest.lookup(checkpoint_id)
+        previous = working.lookup(checkpoint_id)
         name = f"{checkpoint_id}{SUFFIX}"
         if previous is not None and previous.file == name:
             name = f"{checkpoint_id}{ALTERNATE}{SUFFIX}"
         timings = {"plan": round((time.perf_counter() - started) * 1000, 3)}
-
         bulk = envelope_plan.size >= BULK_BYTES
         pieces = envelope_plan.stream(thread_setup=lower_thread_priority if bulk else None)
-        final = self._io.write_generation(checkpoint_id, name, pieces, timings)
+        final = self._io.write_generation(checkpoint_id, name, pieces, timings, sync_dir=False)
         sealed = envelope_plan.sealed
         if sealed is None:  # stream() always seals before its footer; never reached
             raise RuntimeError("envelope stream ended without a footer")
-
-        clock = time.perf_counter()
         record = GenerationRecord(
             checkpoint_id=checkpoint_id,
             file=name,
-            session_id=manifest.source_scope.session_id,
-            epoch=manifest.source_scope.epoch,
+            session_id=scope.session_id,
+            epoch=scope.epoch,
             episode_id=manifest.episode_id,
-            boundary=manifest.source_scope.step,
+            boundary=scope.step,
             compatibility_digest=compatibility_digest(manifest.compatibility),
             envelope_digest=sealed.envelope_digest,
             byte_length=str(envelope_plan.size),
-            sequence=sequence,
+            sequence=str(following),
         )
-        updated, dropped = with_generation(
-            self._manifest, record, self.keep, frozenset(self._pinned)
-        )
-        self._io.publish(checkpoint_id, updated, cleanup=[final])
-        self._manifest = updated
-        timings["manifest"] = round((time.perf_counter() - clock) * 1000, 3)
+        replaced = previous.file if previous is not None and previous.file != name else None
+        return _Written(record=record, path=final, replaced=replaced, timings=timings)
 
+    def _publish_group(
+        self, written: Sequence[_Written], updated: StoreManifest
+    ) -> CoordinatorError | None:
+        """Steps 4 and 5 for the group: one directory fsync, one manifest. On failure,
+        the error every member gets (naming the group); else ``None``."""
+        first = written[0].record.checkpoint_id
+        finals = [done.path for done in written]
+        clock = time.perf_counter()
+        try:
+            self._io.sync_dir(first, cleanup=finals)
+            synced = time.perf_counter()
+            self._io.publish(first, updated, cleanup=finals)
+        except CoordinatorError as error:
+            self._failed += len(written)
+            return error
+        self._manifest = updated
+        self._commits += len(written)
+        for done in written:
+            self._bytes += int(done.record.byte_length)
+            done.timings["rename_and_sync_dir"] += round((synced - clock) * 1000, 3)
+            done.timings["manifest"] = round((time.perf_counter() - synced) * 1000, 3)
         # after the commit point: files nothing lists any more
-        unlisted = {r.file for r in dropped}
-        if previous is not None and previous.file != name:
-            unlisted.add(previous.file)
+        unlisted = {r.file for done in written for r in done.dropped}
+        unlisted |= {done.replaced for done in written if done.replaced is not None}
+        unlisted -= {r.file for r in updated.generations}
         for file in sorted(unlisted):
             self._io.unlink(self._join(file))
+        return None
+
+    def _receipt(self, done: _Written, group: Sequence[_Written]) -> CommitReceipt:
+        timings: dict[str, float] = {**done.timings, "group": float(len(group))}
         return CommitReceipt(
-            record=record,
-            high_water=checkpoint_id,
-            dropped=tuple(r.checkpoint_id for r in dropped),
+            record=done.record,
+            high_water=done.record.checkpoint_id,
+            dropped=tuple(r.checkpoint_id for r in done.dropped),
             timings_ms=timings,
         )
-
-    def _next_sequence(self, checkpoint_id: str) -> str:
-        following = int(self._manifest.last_sequence) + 1
-        if following > U64_MAX:  # only a hostile manifest gets here: refuse, write nothing
-            raise CommitError(checkpoint_id, "sequence", self._join(MANIFEST))
-        return str(following)
 
     def check_new_epoch(self, epoch: str) -> None:
         """``StaleEpochError`` if ``epoch`` cannot be opened here (used, or a listed
@@ -530,3 +608,14 @@ class SyncStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _as_member(error: CoordinatorError, checkpoint_id: str, group: Sequence[str]) -> Exception:
+    """The group's failure as one member sees it: the same class and code, its own
+    checkpoint id, and the group named (alone in its group: the error itself)."""
+    if len(group) == 1:
+        return error
+    shared = copy.copy(error)
+    shared.checkpoint_id = checkpoint_id  # type: ignore[attr-defined]
+    shared.args = (f"{error} (committed as one group: {', '.join(group)})",)
+    return shared
