@@ -7,7 +7,6 @@ commit sequence (``_commit``), the session rules (``_lineage``) and reading
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import Sequence
@@ -615,7 +614,7 @@ def _as_member(error: CoordinatorError, checkpoint_id: str, group: Sequence[str]
     checkpoint id, and the group named (alone in its group: the error itself)."""
     if len(group) == 1:
         return error
-    shared = copy.copy(error)
-    shared.checkpoint_id = checkpoint_id  # type: ignore[attr-defined]
+    shared = type(error).__new__(type(error))  # (their __init__ takes other arguments)
+    shared.__dict__.update(vars(error), checkpoint_id=checkpoint_id)
     shared.args = (f"{error} (committed as one group: {', '.join(group)})",)
     return shared

@@ -1,0 +1,162 @@
+"""Group commit (issue 13): the checkpoints of several sessions that are ready
+together become durable with one directory fsync and one manifest, keeping the
+per-file sequence of seed 000; a crash never shows part of a group, and never
+loses a member that was acknowledged."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from fsmodel import RecordingFS, crash_states, fail_nth
+from storekit import checkpoint, listed
+from test_store_crash import allowed
+
+from coordinator import DurabilityUnknownError, NoSpaceError, SyncError
+from coordinator.store import FileStore, SyncStore
+from coordinator.store._sync import GroupMember
+
+
+def member(index: int, session: int, **options: Any) -> GroupMember:
+    manifest, payloads = checkpoint(
+        index, size=48, session_id=f"s{session}", epoch=f"e{session}", **options
+    )
+    return GroupMember(manifest, payloads)
+
+
+def test_a_group_keeps_each_files_sequence_and_commits_once(tmp_path: Path) -> None:
+    """Three sessions' checkpoints: each file is created, written, fsynced, closed
+    and renamed (seed 000 steps 1-3), then one directory fsync (step 4) covers
+    them all, then one manifest is written, fsynced and renamed (the group's one
+    commit point) and the directory synced again (step 5)."""
+    fs = RecordingFS()
+    with SyncStore(tmp_path, fs=fs) as store:
+        start = len(fs.ops)
+        receipts = store.commit_group([member(1, 1), member(2, 2), member(3, 3)])
+        ops = [op for op in fs.ops[start:] if op[0] != "write"]
+        assert listed(store) == ["ckpt-1", "ckpt-2", "ckpt-3"]
+    assert [type(r).__name__ for r in receipts] == ["CommitReceipt"] * 3
+    kinds = [op[0] for op in ops]
+    assert kinds.count("fsync_dir") == 2  # one for the files, one after the manifest
+    assert [op for op in ops if op[0] == "rename" and op[2].endswith("manifest.json")]
+    renames = [i for i, op in enumerate(ops) if op[0] == "rename"]
+    first_sync, last_sync = (i for i, op in enumerate(ops) if op[0] == "fsync_dir")
+    manifest_rename = max(renames)
+    assert all(i < first_sync for i in renames[:-1]) and first_sync < manifest_rename < last_sync
+    for receipt in receipts:  # each file: create, fsync, close, then its rename
+        name = receipt.record.file  # type: ignore[union-attr]
+        created = next(i for i, op in enumerate(ops) if op[0] == "create" and op[1].endswith(name))
+        renamed = next(i for i, op in enumerate(ops) if op[0] == "rename" and op[2].endswith(name))
+        fd = ops[created][2]
+        synced = next(i for i in range(created, len(ops)) if ops[i][:2] == ("fsync", fd))
+        assert created < synced < renamed < first_sync
+    with SyncStore(tmp_path, read_only=True) as reopened:
+        assert reopened.verify().ok
+        assert [r.session_id for r in reopened.generations] == ["s1", "s2", "s3"]
+
+
+def test_one_member_that_fails_before_the_directory_sync_leaves_the_rest(
+    tmp_path: Path,
+) -> None:
+    """The disk is full for one member's file: it fails (store.no_space, its file
+    gone) and the others of its group commit."""
+    fs = RecordingFS(rule=fail_nth("create", 1, errno.ENOSPC, "tmp+ckpt-2"))
+    with SyncStore(tmp_path, fs=fs) as store:
+        outcomes = store.commit_group([
+            member(1, 1), member(2, 2, checkpoint_id="ckpt-2"), member(3, 3)
+        ])  # fmt: skip
+        assert isinstance(outcomes[1], NoSpaceError)
+        assert [type(o).__name__ for o in (outcomes[0], outcomes[2])] == ["CommitReceipt"] * 2
+        assert listed(store) == ["ckpt-1", "ckpt-3"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp+")]
+
+
+@pytest.mark.parametrize("nth", [1, 2], ids=["files-sync", "commit-point-sync"])
+def test_a_failed_directory_sync_fails_the_whole_group(tmp_path: Path, nth: int) -> None:
+    """The directory fsync for the group's files fails: every member fails with
+    store.fsync, each naming itself and the group, and none is listed. The one
+    right after the commit point fails: every member's durability is unknown.
+    Either way the store is poisoned."""
+    fs = RecordingFS()
+    with SyncStore(tmp_path, fs=fs) as store:
+        fs.rule = fail_nth("fsync_dir", nth)  # (opening the store syncs it too)
+        outcomes = store.commit_group([member(1, 1), member(2, 2), member(3, 3)])
+        expected = SyncError if nth == 1 else DurabilityUnknownError
+        assert all(isinstance(o, expected) for o in outcomes), outcomes
+        ids = [o.checkpoint_id for o in outcomes]  # type: ignore[union-attr]
+        assert ids == ["ckpt-1", "ckpt-2", "ckpt-3"]
+        assert all("one group" in str(o) for o in outcomes)
+        assert store.poisoned is not None
+        if nth == 1:
+            assert listed(store) == []
+
+
+@pytest.mark.asyncio
+async def test_sessions_committing_at_once_share_groups(tmp_path: Path) -> None:
+    """Sixteen sessions commit at once through one FileStore: every one is listed
+    and verifies, and they needed fewer manifest writes than commits."""
+    fs = RecordingFS(keep_data=False)
+    async with FileStore(tmp_path, fs=fs) as store:
+        receipts: list[Any] = []
+
+        async def commit(session: int) -> None:
+            manifest, payloads = checkpoint(session, session_id=f"s{session}", epoch=f"e{session}")
+            receipts.append(await store.commit(manifest, payloads))
+
+        async with anyio.create_task_group() as group:
+            for session in range(16):
+                group.start_soon(commit, session)
+        manifests = [op for op in fs.ops if op[0] == "rename" and op[2].endswith("manifest.json")]
+        assert len(receipts) == 16 and len(store.generations) == 16
+        assert len(manifests) < 16, len(manifests)
+        assert max(int(r.timings_ms["group"]) for r in receipts) > 1
+
+
+def record_groups(folder: Path, groups: int) -> list[tuple[Any, ...]]:
+    """Commit ``groups`` groups of three sessions' checkpoints (keep=2 per session,
+    so rotation runs inside groups), marking each group's listing before it is
+    attempted and once it returned."""
+    fs = RecordingFS()
+    ids: list[str] = []
+    with SyncStore(folder, keep=2, fs=fs) as store:
+        for index in range(groups):
+            members = [member(index * 3 + s, s, checkpoint_id=f"c{index}-{s}") for s in (1, 2, 3)]
+            attempted = [*ids, *(m.manifest.checkpoint_id for m in members)]
+            for session in (1, 2, 3):  # rotation: the oldest of each session goes
+                mine = [i for i in attempted if i.endswith(f"-{session}")]
+                if len(mine) > 2:
+                    attempted.remove(mine[0])
+            fs.ops.append(("attempted", tuple(attempted)))
+            outcomes = store.commit_group(members)
+            assert all(type(o).__name__ == "CommitReceipt" for o in outcomes)
+            ids = listed(store)
+            assert ids == attempted
+            fs.ops.append(("returned", tuple(ids)))
+    return fs.ops
+
+
+def test_every_crash_state_of_group_commits_shows_whole_groups(tmp_path: Path) -> None:
+    """Every directory a crash could leave during five groups of three: it opens,
+    verifies, and lists exactly the groups that had returned, or those and the
+    group in flight; never part of a group, never less than what returned."""
+    ops = record_groups(tmp_path / "recorded", 5)
+    expected = allowed(ops)
+    target = tmp_path / "state"
+    count = 0
+    for point, state in crash_states(ops, str(tmp_path / "recorded")):
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir()
+        for name, data in state.items():
+            (target / name).write_bytes(data)
+        with SyncStore(target, read_only=True) as reader:
+            ids = tuple(listed(reader))
+            assert ids in expected[point], (point, sorted(state), ids)
+            assert reader.verify().ok
+        count += 1
+    print(f"group crash states checked: {count}")
+    assert count >= 500
