@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -163,7 +164,7 @@ def _small(folder: Path, runs: int, progress: Progress = NO_PROGRESS) -> list[Re
             baseline=median(rates["raw"]),
             baseline_name="raw syscall loop in the same thread: same bytes, same 4 sync points",
             better="higher",
-            target=0.85,
+            target=0.9,
             detail={**detail, "ours_is": "SyncStore.commit (the store core, caller's thread)"},
         ),
         result(
@@ -180,6 +181,95 @@ def _small(folder: Path, runs: int, progress: Progress = NO_PROGRESS) -> list[Re
             },
         ),
     ]
+
+
+GROUP_SESSIONS = 16
+GROUP_COMMITS = 12  # per session and round
+
+
+def _group(folder: Path, runs: int, progress: Progress = NO_PROGRESS) -> Result:
+    """16 sessions committing small checkpoints at once through one FileStore (its
+    commits grouped), against the raw 4-sync loop committing the same bytes one
+    checkpoint after another."""
+    block = os.urandom(SMALL_PAYLOAD)
+    names = sample_payload_names(["fly-a"])
+
+    def checkpoints(round_: int) -> list[list[tuple[CheckpointManifest, list[Any]]]]:
+        by_session = []
+        for session in range(GROUP_SESSIONS):
+            mine = []
+            for step in range(GROUP_COMMITS):
+                payloads = [(name, block) for name in names]
+                body = sample_body(
+                    f"r{round_}-s{session}-{step}", step=step, session_id=f"s{session}",
+                    epoch=f"r{round_}-e{session}",
+                )  # fmt: skip
+                mine.append((build_manifest(body, payloads), payloads))
+            by_session.append(mine)
+        return by_session
+
+    def ours(path: Path, work: list[list[Any]]) -> float:
+        async def go() -> float:
+            async with FileStore(path) as store:
+
+                async def session(commits: list[Any]) -> None:
+                    for manifest, payloads in commits:
+                        await store.commit(manifest, payloads)
+
+                start = time.perf_counter()
+                async with anyio.create_task_group() as group:
+                    for commits in work:
+                        group.start_soon(session, commits)
+                return GROUP_SESSIONS * GROUP_COMMITS / (time.perf_counter() - start)
+
+        return anyio.run(go)
+
+    def raw(path: Path, work: list[list[Any]]) -> float:
+        # The same bytes: each envelope, and a store manifest of the size ours grows to.
+        items = []
+        with SyncStore(path / "reference") as reference:
+            for step in range(GROUP_COMMITS):
+                for commits in work:
+                    manifest, payloads = commits[step]
+                    receipt = reference.commit(manifest, payloads)
+                    manifest_bytes = (path / "reference" / "manifest.json").read_bytes()
+                    items.append(
+                        (receipt.record.file, _encoded(manifest, payloads), manifest_bytes)
+                    )
+        target = path / "raw"
+        target.mkdir()
+        start = time.perf_counter()
+        for name, pieces, manifest_bytes in items:
+            _raw_commit(str(target), name, pieces, manifest_bytes)
+        return len(items) / (time.perf_counter() - start)
+
+    ours_rates: list[float] = []
+    raw_rates: list[float] = []
+    with progress.phase("store.group_commit_rate_16", runs):
+        for run in range(runs):
+            work = checkpoints(run)
+            pair = [(ours_rates, ours), (raw_rates, raw)]
+            for rates, measure in pair if run % 2 == 0 else reversed(pair):
+                rates.append(measure(folder / f"group-{run}-{measure.__name__}", work))
+            progress.advance()
+    return result(
+        "store.group_commit_rate_16",
+        ours=median(ours_rates),
+        baseline=median(raw_rates),
+        baseline_name="raw 4-sync loop: the same checkpoints committed one after another",
+        better="higher",
+        target=3,
+        detail={
+            "ours_unit": "commits/s",
+            "runs": runs,
+            "sessions": GROUP_SESSIONS,
+            "commits_per_session": GROUP_COMMITS,
+            "checkpoint": "5 payloads x 4 KiB",
+            "ours_is": "16 tasks, one per session, each awaiting FileStore.commit in turn",
+            "ours_rates": [round(r, 1) for r in ours_rates],
+            "raw_rates": [round(r, 1) for r in raw_rates],
+        },
+    )
 
 
 def _large(folder: Path, size: int, runs: int, progress: Progress = NO_PROGRESS) -> Result:
@@ -218,15 +308,33 @@ def _large(folder: Path, size: int, runs: int, progress: Progress = NO_PROGRESS)
         _fsync_dir(str(target))
         return time.perf_counter() - start
 
+    hash_floor_times: list[float] = []
+
+    def hash_floor(run: int) -> float:
+        """Two sha256 passes over the payloads at once, on two threads: the least
+        hashing the format allows for payloads that are not verified already."""
+        views = [memoryview(data) for _, data in payloads]
+        start = time.perf_counter()
+        threads = [
+            threading.Thread(target=lambda: [hashlib.sha256(v).digest() for v in views])
+            for _ in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return time.perf_counter() - start
+
     measures = [
         (ours_times, ours),
         (raw_times, raw),
         (raw_sha_times, lambda run: raw(run, with_sha=True)),
+        (hash_floor_times, hash_floor),
     ]
     with progress.phase("store.commit_1gib", runs):
         for run in range(runs):
             # rotate the order: whoever goes after a GiB of writes meets the disk's backlog
-            for times, measure in measures[run % 3 :] + measures[: run % 3]:
+            for times, measure in measures[run % 4 :] + measures[: run % 4]:
                 os.sync()  # start each from a clean page cache, outside the timing
                 times.append(measure(run))
             for path in folder.glob(f"*big-{run}*/*.flysess"):
@@ -248,6 +356,9 @@ def _large(folder: Path, size: int, runs: int, progress: Progress = NO_PROGRESS)
             "ours_s": [round(t, 3) for t in ours_times],
             "raw_s": [round(t, 3) for t in raw_times],
             "raw_plus_sha256_s": [round(t, 3) for t in raw_sha_times],
+            "hash_floor_s": [round(t, 3) for t in hash_floor_times],
+            "floor_note": "when hash_floor_s exceeds 1.15 x raw_s, the disk is faster "
+            "than the hashing the format requires, and the target cannot be met here",
             "ours_cpu_s": [round(t, 3) for t in ours_cpu],
             "cpu_floor": "two sha256 passes + the copy into the page cache, on 2 cores: "
             "compare ours_cpu_s / 2 with ours_s",
@@ -261,5 +372,6 @@ def _large(folder: Path, size: int, runs: int, progress: Progress = NO_PROGRESS)
 def run(*, size: int, runs: int, progress: Progress = NO_PROGRESS) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="coordinator-bench-") as folder:
         small = _small(Path(folder), runs, progress)
+        group = _group(Path(folder), max(3, runs), progress)
         large = _large(Path(folder), size, max(3, runs), progress)
-    return [*small, large]
+    return [*small, group, large]

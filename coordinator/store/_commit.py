@@ -120,9 +120,12 @@ class CommitSequence:
     ) -> None:
         """Create ``path`` afresh, write ``pieces``, fsync, close. On any failure
         the file is closed and unlinked; a failed fd is never fsynced again."""
-        self.unlink(path)  # a leftover from an earlier failure: always a new inode
         try:
-            fd = self.fs.create(path)
+            try:
+                fd = self.fs.create(path)  # O_EXCL: always a new inode
+            except FileExistsError:  # a leftover from an earlier failure
+                self.unlink(path)
+                fd = self.fs.create(path)
         except OSError as error:
             raise commit_error(checkpoint_id, "create", path, error) from None
         started = time.perf_counter()
