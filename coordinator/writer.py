@@ -317,7 +317,7 @@ class Writer:
         self._flushing = False  # the outbox task returns once it is empty
         self._failure: SaveFailedError | None = None
         self._group: TaskGroup | None = None
-        # The writer's three tasks each run in a shield of their own: a host's
+        # The writer's four tasks each run in a shield of their own: a host's
         # cancellation never lands in them; only the close path stops them.
         self._jobs_scope = anyio.CancelScope(shield=True)
         self._releases_scope = anyio.CancelScope(shield=True)
