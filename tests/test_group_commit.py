@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import pytest
 from fsmodel import RecordingFS, crash_states, fail_nth
+from hostkit import GateFS
 from storekit import checkpoint, listed
 from test_store_crash import allowed
 
@@ -160,3 +161,42 @@ def test_every_crash_state_of_group_commits_shows_whole_groups(tmp_path: Path) -
         count += 1
     print(f"group crash states checked: {count}")
     assert count >= 500
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_member_of_a_running_group_still_gets_its_receipt(
+    tmp_path: Path,
+) -> None:
+    """Session 1's commit is being written (held); sessions 2 and 3 wait and are
+    then taken into one group. Session 3's caller is cancelled while that group
+    runs: the commit is not left half done, and its caller still gets the receipt
+    (the cancellation comes at its next await), like a thread's result. A caller
+    cancelled before any group took it commits nothing."""
+    fs = GateFS()
+    async with FileStore(tmp_path, fs=fs) as store:
+        got: dict[int, Any] = {}
+        scopes: dict[int, anyio.CancelScope] = {}
+
+        async def commit(session: int) -> None:
+            manifest, payloads = checkpoint(session, session_id=f"s{session}", epoch=f"e{session}")
+            with anyio.CancelScope() as scope:
+                scopes[session] = scope
+                got[session] = await store.commit(manifest, payloads)
+                await anyio.sleep(1)  # the cancellation is delivered here
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(commit, 1)
+            await anyio.to_thread.run_sync(fs.waiting.wait)  # session 1 is being written
+            fs.waiting.clear()
+            for session in (2, 3, 4):
+                group.start_soon(commit, session)
+            await anyio.sleep(0.05)
+            scopes[4].cancel()  # waiting, not taken: it leaves
+            await anyio.sleep(0.05)
+            fs.gate.release()  # session 1 goes on; 2 and 3 become one group
+            await anyio.to_thread.run_sync(fs.waiting.wait)
+            scopes[3].cancel()  # taken, its group running
+            fs.open_all()
+        assert sorted(got) == [1, 2, 3]
+        assert sorted(listed(store)) == ["ckpt-1", "ckpt-2", "ckpt-3"]
+        assert got[3].timings_ms["group"] == 2

@@ -210,13 +210,16 @@ class FileStore:
             async with self._lock:
                 if not waiting.taken:  # nobody took it along: lead a group
                     await self._commit_group(self._take_group())
-        except BaseException:
+        except BaseException as error:
             if not waiting.taken:
                 self._waiting.remove(waiting)
                 raise
             with anyio.CancelScope(shield=True):  # taken: a commit is never left half done
                 await waiting.done.wait()
-            raise
+            if not isinstance(error, anyio.get_cancelled_exc_class()):
+                raise
+            # Like a thread's result: the outcome is the caller's, and the cancellation
+            # is delivered at its next await (a commit is never discarded).
         outcome = waiting.outcome
         if isinstance(outcome, BaseException):
             raise outcome
