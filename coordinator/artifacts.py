@@ -20,12 +20,11 @@ afterwards (``coordinator.sealed``):
 **The host is held for ownership only.** ``capture`` returns once the bytes are
 owned: at once for ``bytes``, after the one copy for any other buffer. The
 digest of 64 KiB or more is left to the writer's pipeline (``digest is None``
-until ``settle_digest``, in a worker thread: at most one fewer than the cores,
-see ``hashing_limiter``), which computes it before the manifest that states it
-is written. Below 64 KiB, hashing takes less than a thread hop and runs inline.
-Releasing a large handle unmaps its memory in a worker thread too
-(``release_off_loop``): freeing 1 GiB of pages takes tens of milliseconds the
-event loop should not wait.
+until ``settle_digest``, in a thread off the loop), which computes it before
+the manifest that states it is written. Below 64 KiB, hashing takes less than a
+thread hop and runs inline. Releasing a large handle unmaps its memory in a
+worker thread too (``release_off_loop``): freeing 1 GiB of pages takes tens of
+milliseconds the event loop should not wait.
 """
 
 from __future__ import annotations
@@ -216,21 +215,13 @@ class MemoryArtifact(BaseHandle):
         assert self._data is not None
         return memoryview(self._data).toreadonly()
 
-    async def settle_digest(
-        self,
-        limiter: anyio.CapacityLimiter | None = None,
-        *,
-        run: Callable[..., Awaitable[Any]] | None = None,
-    ) -> str:
-        """The digest, computed now over the owned bytes (in a worker thread, or by
-        ``run(function, view)``) if ``capture`` deferred it; the handle is then
-        verified as one of ours."""
+    async def settle_digest(self, *, run: Callable[..., Awaitable[Any]] | None = None) -> str:
+        """The digest, computed now over the owned bytes by ``run(function, view)``
+        (a worker thread) if ``capture`` deferred it; the handle is then verified
+        as one of ours."""
         if self.digest is None:
             with self.view() as view:
-                if run is None:
-                    digest = await anyio.to_thread.run_sync(sha256_hex, view, limiter=limiter)
-                else:
-                    digest = await run(sha256_hex, view)
+                digest = await (run or anyio.to_thread.run_sync)(sha256_hex, view)
             self._check_live()
             self.digest = digest
             mark_verified(self)

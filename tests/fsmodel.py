@@ -22,8 +22,10 @@ import errno
 import hashlib
 import itertools
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from coordinator.fs import FileSystem
@@ -172,6 +174,20 @@ def crash_states(
         elif kind == "fsync_dir" and op[1] == os.path.abspath(directory):
             durable = _apply(durable, pending)
             pending = []
+
+
+def materialized(
+    ops: list[tuple[Any, ...]], recorded: Path, target: Path
+) -> Iterator[tuple[int, dict[str, bytes]]]:
+    """``crash_states`` of the directory ``recorded``, each written out at ``target``
+    (replaced every time) before it is yielded."""
+    for point, state in crash_states(ops, str(recorded)):
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir()
+        for name, data in state.items():
+            (target / name).write_bytes(data)
+        yield point, state
 
 
 def _apply(names: dict[str, int], pending: list[tuple[Any, ...]]) -> dict[str, int]:

@@ -6,13 +6,12 @@ loses a member that was acknowledged."""
 from __future__ import annotations
 
 import errno
-import shutil
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from fsmodel import RecordingFS, crash_states, fail_nth
+from fsmodel import RecordingFS, fail_nth, materialized
 from hostkit import GateFS
 from storekit import checkpoint, listed
 from test_store_crash import allowed
@@ -148,12 +147,7 @@ def test_every_crash_state_of_group_commits_shows_whole_groups(tmp_path: Path) -
     expected = allowed(ops)
     target = tmp_path / "state"
     count = 0
-    for point, state in crash_states(ops, str(tmp_path / "recorded")):
-        if target.exists():
-            shutil.rmtree(target)
-        target.mkdir()
-        for name, data in state.items():
-            (target / name).write_bytes(data)
+    for point, state in materialized(ops, tmp_path / "recorded", target):
         with SyncStore(target, read_only=True) as reader:
             ids = tuple(listed(reader))
             assert ids in expected[point], (point, sorted(state), ids)

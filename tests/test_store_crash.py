@@ -10,12 +10,11 @@ of the one in flight, and keep no temporary file.
 from __future__ import annotations
 
 import errno
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fsmodel import RecordingFS, crash_states
+from fsmodel import RecordingFS, materialized
 from storekit import checkpoint, listed
 
 from coordinator import DurabilityUnknownError
@@ -103,12 +102,7 @@ def check_all_states(tmp_path: Path, commits: int) -> int:
     expected = allowed(ops)
     target = tmp_path / "state"
     count = 0
-    for point, state in crash_states(ops, str(tmp_path / "recorded")):
-        if target.exists():
-            shutil.rmtree(target)
-        target.mkdir()
-        for name, data in state.items():
-            (target / name).write_bytes(data)
+    for point, state in materialized(ops, tmp_path / "recorded", target):
         with SyncStore(target, read_only=True) as reader:  # removes nothing
             ids = tuple(listed(reader))
             assert ids in expected[point], (point, sorted(state), ids)
@@ -181,12 +175,7 @@ def test_every_crash_state_after_a_fork_stays_on_the_new_timeline(tmp_path: Path
             store.commit(*checkpoint(index, checkpoint_id=f"e2-{index}", epoch="epoch-2"))
     target = tmp_path / "state"
     count = 0
-    for point, state in crash_states(fs.ops, str(folder)):
-        if target.exists():
-            shutil.rmtree(target)
-        target.mkdir()
-        for name, data in state.items():
-            (target / name).write_bytes(data)
+    for point, _state in materialized(fs.ops, folder, target):
         with SyncStore(target, read_only=True) as reader:
             assert reader.verify().ok
             session = reader.session("session-1")
