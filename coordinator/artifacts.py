@@ -205,7 +205,8 @@ class MemoryArtifact(BaseHandle):
     ) -> None:
         if not is_owned(data):
             raise UsageError(f"artifact {name!r}: {type(data).__name__} is not owned memory")
-        self._data: BytesLike | None = data
+        # A view of its own: the caller may release the view it handed over.
+        self._data: BytesLike | None = memoryview(data) if isinstance(data, memoryview) else data
         with memoryview(data) as view:
             length = view.nbytes
         super().__init__(name, length, digest, ledger)

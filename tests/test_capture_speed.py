@@ -212,3 +212,36 @@ async def test_a_payload_that_cannot_be_hashed_fails_its_own_job(
             await host.capture(2)  # the earlier failure, seen once
         assert isinstance(await host.checkpoint(3), Committed)
         assert host.ledger.statistics().live == 0
+
+
+class View(Part):
+    """A participant that returns a view of its bytes (with an offset), and lets go
+    of that view right after capture() returned."""
+
+    def __init__(self, name: str, size: int) -> None:
+        super().__init__(name)
+        self.base = bytes(range(256)) * (size // 256)
+        self.view: memoryview | None = None
+
+    async def capture(self, scope: Any) -> memoryview:  # type: ignore[override]
+        self.view = memoryview(self.base)[16:]
+        return self.view
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [4096, LARGE], ids=["small", "large"])
+async def test_the_host_releasing_its_view_of_bytes_changes_nothing(
+    tmp_path: Path, size: int
+) -> None:
+    """A view of `bytes` is kept by reference, not copied: the coordinator holds a
+    view of its own, so the host releasing the one it returned (after capture()
+    returned) cannot fail the save."""
+    world = View(NAMES[0], size)
+    participants: list[Any] = [world, *[Part(n) for n in NAMES[1:]]]
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as host:
+        ticket = await host.capture(1, replaceable=False)
+        assert world.view is not None
+        world.view.release()
+        assert isinstance(await ticket.wait(), Committed)
+        await host.restore("epoch-1-1", new_epoch="epoch-2")
+    assert world.state == world.base[16:]

@@ -194,3 +194,21 @@ async def test_a_cancelled_member_of_a_running_group_still_gets_its_receipt(
         assert sorted(got) == [1, 2, 3]
         assert sorted(listed(store)) == ["ckpt-1", "ckpt-2", "ckpt-3"]
         assert got[3].timings_ms["group"] == 2
+
+
+def test_a_refused_commit_is_not_a_failed_one(tmp_path: Path) -> None:
+    """A commit refused before anything is written (memory someone else can change,
+    an epoch another session owns) raises, and is not counted as a failed commit:
+    statistics count what was attempted on the disk, as before groups."""
+    from coordinator import StaleEpochError, UsageError
+
+    with SyncStore(tmp_path) as store:
+        manifest, payloads = checkpoint(1, session_id="s1", epoch="e1")
+        store.commit(manifest, payloads)
+        with pytest.raises(UsageError):
+            store.commit(manifest, [(name, bytearray(data)) for name, data in payloads])
+        other, other_payloads = checkpoint(2, session_id="s2", epoch="e1")
+        with pytest.raises(StaleEpochError):
+            store.commit(other, other_payloads)
+        statistics = store.statistics()
+        assert (statistics.commits, statistics.failed_commits) == (1, 0)

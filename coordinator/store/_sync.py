@@ -402,6 +402,11 @@ class SyncStore:
         written: list[_Written] = []
         for index, member in enumerate(members):
             try:
+                self._check_member(member, working)
+            except Exception as error:  # refused: nothing was attempted on the disk
+                outcomes[index] = error
+                continue
+            try:
                 done = self._write_member(member, working)
             except Exception as error:
                 self._failed += 1
@@ -428,9 +433,9 @@ class SyncStore:
                 )
         return [o for o in outcomes if o is not None]
 
-    def _write_member(self, member: GroupMember, working: StoreManifest) -> _Written:
-        """Steps 1-3 for one member, checked against ``working`` (the manifest as the
-        members before it in the group leave it)."""
+    def _check_member(self, member: GroupMember, working: StoreManifest) -> None:
+        """What refuses one member before anything is written, checked against
+        ``working`` (the manifest as the members before it in the group leave it)."""
         manifest, payloads = member.manifest, member.payloads
         checkpoint_id = manifest.checkpoint_id
         self._writable(checkpoint_id)
@@ -448,6 +453,11 @@ class SyncStore:
                     "which copies it once). Bytes that change while they are written "
                     "would commit a generation that fails its own digest."
                 )
+
+    def _write_member(self, member: GroupMember, working: StoreManifest) -> _Written:
+        """Steps 1-3 for one member, checked already (``_check_member``)."""
+        manifest, payloads = member.manifest, member.payloads
+        checkpoint_id, scope = manifest.checkpoint_id, manifest.source_scope
         started = time.perf_counter()
         following = int(working.last_sequence) + 1
         if following > U64_MAX:  # only a hostile manifest gets here: refuse, write nothing
