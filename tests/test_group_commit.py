@@ -6,6 +6,8 @@ loses a member that was acknowledged."""
 from __future__ import annotations
 
 import errno
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from hostkit import GateFS
 from storekit import checkpoint, listed
 from test_store_crash import allowed
 
-from coordinator import DurabilityUnknownError, NoSpaceError, SyncError
+from coordinator import DurabilityUnknownError, NoSpaceError, RenameError, SyncError
 from coordinator.store import FileStore, SyncStore
 from coordinator.store._sync import GroupMember
 
@@ -212,3 +214,62 @@ def test_a_refused_commit_is_not_a_failed_one(tmp_path: Path) -> None:
             store.commit(other, other_payloads)
         statistics = store.statistics()
         assert (statistics.commits, statistics.failed_commits) == (1, 0)
+
+
+class OverlapFS(RecordingFS):
+    """Counts how many file fsyncs are in flight at once."""
+
+    def __init__(self) -> None:
+        super().__init__(keep_data=False)
+        self.in_flight = self.peak = 0
+        self.counting = threading.Lock()
+
+    def fsync(self, fd: int) -> None:
+        with self.counting:
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        try:
+            time.sleep(0.02)  # a slow disk: long enough for the others to start
+            super().fsync(fd)
+        finally:
+            with self.counting:
+                self.in_flight -= 1
+
+
+def test_a_groups_file_syncs_run_at_once(tmp_path: Path) -> None:
+    """The fsyncs of a group's files are in flight together (concurrent fsyncs of
+    small files share the journal's commits), each still before its own rename."""
+    fs = OverlapFS()
+    with SyncStore(tmp_path, fs=fs) as store:
+        outcomes = store.commit_group([member(i, i) for i in range(1, 7)])
+        assert [type(o).__name__ for o in outcomes] == ["CommitReceipt"] * 6
+    assert fs.peak >= 2, fs.peak
+
+
+@pytest.mark.parametrize("step", ["fsync", "rename"])
+def test_a_member_failing_its_sync_or_rename_leaves_the_rest_listed_in_sequence(
+    tmp_path: Path, step: str
+) -> None:
+    """One member's fsync (or rename) fails: that member gets store.fsync (or
+    store.rename) and its file is gone, never fsynced again. The others commit,
+    their sequence numbers follow on without a gap, and the failed member's
+    session keeps the generation the failed one would have rotated away."""
+    fs = RecordingFS()
+    with SyncStore(tmp_path, fs=fs, keep=1) as store:
+        store.commit_group([member(i, i) for i in (1, 2, 3)])
+        before = int(store.statistics().commits)
+        fs.rule = fail_nth(step, 1, errno.EIO, "tmp+ckpt-12")
+        outcomes = store.commit_group([member(10 + i, i) for i in (1, 2, 3)])
+        expected = SyncError if step == "fsync" else RenameError
+        assert isinstance(outcomes[1], expected), outcomes
+        assert [type(o).__name__ for o in (outcomes[0], outcomes[2])] == ["CommitReceipt"] * 2
+        assert listed(store) == ["ckpt-2", "ckpt-11", "ckpt-13"]
+        sequences = sorted(int(r.sequence) for r in store.generations)
+        assert sequences[1:] == [sequences[1], sequences[1] + 1]
+        assert store.statistics().commits == before + 2
+        assert fs.fsync_after_failure == 0
+    with SyncStore(tmp_path, read_only=True) as reopened:
+        assert reopened.verify().ok
+        assert listed(reopened) == ["ckpt-2", "ckpt-11", "ckpt-13"]
+    names = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".flysess")
+    assert names == ["ckpt-11.flysess", "ckpt-13.flysess", "ckpt-2.flysess"]

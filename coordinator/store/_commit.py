@@ -22,6 +22,7 @@ replaced, another writer may hold the new one, so the commit is refused.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import os
@@ -47,15 +48,27 @@ from ._manifest import (
     MANIFEST,
     MAX_STORE_MANIFEST_BYTES,
     TMP_MANIFEST,
-    TMP_PREFIX,
     StoreManifest,
     store_manifest_bytes,
 )
 
-__all__ = ["CommitSequence", "UnlinkFailure"]
+__all__ = ["CommitSequence", "UnlinkFailure", "UnsyncedFile"]
 
 # Start writeback every this many bytes, so the final fsync has little left.
 _WRITEBACK_EVERY = 64 << 20
+
+
+class UnsyncedFile(msgspec.Struct, frozen=True, kw_only=True):
+    """A file written and still open, waiting for its fsync (``sync_files``)."""
+
+    checkpoint_id: str
+    path: str
+    fd: int
+    timings: dict[str, float] | None = None
+
+
+# The threads a commit group's fsyncs run on (each started on first use).
+_SYNC_POOL = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="coordinator-fsync")
 
 
 class UnlinkFailure(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,28 +102,6 @@ class CommitSequence:
 
     # --- the generation -------------------------------------------------------------
 
-    def write_generation(
-        self,
-        checkpoint_id: str,
-        name: str,
-        pieces: Iterable[BytesLike],
-        timings: dict[str, float],
-        *,
-        sync_dir: bool = True,
-    ) -> str:
-        """Steps 1-4: the generation file, durable under ``name``; returns its path.
-        Without ``sync_dir``, steps 1-3: a commit group syncs the directory once,
-        for all its files, before its manifest."""
-        final = self.join(name)
-        temporary = self.join(TMP_PREFIX + name)
-        self.write_file(checkpoint_id, temporary, pieces, timings)
-        started = time.perf_counter()
-        self.rename(checkpoint_id, temporary, final)
-        if sync_dir:
-            self.sync_dir(checkpoint_id, cleanup=[final])
-        timings["rename_and_sync_dir"] = round((time.perf_counter() - started) * 1000, 3)
-        return final
-
     def write_file(
         self,
         checkpoint_id: str,
@@ -120,6 +111,18 @@ class CommitSequence:
     ) -> None:
         """Create ``path`` afresh, write ``pieces``, fsync, close. On any failure
         the file is closed and unlinked; a failed fd is never fsynced again."""
+        fd = self.write_unsynced(checkpoint_id, path, pieces, timings)
+        self.sync_file(checkpoint_id, path, fd, timings)
+
+    def write_unsynced(
+        self,
+        checkpoint_id: str,
+        path: str,
+        pieces: Iterable[BytesLike],
+        timings: dict[str, float] | None = None,
+    ) -> int:
+        """Create ``path`` afresh and write ``pieces``; returns the open descriptor
+        for ``sync_file``. On any failure the file is closed and unlinked."""
         try:
             try:
                 fd = self.fs.create(path)  # O_EXCL: always a new inode
@@ -142,19 +145,29 @@ class CommitSequence:
                 if written - flushed >= _WRITEBACK_EVERY:
                     self.fs.start_writeback(fd, flushed, written - flushed)
                     flushed = written
-            wrote = time.perf_counter()
-            try:
-                self.fs.fsync(fd)
-            except OSError as error:
-                raise SyncError(checkpoint_id, "fsync", path, error) from None
         except BaseException as error:
             if isinstance(pieces, Generator):
                 pieces.close()  # stop the encoder (and join its hashing threads)
-            with contextlib.suppress(OSError):  # the first error is the one to report
-                self.fs.close(fd)
-            self.unlink(path)
+            self.discard(fd, path)
             if isinstance(error, OSError):
                 raise commit_error(checkpoint_id, "write", path, error) from None
+            raise
+        if timings is not None:
+            timings["write"] = round((time.perf_counter() - started) * 1000, 3)
+        return fd
+
+    def sync_file(
+        self, checkpoint_id: str, path: str, fd: int, timings: dict[str, float] | None = None
+    ) -> None:
+        """fsync and close a file ``write_unsynced`` wrote. On failure it is closed
+        and unlinked (never fsynced again: the next commit writes a new file)."""
+        started = time.perf_counter()
+        try:
+            self.fs.fsync(fd)
+        except BaseException as error:
+            self.discard(fd, path)
+            if isinstance(error, OSError):
+                raise SyncError(checkpoint_id, "fsync", path, error) from None
             raise
         try:
             self.fs.close(fd)
@@ -162,8 +175,29 @@ class CommitSequence:
             self.unlink(path)
             raise commit_error(checkpoint_id, "close", path, error) from None
         if timings is not None:
-            timings["write"] = round((wrote - started) * 1000, 3)
-            timings["fsync"] = round((time.perf_counter() - wrote) * 1000, 3)
+            timings["fsync"] = round((time.perf_counter() - started) * 1000, 3)
+
+    def sync_files(self, files: Sequence[UnsyncedFile]) -> list[Exception | None]:
+        """``sync_file`` for each, at once: concurrent fsyncs of small files share
+        the file system's journal commits (here 0.1 ms a file with 8 at once,
+        against 0.29 ms one after another). Each file's error, or ``None``."""
+
+        def sync(file: UnsyncedFile) -> Exception | None:
+            try:
+                self.sync_file(file.checkpoint_id, file.path, file.fd, file.timings)
+            except Exception as error:
+                return error
+            return None
+
+        if len(files) < 2:
+            return [sync(file) for file in files]
+        return list(_SYNC_POOL.map(sync, files))
+
+    def discard(self, fd: int, path: str) -> None:
+        """Close and unlink a file that will not be committed."""
+        with contextlib.suppress(OSError):  # the first error is the one to report
+            self.fs.close(fd)
+        self.unlink(path)
 
     def rename(self, checkpoint_id: str, source: str, target: str) -> None:
         try:

@@ -33,7 +33,7 @@ from ..identity import compatibility_digest
 from ..ids import U64_MAX, check_id
 from ..manifest import CheckpointManifest, manifest_to_builtins
 from ..sealed import is_owned
-from ._commit import CommitSequence, UnlinkFailure
+from ._commit import CommitSequence, UnlinkFailure, UnsyncedFile
 from ._lineage import (
     check_commit,
     check_epoch_unused,
@@ -48,6 +48,7 @@ from ._manifest import (
     MANIFEST,
     MAX_STORE_MANIFEST_BYTES,
     SUFFIX,
+    TMP_PREFIX,
     GenerationRecord,
     SessionRecord,
     StoreManifest,
@@ -108,10 +109,12 @@ class GroupMember(msgspec.Struct, frozen=True):
 
 
 class _Written(msgspec.Struct, kw_only=True):
-    """A group member whose generation file is durable under its name (steps 1-3)."""
+    """A group member: its file written (``file``, until it is synced), then
+    durable under its name (``path``)."""
 
     record: GenerationRecord
     path: str
+    file: UnsyncedFile
     replaced: str | None  # the file of the listed generation of the same id, if any
     timings: dict[str, float]
     index: int = 0
@@ -387,9 +390,10 @@ class SyncStore:
 
     def commit_group(self, members: Sequence[GroupMember]) -> list[CommitReceipt | Exception]:
         """Make several checkpoints durable together, one per session: each
-        generation file written, fsynced and renamed (steps 1-3 of the sequence),
-        one directory fsync for all of them (step 4), and one store manifest that
-        lists them all (step 5: its rename is the commit point of the whole group).
+        generation file written, fsynced and renamed (steps 1-3 of the sequence;
+        the files' fsyncs run at once), one directory fsync for all of them (step
+        4), and one store manifest that lists them all (step 5: its rename is the
+        commit point of the whole group).
 
         A member refused or failing before step 4 gets its error (its file is
         gone) and the others go on; from step 4 on, the group succeeds or fails
@@ -399,7 +403,7 @@ class SyncStore:
         if len(set(sessions)) != len(sessions):  # a later one would rotate an earlier away
             raise UsageError(f"a commit group holds one checkpoint per session: {sessions}")
         working = self._manifest
-        written: list[_Written] = []
+        pending: list[_Written] = []
         for index, member in enumerate(members):
             try:
                 self._check_member(member, working)
@@ -407,21 +411,25 @@ class SyncStore:
                 outcomes[index] = error
                 continue
             try:
-                done = self._write_member(member, working)
+                done = self._write_member(member, working, index)
             except Exception as error:
                 self._failed += 1
                 outcomes[index] = error
                 continue
-            try:
+            try:  # (checked before it was written: it cannot fail here, in fact)
                 working, dropped = with_generation(
                     working, done.record, self.keep, frozenset(self._pinned)
                 )
-            except Exception as error:  # (checked before it was written: never, in fact)
-                self._io.unlink(done.path)
+            except Exception as error:
+                self._io.discard(done.file.fd, done.file.path)
                 self._failed += 1
                 outcomes[index] = error
                 continue
-            written.append(msgspec.structs.replace(done, index=index, dropped=tuple(dropped)))
+            done.dropped = tuple(dropped)
+            pending.append(done)
+        written = self._sync_and_rename(pending, outcomes)
+        if len(written) < len(pending):  # a member failed its fsync or rename
+            working = self._relisted(written)
         if written:
             failure = self._publish_group(written, working)
             ids = [done.record.checkpoint_id for done in written]
@@ -454,8 +462,9 @@ class SyncStore:
                     "would commit a generation that fails its own digest."
                 )
 
-    def _write_member(self, member: GroupMember, working: StoreManifest) -> _Written:
-        """Steps 1-3 for one member, checked already (``_check_member``)."""
+    def _write_member(self, member: GroupMember, working: StoreManifest, index: int) -> _Written:
+        """Step 1 for one member, checked already (``_check_member``): its file
+        written under a temporary name, not yet synced."""
         manifest, payloads = member.manifest, member.payloads
         checkpoint_id, scope = manifest.checkpoint_id, manifest.source_scope
         started = time.perf_counter()
@@ -472,9 +481,11 @@ class SyncStore:
         timings = {"plan": round((time.perf_counter() - started) * 1000, 3)}
         bulk = envelope_plan.size >= BULK_BYTES
         pieces = envelope_plan.stream(thread_setup=lower_thread_priority if bulk else None)
-        final = self._io.write_generation(checkpoint_id, name, pieces, timings, sync_dir=False)
+        temporary = self._join(TMP_PREFIX + name)
+        fd = self._io.write_unsynced(checkpoint_id, temporary, pieces, timings)
         sealed = envelope_plan.sealed
         if sealed is None:  # stream() always seals before its footer; never reached
+            self._io.unlink(temporary)
             raise RuntimeError("envelope stream ended without a footer")
         record = GenerationRecord(
             checkpoint_id=checkpoint_id,
@@ -489,7 +500,53 @@ class SyncStore:
             sequence=str(following),
         )
         replaced = previous.file if previous is not None and previous.file != name else None
-        return _Written(record=record, path=final, replaced=replaced, timings=timings)
+        return _Written(
+            record=record,
+            path=self._join(name),
+            file=UnsyncedFile(checkpoint_id=checkpoint_id, path=temporary, fd=fd, timings=timings),
+            replaced=replaced,
+            timings=timings,
+            index=index,
+        )
+
+    def _sync_and_rename(
+        self, pending: list[_Written], outcomes: list[CommitReceipt | Exception | None]
+    ) -> list[_Written]:
+        """Steps 2-3 for every written member: their fsyncs at once, then each
+        renamed to its name. A member that fails gets its error (its file gone)."""
+        written: list[_Written] = []
+        errors = self._io.sync_files([done.file for done in pending])
+        for done, error in zip(pending, errors, strict=True):
+            failure = error if error is not None else self._rename(done)
+            if failure is None:
+                written.append(done)
+            else:
+                self._failed += 1
+                outcomes[done.index] = failure
+        return written
+
+    def _rename(self, done: _Written) -> Exception | None:
+        started = time.perf_counter()
+        try:
+            self._io.rename(done.record.checkpoint_id, done.file.path, done.path)
+        except Exception as error:
+            return error
+        done.timings["rename_and_sync_dir"] = round((time.perf_counter() - started) * 1000, 3)
+        return None
+
+    def _relisted(self, written: list[_Written]) -> StoreManifest:
+        """The group's manifest again without the members that failed: the rest
+        listed in order, their sequence numbers closed up, rotation redone."""
+        working = self._manifest
+        for done in written:
+            done.record = msgspec.structs.replace(
+                done.record, sequence=str(int(working.last_sequence) + 1)
+            )
+            working, dropped = with_generation(
+                working, done.record, self.keep, frozenset(self._pinned)
+            )
+            done.dropped = tuple(dropped)
+        return working
 
     def _publish_group(
         self, written: Sequence[_Written], updated: StoreManifest
