@@ -6,6 +6,7 @@ loses a member that was acknowledged."""
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 from pathlib import Path
@@ -273,3 +274,57 @@ def test_a_member_failing_its_sync_or_rename_leaves_the_rest_listed_in_sequence(
         assert listed(reopened) == ["ckpt-2", "ckpt-11", "ckpt-13"]
     names = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".flysess")
     assert names == ["ckpt-11.flysess", "ckpt-13.flysess", "ckpt-2.flysess"]
+
+
+class InterruptFS(RecordingFS):
+    """Raises ``KeyboardInterrupt`` when a file whose name holds ``name`` is created."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(keep_data=False)
+        self.name = name
+
+    def create(self, path: str) -> int:
+        if self.name in os.path.basename(path):
+            raise KeyboardInterrupt
+        return super().create(path)
+
+
+def test_an_interrupt_while_a_group_is_written_leaves_no_file_open(tmp_path: Path) -> None:
+    """Ctrl-C while the third member's file is being created: the two files
+    written before it are closed and unlinked (no descriptor leaks, no temporary
+    left), nothing is listed, and the store goes on committing."""
+    fs = InterruptFS("tmp+ckpt-3")
+    with SyncStore(tmp_path, fs=fs) as store:
+        before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(KeyboardInterrupt):
+            store.commit_group([member(i, i) for i in (1, 2, 3)])
+        assert len(os.listdir("/proc/self/fd")) == before
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp+")]
+        assert listed(store) == []
+        fs.name = "never"
+        store.commit_group([member(i, i) for i in (1, 2, 3)])
+        assert listed(store) == ["ckpt-1", "ckpt-2", "ckpt-3"]
+
+
+def _group_in_child(path: str, done: Any) -> None:
+    with SyncStore(path) as store:
+        outcomes = store.commit_group([member(i, i) for i in (1, 2, 3)])
+    done.put([type(o).__name__ for o in outcomes])
+
+
+def test_a_forked_child_commits_groups_of_its_own(tmp_path: Path) -> None:
+    """The parent has committed a group (its fsync threads exist); a child made by
+    fork, which has none of them, still commits a group instead of waiting forever."""
+    import multiprocessing
+
+    with SyncStore(tmp_path / "parent") as store:
+        store.commit_group([member(i, i) for i in (1, 2, 3)])
+    context = multiprocessing.get_context("fork")
+    done = context.Queue()
+    child = context.Process(target=_group_in_child, args=(str(tmp_path / "child"), done))
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child's commit group never finished")
+    assert done.get(timeout=5) == ["CommitReceipt"] * 3

@@ -67,8 +67,19 @@ class UnsyncedFile(msgspec.Struct, frozen=True, kw_only=True):
     timings: dict[str, float] | None = None
 
 
-# The threads a commit group's fsyncs run on (each started on first use).
-_SYNC_POOL = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="coordinator-fsync")
+_SYNC_THREADS = 8
+_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+
+
+def _sync_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads a commit group's fsyncs run on: one pool per process (a child
+    made by ``fork`` has none of its parent's threads, so it gets its own)."""
+    global _pool  # noqa: PLW0603 (one pool, made on first use)
+    made = _pool
+    if made is None or made[0] != os.getpid():
+        made = (os.getpid(), concurrent.futures.ThreadPoolExecutor(_SYNC_THREADS))
+        _pool = made
+    return made[1]
 
 
 class UnlinkFailure(msgspec.Struct, frozen=True, kw_only=True):
@@ -191,7 +202,15 @@ class CommitSequence:
 
         if len(files) < 2:
             return [sync(file) for file in files]
-        return list(_SYNC_POOL.map(sync, files))
+        futures = [_sync_pool().submit(sync, file) for file in files]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:  # (an interrupt): every file still ends synced or gone
+            for future, file in zip(futures, files, strict=True):
+                if future.cancel():
+                    self.discard(file.fd, file.path)
+            concurrent.futures.wait(futures)
+            raise
 
     def discard(self, fd: int, path: str) -> None:
         """Close and unlink a file that will not be committed."""

@@ -404,6 +404,35 @@ class SyncStore:
             raise UsageError(f"a commit group holds one checkpoint per session: {sessions}")
         working = self._manifest
         pending: list[_Written] = []
+        try:
+            working = self._write_members(members, working, pending, outcomes)
+        except BaseException:  # (an interrupt): no file of the group is left open
+            for done in pending:
+                self._io.discard(done.file.fd, done.file.path)
+            raise
+        written = self._sync_and_rename(pending, outcomes)
+        if len(written) < len(pending):  # a member failed its fsync or rename
+            working = self._relisted(written)
+        if written:
+            failure = self._publish_group(written, working)
+            ids = [done.record.checkpoint_id for done in written]
+            for done in written:
+                outcomes[done.index] = (
+                    self._receipt(done, written)
+                    if failure is None
+                    else _as_member(failure, done.record.checkpoint_id, ids)
+                )
+        return [o for o in outcomes if o is not None]
+
+    def _write_members(
+        self,
+        members: Sequence[GroupMember],
+        working: StoreManifest,
+        pending: list[_Written],
+        outcomes: list[CommitReceipt | Exception | None],
+    ) -> StoreManifest:
+        """Step 1 for each member in turn, checked against ``working`` as the
+        members before it leave it; returns the manifest with all of them."""
         for index, member in enumerate(members):
             try:
                 self._check_member(member, working)
@@ -427,19 +456,7 @@ class SyncStore:
                 continue
             done.dropped = tuple(dropped)
             pending.append(done)
-        written = self._sync_and_rename(pending, outcomes)
-        if len(written) < len(pending):  # a member failed its fsync or rename
-            working = self._relisted(written)
-        if written:
-            failure = self._publish_group(written, working)
-            ids = [done.record.checkpoint_id for done in written]
-            for done in written:
-                outcomes[done.index] = (
-                    self._receipt(done, written)
-                    if failure is None
-                    else _as_member(failure, done.record.checkpoint_id, ids)
-                )
-        return [o for o in outcomes if o is not None]
+        return working
 
     def _check_member(self, member: GroupMember, working: StoreManifest) -> None:
         """What refuses one member before anything is written, checked against
