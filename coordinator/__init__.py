@@ -54,6 +54,8 @@ from .envelope import decode as decode
 from .envelope import encode as encode
 
 if TYPE_CHECKING:
+    from .host import HostDescription as HostDescription
+    from .policy import CapturePolicy as CapturePolicy
     from .session import Coordinator as Coordinator
     from .store import FileStore as FileStore
     from .store import SyncStore as SyncStore
@@ -62,7 +64,13 @@ __version__ = "0.1.0"
 
 # Modules that need anyio load on first use, so that importing the sans-IO
 # parts (``coordinator.envelope``) never pulls in anyio or nats.
-_LAZY = {"Coordinator": ".session", "FileStore": ".store", "SyncStore": ".store"}
+_LAZY = {
+    "CapturePolicy": ".policy",
+    "Coordinator": ".session",
+    "FileStore": ".store",
+    "HostDescription": ".host",
+    "SyncStore": ".store",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -82,6 +90,7 @@ __all__ = [
     "BusConfigError",
     "BusUnavailableError",
     "CaptureFailedError",
+    "CapturePolicy",
     "CommitError",
     "Coordinator",
     "CoordinatorError",
@@ -97,6 +106,7 @@ __all__ = [
     "FileStore",
     "GenerationCorruptError",
     "GenerationNotFoundError",
+    "HostDescription",
     "IdentityMismatchError",
     "IncompatibleCaptureError",
     "IncompatibleStateError",

@@ -1,9 +1,18 @@
 """When to checkpoint: every N steps, every T seconds, on demand, or any mix.
 
 The host asks ``policy.due(step, now)`` at each committed step boundary and,
-after a capture was accepted, tells the policy with ``taken(step, now)``. A
-capture that was refused (the writer was busy) is not ``taken``, so it stays
-due at the next boundary instead of silently skipping a whole period.
+after a capture was accepted, tells the policy with ``taken(step, now)``
+(``Coordinator.at_boundary`` does both). The rules:
+
+- ``every_steps=N`` is due at the multiples of N: at 20, 40, 60 with N=20 (not 0),
+  whatever step the run started or resumed from. A multiple that passed without
+  a capture being taken (the writer was busy) stays due at the next boundary,
+  so a period is never silently skipped.
+- ``every_seconds=T`` is due once T seconds have passed since the last capture
+  taken (or since the first boundary the policy saw).
+- ``request()`` makes the next boundary due, once.
+- A step below the last one taken means the run went back (a restore):
+  the step rule then counts from there, so a run resumed at 80 is due at 100.
 """
 
 from __future__ import annotations
@@ -15,14 +24,14 @@ class CapturePolicy:
     def __init__(
         self, *, every_steps: int | None = None, every_seconds: float | None = None
     ) -> None:
-        if every_steps is not None and every_steps < 1:
+        if every_steps is not None and (isinstance(every_steps, bool) or every_steps < 1):
             raise ValueError("every_steps must be at least 1")
         if every_seconds is not None and every_seconds <= 0:
             raise ValueError("every_seconds must be positive")
         self.every_steps = every_steps
         self.every_seconds = every_seconds
         self._requested = False
-        self._last_step: int | None = None
+        self._covered: int | None = None  # multiples up to this step need no capture
         self._last_time: float | None = None
 
     def request(self) -> None:
@@ -30,19 +39,21 @@ class CapturePolicy:
         self._requested = True
 
     def due(self, step: int, now: float) -> bool:
-        """Whether a checkpoint is due at this boundary. The first call starts the
-        clocks: periods count from the first boundary the policy sees."""
-        if self._last_step is None or self._last_time is None:
-            self._last_step, self._last_time = step, now
+        """Whether a checkpoint is due at this boundary (see the module's rules)."""
+        if self._covered is None or step < self._covered:  # the first, or a restore
+            self._covered = max(step - 1, 0)  # step 0 (the start) is no multiple
+        if self._last_time is None:
+            self._last_time = now
         if self._requested:
             return True
-        if self.every_steps is not None and step - self._last_step >= self.every_steps:
+        every = self.every_steps
+        if every is not None and step // every > self._covered // every:
             return True
         return self.every_seconds is not None and now - self._last_time >= self.every_seconds
 
     def taken(self, step: int, now: float) -> None:
         """A checkpoint was captured at this boundary: periods restart from here."""
-        self._last_step, self._last_time = step, now
+        self._covered, self._last_time = step, now
         self._requested = False
 
     def __repr__(self) -> str:

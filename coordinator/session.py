@@ -42,6 +42,7 @@ it, and a lost reply, from the store manifest, and never saves again.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -79,6 +80,7 @@ from .artifacts import (
 )
 from .bus import Bus
 from .events import Restored
+from .host import HostDescription
 from .identity import (
     Identity,
     IdentityDifference,
@@ -96,6 +98,7 @@ from .participant import (
     RestoreScope,
     check_reply,
 )
+from .policy import CapturePolicy
 from .reconcile import restored_event, unannounced_restore
 from .store import FileStore, GenerationRecord, StoredCheckpoint
 from .writer import Outcome, RetryPolicy, Ticket, Writer, WriterLimits
@@ -108,6 +111,7 @@ __all__ = [
     "Participant",
     "RestoreReport",
     "RestoreScope",
+    "Resumed",
     "SkippedGeneration",
 ]
 
@@ -128,6 +132,15 @@ class RestoreReport(msgspec.Struct, frozen=True, kw_only=True):
     event: Restored  # as published: the abandoned range, the reason, the identity
     skipped: tuple[SkippedGeneration, ...] = ()  # newer, incompatible (default selection)
     allowed_incompatible: tuple[IdentityDifference, ...] = ()  # overridden differences
+
+
+class Resumed(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``Coordinator.resume`` did. ``step``: the boundary the restored state
+    is at (the host's next step is ``step + 1``); ``None``: the session had no
+    checkpoint, nothing was restored, and the host starts from the beginning."""
+
+    step: int | None
+    report: RestoreReport | None
 
 
 def _described(
@@ -154,13 +167,14 @@ class Coordinator:
         participants: Sequence[Participant],
         *,
         session_id: str,
-        epoch: str,
+        epoch: str | None = None,
         describe: Callable[[CaptureScope], ManifestBody],
         limits: WriterLimits | None = None,
         retry: RetryPolicy | None = None,
         capture_timeout: float = 30.0,
         spool_dir: str | None = None,
         final_step: Callable[[], int] | None = None,
+        policy: CapturePolicy | None = None,
     ) -> None:
         names = [check_id(p.name) for p in participants]
         if len(set(names)) != len(names):
@@ -169,8 +183,12 @@ class Coordinator:
         self.bus = bus
         self.participants = tuple(participants)
         self.session_id = check_id(session_id)
-        self.epoch = _check_epoch(epoch)
+        # No epoch: a fresh one is picked on entering (``fresh_epoch``).
+        self.epoch = _check_epoch(epoch) if epoch is not None else ""
+        if isinstance(describe, HostDescription):
+            describe = describe.bind(names)
         self.describe = describe
+        self.policy = policy
         self.capture_timeout = capture_timeout
         self.spool_dir = spool_dir
         self.final_step = final_step
@@ -202,6 +220,8 @@ class Coordinator:
             last_seq = await self.bus.last_seq(self.session_id)
             # A crash right after a restore: its event may never have gone out.
             unannounced = await unannounced_restore(self.store, self.bus, self.session_id)
+            if not self.epoch:
+                self.epoch = self.fresh_epoch()
             await self.store.open_epoch(self.session_id, self.epoch)
             self._hashing = hashing_limiter()
             await self.writer.__aenter__()
@@ -289,7 +309,11 @@ class Coordinator:
                 self._shut.set()
 
     async def _final_capture(self, step: int) -> None:
-        """The durable final checkpoint: it waits for the writer to have room."""
+        """The durable final checkpoint: it waits for the writer to have room. A
+        step this epoch captured already is not captured twice: the close drains
+        (and so commits) the capture it has."""
+        if f"{self.epoch}-{step}" in self._ids:
+            return
         while True:
             try:
                 await self.capture(step, replaceable=False, closing=True)
@@ -400,6 +424,7 @@ class Coordinator:
         captured: dict[str, tuple[ArtifactHandle, PayloadRecord]] = {}
         handles: list[ArtifactHandle] = []
         failure: list[CaptureFailedError] = []
+        refusals: list[UsageError] = []  # a value of a type no capture takes: not fenced
 
         async def one(participant: Participant) -> None:
             try:
@@ -414,6 +439,16 @@ class Coordinator:
                             data.compatibility_digest,
                         )  # fmt: skip
                         data = data.data
+                    if not _is_buffer(data):
+                        refusals.append(
+                            UsageError(
+                                f"participant {participant.name!r} returned a "
+                                f"{type(data).__name__}: return bytes or a buffer (a numpy "
+                                "array, bytearray, memoryview...); nothing was queued and "
+                                f"epoch {scope.epoch} goes on"
+                            )
+                        )
+                        raise refusals[-1]
                     handle = await capture(
                         participant.name,
                         data,
@@ -426,6 +461,8 @@ class Coordinator:
             except BaseException as error:  # its own failure, or bytes we cannot take
                 if not isinstance(error, Exception) and not await raised_on_its_own(error):
                     raise  # we are cancelled
+                if refusals and error is refusals[-1]:
+                    raise
                 if isinstance(error, CaptureFailedError):  # a reply for another scope
                     failure.append(error)
                 else:
@@ -449,6 +486,8 @@ class Coordinator:
                 if current:
                     self._fenced = failure[0]
                 raise failure[0] from error
+            if refusals:  # a programming error, found before anything was queued
+                raise refusals[0] from None
             raise
         return [captured[p.name] for p in self.participants]
 
@@ -478,7 +517,54 @@ class Coordinator:
             raise StorePoisonedError(checkpoint_id, f"resolve ({poisoned})", self.store.path)
         return self.store.lookup(checkpoint_id, session_id=self.session_id)
 
+    async def at_boundary(self, step: int) -> Ticket | None:
+        """A committed step boundary: capture if the ``policy`` says one is due
+        (and tell it so), else nothing. A busy writer is not a failure: ``None``,
+        and the capture stays due at the next boundary."""
+        policy = self.policy
+        if policy is None:
+            raise UsageError("at_boundary() needs a Coordinator made with a policy=")
+        now = time.monotonic()
+        if not policy.due(step, now):
+            return None
+        try:
+            ticket = await self.capture(step)
+        except WriterBusyError:
+            return None
+        policy.taken(step, now)
+        return ticket
+
     # --- restore -------------------------------------------------------------------
+
+    def fresh_epoch(self) -> str:
+        """An epoch this store has never seen, named ``e<N>-<6 hex digits>``: N
+        counts the session's epochs (1 for its first), the digits are random so a
+        name never comes back, even in a store made again from nothing."""
+        record = self.store.session(self.session_id)
+        count = len(record.epochs) + len(record.retired_epochs) if record is not None else 0
+        while True:
+            epoch = f"e{count + 1}-{secrets.token_hex(3)}"
+            try:
+                self._check_new_epoch(epoch)
+            except StaleEpochError:
+                continue
+            return epoch
+
+    async def resume(self) -> Resumed:
+        """Continue the session after a restart: restore its newest compatible
+        checkpoint into a fresh epoch (``fresh_epoch``). ``Resumed.step`` is the
+        boundary the state is at, so the host's next step is ``step + 1``; it is
+        ``None`` when the session has no checkpoint (start from the beginning).
+        An incompatible newest generation is passed over for an older compatible
+        one (``report.skipped``); when none is compatible,
+        ``IncompatibleStateError``."""
+        try:
+            report = await self.restore(new_epoch=self.fresh_epoch())
+        except GenerationNotFoundError:
+            if self.store.timeline(self.session_id):
+                raise  # listed, yet not found: not "nothing to restore"
+            return Resumed(step=None, report=None)
+        return Resumed(step=int(report.record.boundary), report=report)
 
     async def _abort(self, staged: Sequence[tuple[Participant, Any]]) -> None:
         """Abort every staged participant, shielded, whatever one of them raises,
@@ -732,6 +818,15 @@ def _record_of(handle: ArtifactHandle, name: str) -> PayloadRecord:
     if digest is None and type(handle) is MemoryArtifact:  # our own: the writer settles it
         digest = PENDING_DIGEST
     return PayloadRecord(name=name, byte_length=str(length), digest=check_digest(digest))
+
+
+def _is_buffer(data: object) -> bool:
+    """Whether ``data`` has the buffer protocol (what ``capture`` takes)."""
+    try:
+        memoryview(data).release()  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
 
 
 def _chain_last(error: BaseException) -> BaseException:

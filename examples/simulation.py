@@ -15,16 +15,12 @@ import random
 import secrets
 import sys
 import tempfile
-import time
 from typing import Any
 
 import anyio
 
-from coordinator import Coordinator, FileStore, WriterBusyError
-from coordinator._sample import sample_body
+from coordinator import CapturePolicy, Coordinator, FileStore, HostDescription
 from coordinator.bus import MemoryBus
-from coordinator.manifest import ManifestBody
-from coordinator.policy import CapturePolicy
 from coordinator.session import CaptureScope, RestoreScope
 
 AGENTS = ["fly-a", "fly-b", "fly-c"]
@@ -50,13 +46,6 @@ class JsonPart:
         pass
 
 
-def describe(scope: CaptureScope) -> ManifestBody:
-    return sample_body(
-        scope.checkpoint_id, agent_ids=AGENTS, step=scope.step, epoch=scope.epoch,
-        session_id=scope.session_id,
-    )  # fmt: skip
-
-
 async def watch(bus: MemoryBus) -> None:
     async with await bus.subscribe() as events:
         async for event in events:
@@ -73,31 +62,29 @@ async def main(store_dir: str) -> None:
     ledger = JsonPart("task-ledger", {"done": 0})
     inspection = JsonPart("prior-inspection", {"seen": 0})
     participants = [world, *brains.values(), ledger, inspection, *executors.values()]
-    policy = CapturePolicy(every_steps=10)
     bus = MemoryBus()
     run = secrets.token_hex(3)  # an epoch is used once per store: each run has its own
     async with anyio.create_task_group() as group:
         group.start_soon(watch, bus)
         async with FileStore(store_dir) as store:
             coordinator = Coordinator(
-                store, bus, participants, session_id="demo", epoch=f"run-{run}-1", describe=describe
-            )
+                store, bus, participants, session_id="demo", epoch=f"run-{run}-1",
+                describe=HostDescription(agents=AGENTS),  # the manifest, from the agents
+                policy=CapturePolicy(every_steps=10),  # due at 10, 20, 30...
+            )  # fmt: skip
             async with coordinator:
-                for step in range(1, 61):
+                for step in range(1, 65):
                     world.state["tick"] = step  # the simulation advances...
                     for agent in brains.values():
                         agent.state["x"] += chooser.choice([-1, 1])
                         agent.state["energy"] -= 0.1
                     ledger.state["done"] += 1
                     await anyio.sleep(0)  # ...and yields, like any async host
-                    if policy.due(step, time.monotonic()):  # a committed step boundary
-                        try:
-                            await coordinator.capture(step)
-                            policy.taken(step, time.monotonic())
-                        except WriterBusyError:
-                            pass  # not a failure: due again at the next boundary
+                    # A committed step boundary: a capture when one is due. It returns
+                    # once captured and queued, or None (not due, or the writer busy).
+                    await coordinator.at_boundary(step)
                 expected = {p.name: dict(p.state) for p in participants}
-                final = await coordinator.checkpoint(60, durability_timeout=30)
+                final = await coordinator.checkpoint(64, durability_timeout=30)
                 print(f"final checkpoint: {type(final).__name__} {final.checkpoint_id}")
 
                 for part in participants:  # something goes wrong...

@@ -47,7 +47,7 @@ def run_block(lines: list[str], cwd: Path, setup: str = "") -> None:
         assert "Traceback" not in result.stderr, (line, result.stderr[-2000:])
 
 
-@pytest.mark.parametrize("document", ["README.md", "docs/getting-started.md"])
+@pytest.mark.parametrize("document", ["README.md", "docs/getting-started.md", "docs/host.md"])
 def test_every_shell_command_in_the_docs_runs(tmp_path: Path, document: str) -> None:
     # The store the docs' later commands read: `coordinator demo --store ./saves` first,
     # as the text before them says.

@@ -7,14 +7,34 @@ import pytest
 from coordinator.policy import CapturePolicy
 
 
-def test_every_n_steps_counts_from_the_last_taken() -> None:
-    """Due every 10 steps after the last checkpoint taken; a refused one stays due."""
+def test_every_n_steps_is_due_at_the_multiples_of_n() -> None:
+    """Due at 10, 20, 30 whatever step the run began at; a multiple that passed
+    without a capture taken (the writer was busy) stays due until one is."""
     policy = CapturePolicy(every_steps=10)
-    assert [s for s in range(0, 25) if policy.due(s, 0.0)] == list(range(10, 25))
-    policy.taken(10, 0.0)
-    assert not policy.due(19, 0.0)
-    assert policy.due(20, 0.0)
-    assert policy.due(21, 0.0)  # not taken at 20: still due
+    due = []
+    for step in range(1, 36):
+        if policy.due(step, 0.0) and step != 20:  # at 20 the writer was busy
+            due.append(step)
+            policy.taken(step, 0.0)
+    assert due == [10, 21, 30]
+    late = CapturePolicy(every_steps=20)  # a run resumed at step 81
+    assert [s for s in range(82, 125) if late.due(s, 0.0) and not late.taken(s, 0.0)] == [
+        100,
+        120,
+    ]
+
+
+def test_after_a_restore_the_steps_line_up_again() -> None:
+    """The run went back to 80 after a capture at 100: the next is due at 100
+    again (not at 120), and the same boundary asked twice is not due twice."""
+    policy = CapturePolicy(every_steps=20)
+    for step in range(1, 106):
+        if policy.due(step, 0.0):
+            policy.taken(step, 0.0)
+    assert not policy.due(105, 0.0)
+    after = [s for s in range(81, 125) if policy.due(s, 0.0) and not policy.taken(s, 0.0)]
+    assert after == [100, 120]
+    assert not policy.due(120, 0.0)
 
 
 def test_every_t_seconds() -> None:
@@ -47,7 +67,9 @@ def test_on_demand_only() -> None:
     assert policy.due(1000, 1000.0)
 
 
-@pytest.mark.parametrize("options", [{"every_steps": 0}, {"every_seconds": 0.0}])
+@pytest.mark.parametrize(
+    "options", [{"every_steps": 0}, {"every_steps": True}, {"every_seconds": 0.0}]
+)
 def test_bad_periods_are_refused(options: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         CapturePolicy(**options)  # type: ignore[arg-type]

@@ -1,0 +1,186 @@
+"""``HostDescription``: the manifest a host describes, from what it actually knows.
+
+A FLYSESS1 manifest has 14 required fields. A host decides only a few of them:
+
+- ``agents``: its agents' ids. Each needs a participant named ``agent-<id>``.
+- ``world``: the participant holding the world (default ``"world"``).
+- the versions that decide whether a checkpoint may be restored into it:
+  ``model_version`` (every agent's ``modelVersion``), ``data_version`` (the
+  ``contentDigest`` and every agent's ``datasetDigest``) and ``code_version``
+  (the ``backendDigest``), and each agent's ``seed`` (``seeds``, default 0).
+  ``restore`` compares all of them; a difference is ``IncompatibleStateError``.
+
+Everything else has a documented default that still makes a valid manifest:
+
+- ``episodeId``: ``episode_id`` (``"episode-1"``);
+- ``worldTime``: the step in nanoseconds (``step_ns`` per step, default 1);
+- ``compositionDigest``: from the world and agent names;
+- ``portMap``: ``port-<id>`` for each agent, in order;
+- ``compatibility``: the patch, controller and parser digests from fixed labels;
+- each agent's ``profileDigest`` from ``profile:<id>``, ``plasticityVersion``
+  ``"1"``, ``brainTicks`` the step and ``remainder`` 0;
+- ``coordinator.taskLedger`` and ``priorInspection``: the participant of that
+  name (``task-ledger``, ``prior-inspection``) if the host has one, else the
+  inline value ``{}``; ``executorState``: a row for each agent with an
+  ``executor-<id>`` participant; ``admissionState``: ``coordinator-admission``
+  if there is such a participant, else ``null``; the watermarks: the step;
+- ``environment``: ``worker_id`` (``"host"``) and the world participant;
+- ``helperState``: every other participant, sorted.
+
+A label becomes a digest as SHA-256 of ``<kind>:<label>`` (e.g. ``data:grid-256``).
+The coordinator binds a description to its participants when it is made, and
+refuses one whose participants are missing (``UsageError``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+
+from ._errors import UsageError
+from .ids import check_id
+from .manifest import (
+    AgentRecord,
+    Compatibility,
+    CoordinatorState,
+    EnvironmentRecord,
+    EventWatermarks,
+    ExecutorState,
+    ManifestBody,
+    PortBinding,
+    RationalNs,
+    SourceScope,
+)
+from .participant import CaptureScope
+
+__all__ = ["HostDescription", "label_digest"]
+
+TASK_LEDGER = "task-ledger"
+PRIOR_INSPECTION = "prior-inspection"
+ADMISSION = "coordinator-admission"
+
+
+def label_digest(kind: str, label: str) -> str:
+    """The digest a description records for a label: SHA-256 of ``<kind>:<label>``."""
+    return hashlib.sha256(f"{kind}:{label}".encode()).hexdigest()
+
+
+class HostDescription:
+    """What a host states about its checkpoints; pass it as ``describe``::
+
+    describe = HostDescription(agents=["prey", "predator"], model_version="2")
+    Coordinator(store, bus, participants, session_id="s1", describe=describe)
+    """
+
+    def __init__(
+        self,
+        *,
+        agents: Sequence[str] = (),
+        world: str = "world",
+        model_version: str = "1",
+        data_version: str = "1",
+        code_version: str = "1",
+        seeds: Mapping[str, int] | None = None,
+        episode_id: str = "episode-1",
+        worker_id: str = "host",
+        step_ns: int = 1,
+    ) -> None:
+        if isinstance(agents, str):
+            raise UsageError("agents is a list of agent ids, not one string")
+        self.agents = tuple(check_id(agent) for agent in agents)
+        if len(set(self.agents)) != len(self.agents):
+            raise UsageError(f"agent ids repeat: {list(self.agents)}")
+        self.world = check_id(world)
+        for name, value in (("model_version", model_version), ("data_version", data_version),
+                            ("code_version", code_version)):  # fmt: skip
+            if not isinstance(value, str):
+                raise UsageError(f"{name} is a string, not {type(value).__name__}")
+        self.model_version = model_version
+        self.data_version = data_version
+        self.code_version = code_version
+        self.seeds = dict(seeds or {})
+        unknown = sorted(set(self.seeds) - set(self.agents))
+        if unknown:
+            raise UsageError(f"seeds name agents that are not listed: {unknown}")
+        for agent, seed in self.seeds.items():
+            if isinstance(seed, bool) or not isinstance(seed, int) or abs(seed) > 2**53 - 1:
+                raise UsageError(f"seed of {agent!r} is {seed!r}: an integer within ±(2**53 - 1)")
+        self.episode_id = check_id(episode_id)
+        self.worker_id = check_id(worker_id)
+        if isinstance(step_ns, bool) or not isinstance(step_ns, int) or step_ns < 1:
+            raise UsageError(f"step_ns is {step_ns!r}: a positive integer")
+        self.step_ns = step_ns
+        self._participants: frozenset[str] | None = None
+
+    def bind(self, participants: Sequence[str]) -> HostDescription:
+        """This description for these participant names (checked: the world and
+        every agent need theirs). The coordinator calls it when it is made."""
+        names = frozenset(participants)
+        wanted = [self.world, *(f"agent-{agent}" for agent in self.agents)]
+        missing = [name for name in wanted if name not in names]
+        if missing:
+            raise UsageError(
+                f"HostDescription needs a participant for each of {missing}: "
+                f"the participants are {sorted(names)}"
+            )
+        bound = HostDescription.__new__(HostDescription)
+        bound.__dict__.update(self.__dict__, _participants=names)
+        return bound
+
+    def __call__(self, scope: CaptureScope) -> ManifestBody:
+        names = self._participants
+        if names is None:
+            raise UsageError("a HostDescription is used through a Coordinator (bind() first)")
+        step = str(scope.step)
+        agents = self.agents
+        executors = [a for a in agents if f"executor-{a}" in names]
+        named = {self.world, TASK_LEDGER, PRIOR_INSPECTION, ADMISSION}
+        named.update(f"agent-{a}" for a in agents)
+        named.update(f"executor-{a}" for a in executors)
+        return ManifestBody(
+            checkpoint_id=scope.checkpoint_id,
+            source_scope=SourceScope(session_id=scope.session_id, epoch=scope.epoch, step=step),
+            episode_id=self.episode_id,
+            world_time=RationalNs(numerator=str(scope.step * self.step_ns), denominator="1"),
+            composition_digest=label_digest("composition", ",".join([self.world, *agents])),
+            port_map=[PortBinding(port_id=f"port-{a}", agent_id=a) for a in agents],
+            compatibility=Compatibility(
+                backend_digest=label_digest("code", self.code_version),
+                content_digest=label_digest("data", self.data_version),
+                patch_digest=label_digest("patch", "none"),
+                controller_digest=label_digest("controller", "lockstep"),
+                parser_digest=label_digest("parser", "none"),
+            ),
+            agents=[
+                AgentRecord(
+                    agent_id=a,
+                    profile_digest=label_digest("profile", a),
+                    dataset_digest=label_digest("data", self.data_version),
+                    model_version=self.model_version,
+                    plasticity_version="1",
+                    seed=self.seeds.get(a, 0),
+                    brain_ticks=step,
+                    remainder=RationalNs(numerator="0", denominator="1"),
+                    payload=f"agent-{a}",
+                )
+                for a in agents
+            ],
+            coordinator=CoordinatorState(
+                task_ledger=TASK_LEDGER if TASK_LEDGER in names else {},
+                prior_inspection=PRIOR_INSPECTION if PRIOR_INSPECTION in names else {},
+                executor_state=[
+                    ExecutorState(agent_id=a, payload=f"executor-{a}") for a in executors
+                ],
+                admission_state=ADMISSION if ADMISSION in names else None,
+                event_watermarks=EventWatermarks(last_source_step=step, issued=step),
+            ),
+            environment=EnvironmentRecord(worker_id=self.worker_id, payload=self.world),
+            helper_state=sorted(names - named),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"HostDescription(agents={list(self.agents)}, world={self.world!r}, "
+            f"model_version={self.model_version!r}, data_version={self.data_version!r}, "
+            f"code_version={self.code_version!r})"
+        )
