@@ -38,7 +38,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 
 from ._errors import UsageError
-from .ids import check_id
+from .ids import ID_MAX_LENGTH, check_id
 from .manifest import (
     AgentRecord,
     Compatibility,
@@ -90,7 +90,16 @@ class HostDescription:
         self.agents = tuple(check_id(agent) for agent in agents)
         if len(set(self.agents)) != len(self.agents):
             raise UsageError(f"agent ids repeat: {list(self.agents)}")
+        for agent in self.agents:  # its payload's name must be an Id too
+            if len(f"agent-{agent}") > ID_MAX_LENGTH:
+                raise UsageError(
+                    f"agent id {agent!r} is too long: 'agent-<id>' names its payload, "
+                    f"an Id of at most {ID_MAX_LENGTH} characters"
+                )
         self.world = check_id(world)
+        reserved = {TASK_LEDGER, PRIOR_INSPECTION, ADMISSION}
+        if world in reserved or world.startswith(("agent-", "executor-")):
+            raise UsageError(f"world {world!r} is a name the manifest gives another payload")
         for name, value in (("model_version", model_version), ("data_version", data_version),
                             ("code_version", code_version)):  # fmt: skip
             if not isinstance(value, str):

@@ -98,10 +98,14 @@ def test_missing_participants_are_refused_when_the_coordinator_is_made(tmp_path:
             FileStore(tmp_path), MemoryBus(), parts, session_id="sim",
             describe=HostDescription(agents=["a", "b"]),
         )  # fmt: skip
-    for bad in ({"agents": "ab"}, {"agents": ["a", "a"]}, {"seeds": {"z": 1}},
-                {"seeds": {"a": True}, "agents": ["a"]}, {"model_version": 2}):  # fmt: skip
+    bad_options: list[dict[str, Any]] = [
+        {"agents": "ab"}, {"agents": ["a", "a"]}, {"seeds": {"z": 1}},
+        {"seeds": {"a": True}, "agents": ["a"]}, {"model_version": 2},
+        {"agents": ["a" * 59]}, {"world": "agent-a"}, {"world": "task-ledger"},
+    ]  # fmt: skip
+    for bad in bad_options:
         with pytest.raises(UsageError):
-            HostDescription(**bad)  # type: ignore[arg-type]
+            HostDescription(**bad)
 
 
 @pytest.mark.asyncio
