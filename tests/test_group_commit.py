@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -328,3 +329,146 @@ def test_a_forked_child_commits_groups_of_its_own(tmp_path: Path) -> None:
         child.kill()
         pytest.fail("the forked child's commit group never finished")
     assert done.get(timeout=5) == ["CommitReceipt"] * 3
+
+
+@pytest.mark.parametrize("fails", ["member-fsync", "manifest-fsync"])
+def test_a_member_taking_an_id_another_members_rotation_drops_never_touches_it(
+    tmp_path: Path, fails: str
+) -> None:
+    """Session 1 lists ``shared-id``; in one group its next checkpoint would rotate
+    it away (keep=1) while session 2 commits the same id. Session 2 is refused
+    (the id is session 1's in the store as it is durably), so no rename ever lands
+    on session 1's listed file: whichever fsync then fails, the store verifies and
+    ``shared-id`` keeps session 1's bytes."""
+    from coordinator import DuplicateCheckpointError
+
+    fs = RecordingFS(keep_data=False)
+    with SyncStore(tmp_path, fs=fs, keep=1) as store:
+        store.commit_group([member(1, 1, checkpoint_id="shared-id")])
+        original = (tmp_path / "shared-id.flysess").read_bytes()
+        name = "tmp+ckpt-2" if fails == "member-fsync" else "tmp+manifest"
+        fs.rule = fail_nth("fsync", 1, errno.EIO, name)
+        outcomes = store.commit_group([member(2, 1), member(3, 2, checkpoint_id="shared-id")])
+        assert isinstance(outcomes[0], SyncError), outcomes
+        assert isinstance(outcomes[1], DuplicateCheckpointError), outcomes
+        assert listed(store) == ["shared-id"]
+    with SyncStore(tmp_path, read_only=True) as reopened:
+        assert reopened.verify().ok
+        assert [(g.checkpoint_id, g.session_id) for g in reopened.generations] == [
+            ("shared-id", "s1")
+        ]
+    assert (tmp_path / "shared-id.flysess").read_bytes() == original
+
+
+@pytest.mark.asyncio
+async def test_a_leader_cancelled_before_its_thread_starts_still_commits_its_group(
+    tmp_path: Path,
+) -> None:
+    """Session 1 leads a group that took session 2's waiting commit; session 1's
+    caller is cancelled at once. The group is still committed whole: session 2,
+    never cancelled, gets its receipt, and session 1's commit is durable too."""
+    async with FileStore(tmp_path) as store:
+        got: dict[int, Any] = {}
+        leader = anyio.CancelScope()
+
+        async def commit(session: int, scope: anyio.CancelScope) -> None:
+            manifest, payloads = checkpoint(session, session_id=f"s{session}", epoch=f"e{session}")
+            with scope:
+                got[session] = await store.commit(manifest, payloads)
+
+        async def cancel_leader() -> None:
+            leader.cancel()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(commit, 1, leader)
+            group.start_soon(commit, 2, anyio.CancelScope())
+            group.start_soon(cancel_leader)
+        assert 2 in got
+        assert sorted(listed(store)) == ["ckpt-1", "ckpt-2"]
+
+
+class CtrlCWhileSyncing(RecordingFS):
+    """Sends SIGINT to the main thread while every fsync of a group is in flight."""
+
+    def __init__(self, members: int) -> None:
+        super().__init__(keep_data=False)
+        self.armed = False
+        self.barrier = threading.Barrier(members)
+        self.main = threading.main_thread().ident
+
+    def fsync(self, fd: int) -> None:
+        if self.armed and threading.get_ident() != self.main:
+            if self.barrier.wait(timeout=5) == 0:
+                time.sleep(0.05)  # the main thread waits for the fsyncs now
+                assert self.main is not None
+                signal.pthread_kill(self.main, signal.SIGINT)
+            time.sleep(0.2)  # a slow disk
+        super().fsync(fd)
+
+
+def test_an_interrupt_while_a_groups_files_sync_leaves_no_file_behind(tmp_path: Path) -> None:
+    """Ctrl-C while the group's fsyncs run: the fsyncs finish, every file of the
+    group is unlinked (none was renamed), no descriptor leaks, nothing is listed,
+    and the store goes on committing."""
+    fs = CtrlCWhileSyncing(3)
+    with SyncStore(tmp_path, fs=fs) as store:
+        before = len(os.listdir("/proc/self/fd"))
+        fs.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            store.commit_group([member(i, i) for i in (1, 2, 3)])
+        fs.armed = False
+        assert len(os.listdir("/proc/self/fd")) == before
+        assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".flysess")]
+        store.commit_group([member(i, i) for i in (4, 5)])
+        assert listed(store) == ["ckpt-4", "ckpt-5"]
+
+
+def test_a_hung_disk_under_one_store_does_not_hold_another_stores_group(tmp_path: Path) -> None:
+    """Store A's fsyncs hang; store B, on another thread, still commits a group."""
+
+    class Hung(RecordingFS):
+        def __init__(self) -> None:
+            super().__init__(keep_data=False)
+            self.release = threading.Event()
+
+        def fsync(self, fd: int) -> None:
+            if self.paths[fd].endswith(".flysess"):
+                self.release.wait(30)
+            super().fsync(fd)
+
+    hung = Hung()
+    with SyncStore(tmp_path / "a", fs=hung) as a, SyncStore(tmp_path / "b") as b:
+        stuck = threading.Thread(target=a.commit_group, args=([member(i, i) for i in range(1, 9)],))
+        stuck.start()
+        try:
+            time.sleep(0.2)  # A's fsyncs are all waiting
+            done = threading.Event()
+            threading.Thread(
+                target=lambda: (b.commit_group([member(1, 1), member(2, 2)]), done.set())
+            ).start()
+            assert done.wait(10), "store B waited for store A's disk"
+        finally:
+            hung.release.set()
+            stuck.join()
+
+
+def test_a_lock_check_that_cannot_tell_fails_the_group_typed(tmp_path: Path) -> None:
+    """The lock check fails with EIO: each member gets a typed store error (not a
+    bare OSError), and nothing is listed."""
+
+    class LockCheckFails(RecordingFS):
+        broken = False
+
+        def same_file(self, fd: int, path: str) -> bool:
+            if self.broken:
+                raise OSError(errno.EIO, "Input/output error", path)
+            return super().same_file(fd, path)
+
+    fs = LockCheckFails(keep_data=False)
+    with SyncStore(tmp_path, fs=fs) as store:
+        fs.broken = True
+        outcomes = store.commit_group([member(1, 1), member(2, 2)])
+        assert [getattr(o, "code", None) for o in outcomes] == ["store.commit"] * 2, outcomes
+        assert listed(store) == []
+    with SyncStore(tmp_path, read_only=True) as reopened:
+        assert reopened.verify().ok

@@ -22,10 +22,10 @@ replaced, another writer may hold the new one, so the commit is refused.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import errno
 import os
+import threading
 import time
 from collections.abc import Generator, Iterable, Sequence
 
@@ -67,19 +67,8 @@ class UnsyncedFile(msgspec.Struct, frozen=True, kw_only=True):
     timings: dict[str, float] | None = None
 
 
+# At most this many fsyncs of one commit group in flight at once.
 _SYNC_THREADS = 8
-_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
-
-
-def _sync_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads a commit group's fsyncs run on: one pool per process (a child
-    made by ``fork`` has none of its parent's threads, so it gets its own)."""
-    global _pool  # noqa: PLW0603 (one pool, made on first use)
-    made = _pool
-    if made is None or made[0] != os.getpid():
-        made = (os.getpid(), concurrent.futures.ThreadPoolExecutor(_SYNC_THREADS))
-        _pool = made
-    return made[1]
 
 
 class UnlinkFailure(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,7 +95,13 @@ class CommitSequence:
         """Refuse to go on in a poisoned store, or one whose lock was taken away."""
         if self.poisoned is not None:
             raise StorePoisonedError(checkpoint_id, operation, self.path)
-        if self.lock_fd is not None and not self.fs.same_file(self.lock_fd, self.join(LOCK)):
+        if self.lock_fd is None:
+            return
+        try:
+            held = self.fs.same_file(self.lock_fd, self.join(LOCK))
+        except OSError as error:  # cannot tell: not safe to go on
+            raise commit_error(checkpoint_id, "lock", self.join(LOCK), error) from None
+        if not held:
             raise StoreLockedError(
                 self.path, f"{LOCK} was unlinked or replaced: another writer may hold it"
             )
@@ -191,26 +186,58 @@ class CommitSequence:
     def sync_files(self, files: Sequence[UnsyncedFile]) -> list[Exception | None]:
         """``sync_file`` for each, at once: concurrent fsyncs of small files share
         the file system's journal commits (here 0.1 ms a file with 8 at once,
-        against 0.29 ms one after another). Each file's error, or ``None``."""
+        against 0.29 ms one after another). Each file's error, or ``None``.
 
-        def sync(file: UnsyncedFile) -> Exception | None:
+        The threads are the group's own (a hung disk under one store never holds
+        another's fsyncs). An interrupt meanwhile (Ctrl-C in the calling thread)
+        waits for the fsyncs under way, then closes and unlinks every file."""
+        errors: list[Exception | None] = [None] * len(files)
+        taking = threading.Lock()
+        taken = 0  # files are taken in order, each by one thread
+        stopped = False
+
+        def sync(finished: threading.Event | None = None) -> None:
+            nonlocal taken
             try:
-                self.sync_file(file.checkpoint_id, file.path, file.fd, file.timings)
-            except Exception as error:
-                return error
-            return None
+                while True:
+                    with taking:
+                        if stopped or taken == len(files):
+                            return
+                        index, taken = taken, taken + 1
+                    file = files[index]
+                    try:
+                        self.sync_file(file.checkpoint_id, file.path, file.fd, file.timings)
+                    except Exception as error:
+                        errors[index] = error
+            finally:
+                if finished is not None:
+                    finished.set()
 
         if len(files) < 2:
-            return [sync(file) for file in files]
-        futures = [_sync_pool().submit(sync, file) for file in files]
+            sync()
+            return errors
+        # Waited for with events, not Thread.join: a join an interrupt cut short
+        # marks a running thread as stopped (CPython 3.11), so the next one returns.
+        finished: list[threading.Event] = []
         try:
-            return [future.result() for future in futures]
-        except BaseException:  # (an interrupt): every file still ends synced or gone
-            for future, file in zip(futures, files, strict=True):
-                if future.cancel():
-                    self.discard(file.fd, file.path)
-            concurrent.futures.wait(futures)
+            for _ in range(min(_SYNC_THREADS, len(files))):
+                done = threading.Event()
+                threading.Thread(target=sync, args=(done,), name="coordinator-fsync").start()
+                finished.append(done)
+            for done in finished:
+                done.wait()
+        except BaseException:
+            with taking:  # no thread takes another file from here on
+                stopped = True
+                untaken = range(taken, len(files))
+            for done in finished:
+                done.wait()
+            for index in untaken:  # never synced: still open
+                self.discard(files[index].fd, files[index].path)
+            for file in files:  # synced or not, none of them was renamed
+                self.unlink(file.path)
             raise
+        return errors
 
     def discard(self, fd: int, path: str) -> None:
         """Close and unlink a file that will not be committed."""

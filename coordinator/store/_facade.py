@@ -245,7 +245,10 @@ class FileStore:
         size = sum(waiting.size for waiting in group)
         run = run_in_bulk_thread if size >= BULK_BYTES else self._run
         try:
-            outcomes = await run(self.core.commit_group, [w.member for w in group])
+            # Taken commits are owed an outcome: the leader's own cancellation
+            # comes after (at its next await), never instead of the group.
+            with anyio.CancelScope(shield=True):
+                outcomes = await run(self.core.commit_group, [w.member for w in group])
         except BaseException as error:  # (a bug, or the store closed): each member learns it
             outcomes = [error] * len(group)
             raise

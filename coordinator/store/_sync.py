@@ -410,7 +410,12 @@ class SyncStore:
             for done in pending:
                 self._io.discard(done.file.fd, done.file.path)
             raise
-        written = self._sync_and_rename(pending, outcomes)
+        try:
+            written = self._sync_and_rename(pending, outcomes)
+        except BaseException:  # (an interrupt): the group's files, renamed or not, go
+            for done in pending:
+                self._io.unlink(done.path)
+            raise
         if len(written) < len(pending):  # a member failed its fsync or rename
             working = self._relisted(written)
         if written:
@@ -469,6 +474,10 @@ class SyncStore:
         scope = manifest.source_scope
         for value in (checkpoint_id, scope.session_id, scope.epoch):
             check_id(value)
+        # Against the store as it is durably too: a member that failed later must
+        # leave the others valid (an id an earlier member's rotation frees is still
+        # its session's until the group commits).
+        check_commit(self._manifest, scope.session_id, scope.epoch, checkpoint_id)
         check_commit(working, scope.session_id, scope.epoch, checkpoint_id)
         for name, data in payloads:
             if not is_owned(data):
@@ -492,8 +501,9 @@ class SyncStore:
             manifest_to_builtins(manifest), payloads, payloads_verified=member.payloads_verified
         )
         previous = working.lookup(checkpoint_id)
+        listed = {r.file for r in (previous, self._manifest.lookup(checkpoint_id)) if r}
         name = f"{checkpoint_id}{SUFFIX}"
-        if previous is not None and previous.file == name:
+        if name in listed:  # never renamed over a listed generation before the commit point
             name = f"{checkpoint_id}{ALTERNATE}{SUFFIX}"
         timings = {"plan": round((time.perf_counter() - started) * 1000, 3)}
         bulk = envelope_plan.size >= BULK_BYTES
@@ -561,7 +571,7 @@ class SyncStore:
             )
             working, dropped = with_generation(
                 working, done.record, self.keep, frozenset(self._pinned)
-            )
+            )  # (each member was checked against the durable manifest as well)
             done.dropped = tuple(dropped)
         return working
 
