@@ -1,36 +1,5 @@
-"""``HostDescription``: the manifest a host describes, from what it actually knows.
-
-A FLYSESS1 manifest has 14 required fields. A host decides only a few of them:
-
-- ``agents``: its agents' ids. Each needs a participant named ``agent-<id>``.
-- ``world``: the participant holding the world (default ``"world"``).
-- the versions that decide whether a checkpoint may be restored into it:
-  ``model_version`` (every agent's ``modelVersion``), ``data_version`` (the
-  ``contentDigest`` and every agent's ``datasetDigest``) and ``code_version``
-  (the ``backendDigest``), and each agent's ``seed`` (``seeds``, default 0).
-  ``restore`` compares all of them; a difference is ``IncompatibleStateError``.
-
-Everything else has a documented default that still makes a valid manifest:
-
-- ``episodeId``: ``episode_id`` (``"episode-1"``);
-- ``worldTime``: the step in nanoseconds (``step_ns`` per step, default 1);
-- ``compositionDigest``: from the world and agent names;
-- ``portMap``: ``port-<id>`` for each agent, in order;
-- ``compatibility``: the patch, controller and parser digests from fixed labels;
-- each agent's ``profileDigest`` from ``profile:<id>``, ``plasticityVersion``
-  ``"1"``, ``brainTicks`` the step and ``remainder`` 0;
-- ``coordinator.taskLedger`` and ``priorInspection``: the participant of that
-  name (``task-ledger``, ``prior-inspection``) if the host has one, else the
-  inline value ``{}``; ``executorState``: a row for each agent with an
-  ``executor-<id>`` participant; ``admissionState``: ``coordinator-admission``
-  if there is such a participant, else ``null``; the watermarks: the step;
-- ``environment``: ``worker_id`` (``"host"``) and the world participant;
-- ``helperState``: every other participant, sorted.
-
-A label becomes a digest as SHA-256 of ``<kind>:<label>`` (e.g. ``data:grid-256``).
-The coordinator binds a description to its participants when it is made, and
-refuses one whose participants are missing (``UsageError``).
-"""
+"""``HostDescription``: the manifest a host describes, from what it actually knows
+(the class says what a host states, and what every other field defaults to)."""
 
 from __future__ import annotations
 
@@ -38,7 +7,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 
 from ._errors import UsageError
-from .ids import ID_MAX_LENGTH, check_id
+from .ids import ID_MAX_LENGTH, U64_MAX, check_id
 from .manifest import (
     AgentRecord,
     Compatibility,
@@ -65,11 +34,59 @@ def label_digest(kind: str, label: str) -> str:
     return hashlib.sha256(f"{kind}:{label}".encode()).hexdigest()
 
 
+MAX_VERSION_LENGTH = 1024
+
+
+def _check_version(name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise UsageError(f"{name} is a string, not {type(value).__name__}")
+    if len(value) > MAX_VERSION_LENGTH:
+        raise UsageError(f"{name} is {len(value)} characters: at most {MAX_VERSION_LENGTH}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"{name} {value!r} has no UTF-8 form (a lone surrogate)") from None
+
+
 class HostDescription:
     """What a host states about its checkpoints; pass it as ``describe``::
 
-    describe = HostDescription(agents=["prey", "predator"], model_version="2")
-    Coordinator(store, bus, participants, session_id="s1", describe=describe)
+        describe = HostDescription(agents=["prey", "predator"], model_version="2")
+        Coordinator(store, bus, participants, session_id="s1", describe=describe)
+
+    A FLYSESS1 manifest has 14 required fields. A host decides only these:
+
+    - ``agents``: its agents' ids. Each needs a participant named ``agent-<id>``.
+    - ``world``: the participant holding the world (default ``"world"``).
+    - the versions that decide whether a checkpoint may be restored into it:
+      ``model_version`` (the ``controllerDigest`` and every agent's
+      ``modelVersion``), ``data_version`` (the ``contentDigest`` and every
+      agent's ``datasetDigest``), ``code_version`` (the ``backendDigest``), and
+      each agent's seed (``seeds``, default 0). ``restore`` compares them all:
+      a difference is ``IncompatibleStateError``. A version is a string of at
+      most 1024 characters with a UTF-8 form.
+
+    Every other field has a default that still makes a valid manifest:
+
+    - ``episodeId``: ``episode_id`` (``"episode-1"``);
+    - ``worldTime``: the step in nanoseconds (``step_ns`` per step, default 1);
+    - ``compositionDigest``: from the world and agent names;
+    - ``portMap``: ``port-<id>`` for each agent, in order;
+    - ``compatibility``: the patch and parser digests from fixed labels;
+    - each agent's ``profileDigest`` from ``profile:<id>``, ``plasticityVersion``
+      ``"1"``, ``brainTicks`` the step and ``remainder`` 0;
+    - ``coordinator.taskLedger`` and ``priorInspection``: the participant of that
+      name (``task-ledger``, ``prior-inspection``) if the host has one, else the
+      inline value ``{}``; ``executorState``: a row for each agent with an
+      ``executor-<id>`` participant; ``admissionState``:
+      ``coordinator-admission`` if there is such a participant, else ``null``;
+      the event watermarks: the step;
+    - ``environment``: ``worker_id`` (``"host"``) and the world participant;
+    - ``helperState``: every other participant, sorted.
+
+    A label becomes a digest as SHA-256 of ``<kind>:<label>`` (``data:grid-256``).
+    The coordinator binds a description to its participants when it is made,
+    and refuses one whose participants are missing (``UsageError``).
     """
 
     def __init__(
@@ -100,10 +117,10 @@ class HostDescription:
         reserved = {TASK_LEDGER, PRIOR_INSPECTION, ADMISSION}
         if world in reserved or world.startswith(("agent-", "executor-")):
             raise UsageError(f"world {world!r} is a name the manifest gives another payload")
-        for name, value in (("model_version", model_version), ("data_version", data_version),
-                            ("code_version", code_version)):  # fmt: skip
-            if not isinstance(value, str):
-                raise UsageError(f"{name} is a string, not {type(value).__name__}")
+        versions = {"model_version": model_version, "data_version": data_version,
+                    "code_version": code_version}  # fmt: skip
+        for name, value in versions.items():
+            _check_version(name, value)
         self.model_version = model_version
         self.data_version = data_version
         self.code_version = code_version
@@ -141,6 +158,11 @@ class HostDescription:
         if names is None:
             raise UsageError("a HostDescription is used through a Coordinator (bind() first)")
         step = str(scope.step)
+        world_time = scope.step * self.step_ns
+        if world_time > U64_MAX:
+            raise UsageError(
+                f"worldTime of step {scope.step} at {self.step_ns} ns a step is past U64"
+            )
         agents = self.agents
         executors = [a for a in agents if f"executor-{a}" in names]
         named = {self.world, TASK_LEDGER, PRIOR_INSPECTION, ADMISSION}
@@ -150,14 +172,14 @@ class HostDescription:
             checkpoint_id=scope.checkpoint_id,
             source_scope=SourceScope(session_id=scope.session_id, epoch=scope.epoch, step=step),
             episode_id=self.episode_id,
-            world_time=RationalNs(numerator=str(scope.step * self.step_ns), denominator="1"),
+            world_time=RationalNs(numerator=str(world_time), denominator="1"),
             composition_digest=label_digest("composition", ",".join([self.world, *agents])),
             port_map=[PortBinding(port_id=f"port-{a}", agent_id=a) for a in agents],
             compatibility=Compatibility(
                 backend_digest=label_digest("code", self.code_version),
                 content_digest=label_digest("data", self.data_version),
                 patch_digest=label_digest("patch", "none"),
-                controller_digest=label_digest("controller", "lockstep"),
+                controller_digest=label_digest("model", self.model_version),
                 parser_digest=label_digest("parser", "none"),
             ),
             agents=[

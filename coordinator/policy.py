@@ -11,8 +11,9 @@ after a capture was accepted, tells the policy with ``taken(step, now)``
 - ``every_seconds=T`` is due once T seconds have passed since the last capture
   taken (or since the first boundary the policy saw).
 - ``request()`` makes the next boundary due, once.
-- A step below the last one taken means the run went back (a restore):
-  the step rule then counts from there, so a run resumed at 80 is due at 100.
+- ``restored(step)`` says the run went back to ``step`` (the coordinator says it
+  after each restore): the step rule counts from there, so a run restored to 99
+  is due at 100 again. A step below the last one taken means the same.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ class CapturePolicy:
         if every is not None and step // every > self._covered // every:
             return True
         return self.every_seconds is not None and now - self._last_time >= self.every_seconds
+
+    def restored(self, step: int) -> None:
+        """The run went back to ``step`` (a restore): the step rule counts from
+        there, so the next multiple after it is due (``Coordinator.restore`` tells
+        its policy itself)."""
+        self._covered = step
 
     def taken(self, step: int, now: float) -> None:
         """A checkpoint was captured at this boundary: periods restart from here."""

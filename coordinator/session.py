@@ -79,7 +79,8 @@ from .artifacts import (
     release_off_loop,
 )
 from .bus import Bus
-from .events import Restored
+from .envelope import MAX_PAYLOADS
+from .events import Committed, Restored
 from .host import HostDescription
 from .identity import (
     Identity,
@@ -179,6 +180,10 @@ class Coordinator:
         names = [check_id(p.name) for p in participants]
         if len(set(names)) != len(names):
             raise UsageError(f"participant names repeat: {names}")
+        if len(names) > MAX_PAYLOADS:
+            raise UsageError(
+                f"{len(names)} participants: an envelope holds at most {MAX_PAYLOADS} payloads"
+            )
         self.store = store
         self.bus = bus
         self.participants = tuple(participants)
@@ -197,6 +202,7 @@ class Coordinator:
         self._hashing: anyio.CapacityLimiter | None = None
         self._fenced: CoordinatorError | None = None
         self._ids: set[str] = set()  # the checkpoint ids this coordinator reserved or used
+        self._at_step: dict[int, Ticket] = {}  # this epoch's latest capture of each step
         self._last_step: int | None = None  # the newest step captured in this epoch
         self._acted = False  # captured or restored in this run: a restore is a rollback
         self._open = False
@@ -310,13 +316,19 @@ class Coordinator:
 
     async def _final_capture(self, step: int) -> None:
         """The durable final checkpoint: it waits for the writer to have room. A
-        step this epoch captured already is not captured twice: the close drains
-        (and so commits) the capture it has."""
-        if f"{self.epoch}-{step}" in self._ids:
-            return
+        step this epoch captured already is captured again only if that capture
+        did not commit (under ``<epoch>-<step>.final``: ids are used once)."""
+        checkpoint_id = None
+        earlier = self._at_step.get(step)
+        if earlier is not None:
+            if isinstance(await earlier.wait(), Committed):
+                return
+            checkpoint_id = f"{self.epoch}-{step}.final"
         while True:
             try:
-                await self.capture(step, replaceable=False, closing=True)
+                await self.capture(
+                    step, replaceable=False, checkpoint_id=checkpoint_id, closing=True
+                )
                 return
             except WriterBusyError:
                 await self.writer.wait_for_room()
@@ -403,6 +415,7 @@ class Coordinator:
         # The store-wide claim ends with the job (a committed id is listed anyway).
         ticket.add_done_callback(lambda: self.store.release_checkpoint(checkpoint_id))
         self._last_step = max(step, self._last_step or 0)
+        self._at_step[step] = ticket
         self._acted = True
         return ticket
 
@@ -443,9 +456,10 @@ class Coordinator:
                         refusals.append(
                             UsageError(
                                 f"participant {participant.name!r} returned a "
-                                f"{type(data).__name__}: return bytes or a buffer (a numpy "
-                                "array, bytearray, memoryview...); nothing was queued and "
-                                f"epoch {scope.epoch} goes on"
+                                f"{type(data).__name__} that is no buffer a capture can "
+                                "take: return bytes or a buffer (a numpy array, bytearray, "
+                                f"memoryview...); nothing was queued and epoch {scope.epoch} "
+                                "goes on"
                             )
                         )
                         raise refusals[-1]
@@ -698,7 +712,16 @@ class Coordinator:
             step=int(record.boundary),
         )
         staged: list[tuple[Participant, Any]] = []
+        carried = stored.envelope.names
         for participant in self.participants:
+            if participant.name not in carried:
+                await self._abort(staged)
+                raise RestoreFailedError(
+                    participant.name,
+                    f"checkpoint {record.checkpoint_id} has no payload named "
+                    f"{participant.name!r} (it carries {list(carried)})",
+                    tuple(p.name for p, _ in staged),
+                )
             try:
                 token = await participant.stage_restore(stored.payload(participant.name), scope)
             except BaseException as error:
@@ -770,6 +793,9 @@ class Coordinator:
                 raise self._fenced from error
         self.epoch = new_epoch
         self._last_step = None
+        self._at_step.clear()
+        if self.policy is not None:  # its step rule counts from the restored boundary
+            self.policy.restored(int(record.boundary))
         self._acted = True
         self._fenced = None
         forked = session.epoch(new_epoch)
@@ -824,7 +850,7 @@ def _is_buffer(data: object) -> bool:
     """Whether ``data`` has the buffer protocol (what ``capture`` takes)."""
     try:
         memoryview(data).release()  # type: ignore[arg-type]
-    except TypeError:
+    except (TypeError, ValueError):  # (ValueError: a released view, a datetime64 array)
         return False
     return True
 

@@ -203,3 +203,124 @@ async def test_at_boundary_captures_at_the_multiples_and_waits_out_a_busy_writer
             FileStore(tmp_path), MemoryBus(), parts, session_id="x",
             describe=HostDescription(agents=["a", "b"]),
         ).at_boundary(1)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"model_version": "\ud800"},  # no UTF-8 form: it could never be written
+        {"data_version": "x" * 5000},  # a manifest readers would refuse
+        {"code_version": "\udfff"},
+    ],
+    ids=["surrogate", "huge", "code-surrogate"],
+)
+def test_versions_that_no_manifest_can_hold_are_refused_at_once(options: dict[str, Any]) -> None:
+    with pytest.raises(UsageError):
+        HostDescription(agents=["a"], **options)
+
+
+def test_more_participants_than_an_envelope_holds_are_refused_when_made(tmp_path: Path) -> None:
+    """An envelope holds 64 payloads: the 65th participant is a UsageError at once."""
+    agents = tuple(f"a{i}" for i in range(64))
+    with pytest.raises(UsageError, match="64"):
+        Coordinator(
+            FileStore(tmp_path), MemoryBus(), host(agents), session_id="sim",
+            describe=HostDescription(agents=agents),
+        )  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_a_world_time_past_u64_is_a_usage_error_that_does_not_fence(tmp_path: Path) -> None:
+    parts = host()
+    describe = HostDescription(agents=["a", "b"], step_ns=2)
+    async with FileStore(tmp_path) as store, coordinator(store, parts, describe=describe) as c:
+        with pytest.raises(UsageError, match="worldTime"):
+            await c.capture(2**64 - 1)
+        assert isinstance(await c.checkpoint(5), Committed)
+
+
+@pytest.mark.asyncio
+async def test_a_host_without_agents_still_compares_its_model_version(tmp_path: Path) -> None:
+    async with FileStore(tmp_path) as store:
+        solo = [Array("world", np.zeros(8))]
+        async with coordinator(store, solo, describe=HostDescription()) as first:
+            await first.checkpoint(10)
+        newer = HostDescription(model_version="2")
+        async with coordinator(store, [Array("world", np.zeros(8))], describe=newer) as second:
+            with pytest.raises(IncompatibleStateError):
+                await second.resume()
+
+
+@pytest.mark.asyncio
+async def test_a_restore_realigns_the_coordinators_policy(tmp_path: Path) -> None:
+    """Taken at 100, then restored to a checkpoint at 99: 100 is due again."""
+    parts = host()
+    policy = CapturePolicy(every_steps=25)
+    async with FileStore(tmp_path) as store, coordinator(store, parts, policy=policy) as c:
+        await c.checkpoint(99)
+        for step in (100, 101):
+            ticket = await c.at_boundary(step)
+            if ticket is not None:
+                await ticket.wait()
+        await c.restore(f"{c.epoch}-99", new_epoch=c.fresh_epoch())
+        ticket = await c.at_boundary(100)
+        assert ticket is not None and ticket.checkpoint_id.endswith("-100")
+
+
+@pytest.mark.asyncio
+async def test_buffers_memoryview_cannot_take_are_usage_errors_that_do_not_fence(
+    tmp_path: Path,
+) -> None:
+    parts = host()
+    released = memoryview(b"abc")
+    released.release()
+    async with FileStore(tmp_path) as store, coordinator(store, parts) as c:
+        for value in (np.zeros(4, dtype="datetime64[s]"), released):
+            parts[1].reply = value
+            with pytest.raises(UsageError):
+                await c.capture(1)
+        parts[1].reply = None
+        assert isinstance(await c.checkpoint(2), Committed)
+
+
+@pytest.mark.asyncio
+async def test_the_final_step_is_not_captured_twice_under_an_explicit_id(tmp_path: Path) -> None:
+    parts = host()
+    async with FileStore(tmp_path) as store:
+        async with coordinator(store, parts, final_step=lambda: 7) as c:
+            await c.checkpoint(7, checkpoint_id="mine-7")
+        assert [g.checkpoint_id for g in store.generations] == ["mine-7"]
+
+
+@pytest.mark.asyncio
+async def test_a_final_step_whose_capture_failed_is_captured_again(tmp_path: Path) -> None:
+    """The capture at the last step failed in the writer (a full disk, once): the
+    clean exit still leaves a durable checkpoint of that step, and reports the
+    failure."""
+    from fsmodel import RecordingFS, fail_nth
+
+    from coordinator import SaveFailedError
+
+    fs = RecordingFS(keep_data=False)
+    parts = host()
+    async with FileStore(tmp_path, fs=fs) as store:
+        with pytest.raises(SaveFailedError):
+            async with coordinator(store, parts, final_step=lambda: 20) as c:
+                await c.checkpoint(10)
+                fs.rule = fail_nth("write", 1, 28, ".flysess")  # ENOSPC
+                await c.checkpoint(20)
+                fs.rule = None
+        assert [g.boundary for g in store.generations][-1] == "20"
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_without_a_participants_payload_says_so(tmp_path: Path) -> None:
+    from coordinator import RestoreFailedError
+
+    async with FileStore(tmp_path) as store:
+        async with coordinator(store, host()) as first:
+            await first.checkpoint(1)
+        renamed = [*host(), Array("grid", np.zeros(8))]
+        async with coordinator(store, renamed) as second:
+            with pytest.raises(RestoreFailedError, match="no payload named 'grid'"):
+                await second.resume()
