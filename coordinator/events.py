@@ -205,6 +205,57 @@ def session_subjects(session_id: str | None, *, prefix: str = DEFAULT_PREFIX) ->
     return f"{prefix}.{subject_token(check_id(session_id))}.*"
 
 
+SCHEMA_DIALECT: Final = "https://json-schema.org/draft/2020-12/schema"
+# RFC 3339 in UTC with microseconds, as ``rfc3339_now`` writes it.
+TIME_PATTERN: Final = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z$"
+_ID = r"[a-z0-9][a-z0-9._-]{0,63}"
+
+
 def events_schema() -> dict[str, Any]:
-    """The JSON Schema of the event union (``docs/events.schema.json``)."""
-    return msgspec.json.schema(Event)
+    """The JSON Schema (2020-12) of the event union (``docs/events.schema.json``).
+
+    Portable by construction: a ``oneOf`` over the kinds, each fixing ``event``
+    with ``const``; only JSON Schema keywords; patterns in the subset ECMAScript,
+    RE2 and Python agree on (the Structs' own patterns also refuse a final
+    newline, with a lookahead only Python has: here a plain ``$``). Exactly as
+    strict as the wire: every field an event always carries is required, and a
+    phase not reached is absent from ``timings``, never ``null``."""
+    schema = msgspec.json.schema(Event)
+    definitions: dict[str, Any] = schema["$defs"]
+    kinds: tuple[type[Event], ...] = Event.__args__
+    for kind in kinds:
+        tag = event_name(kind)
+        variant = definitions[kind.__name__]
+        properties = variant["properties"]
+        properties["event"] = {"const": tag}
+        properties["time"] = {"type": "string", "pattern": TIME_PATTERN}
+        properties["eventId"] = {"type": "string", "pattern": f"^{_ID}:{_ID}:{_ID}:{tag}$"}
+        properties["seq"] = {"type": "integer", "minimum": 0}
+        variant["required"] = sorted(properties)  # (no event omits a field: no defaults)
+    for name in definitions["Timings"]["properties"]:
+        definitions["Timings"]["properties"][name] = {"type": "number", "minimum": 0}
+    definitions["Queued"]["properties"]["queueDepth"]["minimum"] = 0
+    definitions["Failed"]["properties"]["attempt"]["minimum"] = 1
+    refs = [{"$ref": f"#/$defs/{kind.__name__}"} for kind in kinds]
+    portable = {
+        "$schema": SCHEMA_DIALECT,
+        "title": "A coordinator save-state event",
+        "description": "One of the six events on <prefix>.<session token>.<event>; "
+        "see docs/events.md. Readers ignore fields they do not know.",
+        "oneOf": refs,
+        "$defs": definitions,
+    }
+    made: dict[str, Any] = _portable_patterns(portable)
+    return made
+
+
+def _portable_patterns(value: Any) -> Any:
+    """Every ``pattern`` without Python's end-of-string lookahead."""
+    if isinstance(value, dict):
+        return {
+            key: item.replace("$(?!\\n)", "$") if key == "pattern" else _portable_patterns(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_portable_patterns(item) for item in value]
+    return value

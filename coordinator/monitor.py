@@ -1,19 +1,31 @@
 """Save state as a pure fold of events: ``state = state.apply(event)``.
 
-Every subscriber, in any language, can rebuild the same view from the events
-alone: what is durable (the high water), what is in flight, what failed and
-why, what was superseded, and what a restore rolled back. Applying an event
-never changes the old state; it returns a new one. ``seq`` gaps (events a
-subscriber missed) are counted.
+It follows docs/events.md, "Folding events into save state", rule by rule: the
+rules any subscriber, in any language, implements to rebuild the same view from
+the events alone (what is durable, what is in flight, what failed and why, what
+was superseded, what a restore rolled back, and the ``seq`` numbers missed).
+``apply_message`` takes the raw JSON of a message, so kinds this version does
+not know still count in the sequence (rule 4). Applying never changes the old
+state; it returns a new one.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
-from .events import Captured, Committed, Event, Failed, Queued, Restored, Superseded
+from .events import (
+    EVENT_NAMES,
+    Captured,
+    Committed,
+    Event,
+    Failed,
+    Queued,
+    Restored,
+    Superseded,
+    decode_event,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -38,39 +50,79 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     restores: int = 0
     last_restore: str | None = None  # "<checkpoint> into <epoch> (<reason>; abandoned a-b)"
     last_seq: int = 0
-    gaps: int = 0
+    missing: frozenset[int] = frozenset()  # seqs skipped over and not seen yet (rule 3)
+    gaps: int = 0  # len(missing)
+    folded: tuple[str, ...] = ()  # the latest FOLDED_IDS eventIds folded (rule 2)
+    duplicates: int = 0
+
+
+FOLDED_IDS = 1024
 
 
 class SaveState(msgspec.Struct, frozen=True, kw_only=True):
     sessions: dict[str, SessionState] = msgspec.field(default_factory=dict)
+    skipped: int = 0  # messages that were not events (rule 1)
 
     def apply(self, event: Event) -> SaveState:
         """The state after ``event``; ``self`` is left as it was."""
-        before = self.sessions.get(event.session_id) or SessionState(session_id=event.session_id)
+        return self._with(event.session_id, event.seq, event.event_id, event)
+
+    def apply_message(self, data: bytes | str) -> SaveState:
+        """The state after one message as it came off the wire (rules 1-6): an event
+        of a kind this version does not know still counts in the sequence."""
+        try:
+            fields = msgspec.json.decode(data, type=_Envelope)
+        except msgspec.MsgspecError:
+            return msgspec.structs.replace(self, skipped=self.skipped + 1)
+        event: Event | None = None
+        if fields.event in EVENT_NAMES:
+            try:
+                event = decode_event(data.encode() if isinstance(data, str) else data)
+            except msgspec.MsgspecError:
+                return msgspec.structs.replace(self, skipped=self.skipped + 1)
+        return self._with(fields.session_id, fields.seq, fields.event_id, event)
+
+    def _with(self, session_id: str, seq: int, event_id: str, event: Event | None) -> SaveState:
+        before = self.sessions.get(session_id) or SessionState(session_id=session_id)
         sessions = dict(self.sessions)
-        sessions[event.session_id] = _fold(before, event)
-        return SaveState(sessions=sessions)
+        sessions[session_id] = _fold(before, seq, event_id, event)
+        return SaveState(sessions=sessions, skipped=self.skipped)
 
 
-def _fold(state: SessionState, event: Event) -> SessionState:
-    changes: dict[str, object] = {}
-    # Late: behind one already seen (the stream may hold a few events out of order
-    # after a connection drop). It fills a gap counted when the jump was seen.
-    late = 0 < event.seq < state.last_seq
+class _Envelope(msgspec.Struct, rename="camel"):
+    """The fields every event has, whatever its kind (rule 1)."""
+
+    event: str
+    session_id: str
+    event_id: str
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+
+
+def _fold(state: SessionState, seq: int, event_id: str, event: Event | None) -> SessionState:
+    if event_id in state.folded:  # rule 2: a re-publication
+        return msgspec.structs.replace(state, duplicates=state.duplicates + 1)
+    changes: dict[str, object] = {"folded": (*state.folded[-(FOLDED_IDS - 1) :], event_id)}
+    # Rule 3. Late: behind one already seen (the stream may hold a few events out
+    # of order after a connection drop); it fills the gap its number left.
+    late = 0 < seq < state.last_seq
+    missing = state.missing
     if late:
-        changes["gaps"] = max(0, state.gaps - 1)
-    elif event.seq > 0:  # seq 0: a reconciliation, outside any sequence
-        if state.last_seq and event.seq > state.last_seq + 1:
-            changes["gaps"] = state.gaps + (event.seq - state.last_seq - 1)
-        changes["last_seq"] = event.seq
-    if not late:
+        missing = missing - {seq}
+    elif seq > 0:  # seq 0: a re-announcement by an older version, outside the sequence
+        if state.last_seq and seq > state.last_seq + 1:
+            missing = missing | frozenset(range(state.last_seq + 1, seq))
+        changes["last_seq"] = seq
+    changes.update(missing=missing, gaps=len(missing))
+    if event is None:  # rule 4: a kind this version does not know
+        return msgspec.structs.replace(state, **changes)
+    if not late and seq > 0:
         changes["epoch"] = event.epoch
     open_ids = set(state.in_flight)
     # The high water moves to what a committed or restored event names only if it
     # comes after the event that set it: one stored late behind it, or a seq-0
     # re-announcement (outside the sequence), never moves it back. One stored
     # late behind other kinds of event still does.
-    newest = state.high_water is None or (event.seq > 0 and event.seq >= state.high_water_seq)
+    newest = state.high_water is None or (seq > 0 and seq >= state.high_water_seq)
     if isinstance(event, Restored):
         changes.update(restores=state.restores + 1, last_restore=_restore_text(event))
         if newest:  # the store's high water is the checkpoint restored now

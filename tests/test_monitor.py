@@ -51,8 +51,9 @@ def test_events_stored_out_of_order_fill_their_gap() -> None:
     for kind, seq in (("captured", 1), ("committed", 4)):  # 2 and 3 come later
         state = state.apply(make(kind, seq))
     assert state.sessions["session-1"].gaps == 2
-    for kind, seq in (("captured", 2), ("queued", 3)):
-        state = state.apply(make(kind, seq))
+    for kind, seq in (("captured", 2), ("queued", 3)):  # (events of another checkpoint)
+        late = msgspec.structs.replace(make(kind, seq), event_id=f"s:e:ckpt-6:{kind}")
+        state = state.apply(late)
     session = state.sessions["session-1"]
     assert session.gaps == 0 and session.last_seq == 4
     assert session.in_flight == frozenset()  # ckpt-7 committed at seq 4
