@@ -250,12 +250,17 @@ def events_schema() -> dict[str, Any]:
 
 
 def _portable_patterns(value: Any) -> Any:
-    """Every ``pattern`` without Python's end-of-string lookahead."""
+    """Every ``pattern`` without Python's end-of-string lookahead. Python's ``$``
+    also matches before a final newline (ECMAScript's and RE2's do not), so each
+    patterned string also refuses a newline with ``not``: the same verdict in all."""
     if isinstance(value, dict):
-        return {
+        made = {
             key: item.replace("$(?!\\n)", "$") if key == "pattern" else _portable_patterns(item)
             for key, item in value.items()
         }
+        if "pattern" in made:
+            made["not"] = {"type": "string", "pattern": "\\n"}
+        return made
     if isinstance(value, list):
         return [_portable_patterns(item) for item in value]
     return value

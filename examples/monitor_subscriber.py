@@ -3,7 +3,8 @@
     python examples/monitor_subscriber.py --nats nats://127.0.0.1:4222 [--session S] [--once]
 
 This program never imports ``coordinator``: it reads the wire format alone
-(docs/bus.md, docs/events.schema.json). It reads the durable state of each
+(docs/bus.md, docs/events.schema.json) and folds the events as docs/events.md
+("Folding events into save state") says, rule by rule. It reads the durable state of each
 session from the KV bucket CKPT_COMMITTED, replays the stream CKPT (subjects
 ``ckpt.<session>.<event>``) from the start with an ordered consumer, then
 follows it live. Every event prints one line with the session's folded state:
@@ -28,6 +29,7 @@ import nats.errors
 import nats.js.errors
 
 STREAM, BUCKET, PREFIX = "CKPT", "CKPT_COMMITTED", "ckpt"
+KINDS = ("captured", "queued", "superseded", "committed", "failed", "restored")
 
 
 def token(session: str) -> str:
@@ -47,19 +49,22 @@ class Session:
     restores: list[dict] = field(default_factory=list)  # what each restore installed, and lost
     last_seq: int = 0
     high_water_seq: int = 0  # the seq of the committed that set the high water
-    gaps: list[list[int]] = field(default_factory=list)  # [first, last] seqs missed
+    missing: set[int] = field(default_factory=set)  # seqs skipped over, not seen yet
 
     def apply(self, event: dict) -> str:
         """Fold one event in; returns a note for the line (a gap, a failure...)."""
         note, seq, kind, ckpt = "", event["seq"], event["event"], event["checkpointId"]
-        late = 0 < seq < self.last_seq  # stored after later ones (a connection drop)
+        late = 0 < seq < self.last_seq  # rule 3: stored after later ones (a connection drop)
         if late:
+            self.missing.discard(seq)
             note = f"  (late: seq {seq} after {self.last_seq})"
         elif seq > 0:  # seq 0: an older version's re-announcement, outside the sequence
             if self.last_seq and seq > self.last_seq + 1:
-                self.gaps.append([self.last_seq + 1, seq - 1])
+                self.missing.update(range(self.last_seq + 1, seq))
                 note = f"  GAP: missed seq {self.last_seq + 1}..{seq - 1}"
             self.last_seq = seq
+        if kind not in KINDS:  # rule 4: a newer kind of event; its seq counted, no more
+            return note + f"  (a kind this monitor does not know: {kind})"
         if kind == "captured":
             self.in_flight.add(ckpt)
         elif kind in ("superseded", "committed", "failed"):
@@ -97,8 +102,18 @@ class Session:
             "kv": self.kv, "highWater": self.high_water, "boundary": self.boundary,
             "inFlight": sorted(self.in_flight), "committed": self.committed,
             "superseded": self.superseded, "failed": self.failures, "restores": self.restores,
-            "lastSeq": self.last_seq, "gaps": self.gaps,
+            "lastSeq": self.last_seq, "gaps": self.gaps(),
         }  # fmt: skip
+
+    def gaps(self) -> list[list[int]]:
+        """The missed seqs as [first, last] ranges."""
+        ranges: list[list[int]] = []
+        for number in sorted(self.missing):
+            if ranges and ranges[-1][1] == number - 1:
+                ranges[-1][1] = number
+            else:
+                ranges.append([number, number])
+        return ranges
 
 
 async def read_durable(js, session: str | None) -> dict[str, dict]:
@@ -132,13 +147,11 @@ class Monitor:
         except (ValueError, KeyError, TypeError):
             print("skipped a message that is not an event")
             return
-        if event_id in self.seen:
+        if event_id in self.seen:  # rule 2: a re-publication
             self.duplicates += 1
             return
         self.seen.add(event_id)
-        if kind not in ("captured", "queued", "superseded", "committed", "failed", "restored"):
-            return  # a newer kind of event: ignore it, as the schema allows
-        self.events += 1
+        self.events += kind in KINDS
         state = self.sessions.setdefault(session_id, Session())
         note = state.apply(event)
         print(

@@ -1,0 +1,249 @@
+// Follow checkpoint saves over NATS with nothing but nats.js: no coordinator code.
+//
+//     npm install && node examples/monitor_subscriber.mjs --nats nats://127.0.0.1:4222 [--session S] [--once]
+//
+// It reads the wire format alone (docs/bus.md, docs/events.schema.json) and folds
+// the events as docs/events.md ("Folding events into save state") says, rule by
+// rule: the durable state of each session from the KV bucket CKPT_COMMITTED, then
+// the stream CKPT (subjects ckpt.<session token>.<event>) replayed from the start
+// with an ordered consumer, then followed live. Every event prints one line with
+// the session's folded state; a jump in seq is reported as a gap. --once exits
+// once the history is replayed and nothing new came for --idle seconds, printing
+// a final JSON summary line (the same one examples/monitor_subscriber.py prints).
+
+import { connect } from "nats";
+
+const STREAM = "CKPT";
+const BUCKET = "CKPT_COMMITTED";
+const PREFIX = "ckpt";
+const KINDS = new Set(["captured", "queued", "superseded", "committed", "failed", "restored"]);
+const FOLDED_IDS = 1024;
+const ID = /^[a-z0-9][a-z0-9._-]{0,63}$/;
+
+// A session id as one subject token and KV key: every '.' is written =2E.
+const token = (session) => session.replaceAll(".", "=2E");
+
+class Session {
+  constructor(kv = null) {
+    this.kv = kv; // the high water the KV bucket held when we started
+    this.highWater = null;
+    this.boundary = null;
+    this.highWaterSeq = 0;
+    this.inFlight = new Set();
+    this.queueDepth = 0;
+    this.committed = 0;
+    this.superseded = 0;
+    this.failures = [];
+    this.restores = [];
+    this.epoch = null;
+    this.lastSeq = 0;
+    this.missing = new Set();
+    this.folded = []; // the latest FOLDED_IDS eventIds
+  }
+
+  // Rules 2-6 of docs/events.md; returns a note for the line.
+  apply(event) {
+    const { seq, event: kind, checkpointId: ckpt } = event;
+    if (this.folded.includes(event.eventId)) return null; // rule 2: a re-publication
+    this.folded.push(event.eventId);
+    if (this.folded.length > FOLDED_IDS) this.folded.shift();
+    let note = "";
+    const late = seq > 0 && seq < this.lastSeq; // rule 3
+    if (late) {
+      this.missing.delete(seq);
+      note = `  (late: seq ${seq} after ${this.lastSeq})`;
+    } else if (seq > 0) {
+      if (this.lastSeq && seq > this.lastSeq + 1) {
+        for (let n = this.lastSeq + 1; n < seq; n++) this.missing.add(n);
+        note = `  GAP: missed seq ${this.lastSeq + 1}..${seq - 1}`;
+      }
+      this.lastSeq = seq;
+    }
+    if (!KINDS.has(kind)) return note + `  (a kind this monitor does not know: ${kind})`; // rule 4
+    if (!late && seq > 0) this.epoch = event.epoch; // rule 5
+    const newest = this.highWater === null || (seq > 0 && seq >= this.highWaterSeq);
+    if (kind === "captured") {
+      if (!late) this.inFlight.add(ckpt);
+    } else if (kind === "queued") {
+      if (!late) this.queueDepth = event.queueDepth;
+    } else if (kind === "restored") {
+      const lost = event.abandonedFrom === null ? null : [event.abandonedFrom, event.abandonedTo];
+      this.restores.push({
+        checkpointId: ckpt, epoch: event.epoch, reason: event.reason,
+        previousEpoch: event.previousEpoch, abandoned: lost,
+      });
+      if (newest) [this.highWater, this.boundary, this.highWaterSeq] = [ckpt, event.boundary, seq];
+      note += `  ${event.reason} into ${event.epoch}; abandoned ` +
+        (lost ? `${event.previousEpoch} steps ${lost[0]}-${lost[1]}` : "nothing");
+    } else {
+      this.inFlight.delete(ckpt);
+      if (kind === "committed") { // the only event that means saved
+        this.committed += 1;
+        if (newest) {
+          [this.highWater, this.boundary, this.highWaterSeq] = [event.highWater, event.boundary, seq];
+        }
+      } else if (kind === "superseded") {
+        this.superseded += 1;
+        note += `  by ${event.supersededBy}`;
+      } else {
+        this.failures.push({ checkpointId: ckpt, code: event.code });
+        note += `  ${event.code}: ${event.reason}`;
+      }
+    }
+    return note;
+  }
+
+  // The missed seqs as [first, last] ranges.
+  gaps() {
+    const ranges = [];
+    for (const n of [...this.missing].sort((a, b) => a - b)) {
+      const last = ranges.at(-1);
+      if (last && last[1] === n - 1) last[1] = n;
+      else ranges.push([n, n]);
+    }
+    return ranges;
+  }
+
+  summary() {
+    return {
+      kv: this.kv, highWater: this.highWater, boundary: this.boundary,
+      inFlight: [...this.inFlight].sort(), committed: this.committed,
+      superseded: this.superseded, failed: this.failures, restores: this.restores,
+      lastSeq: this.lastSeq, gaps: this.gaps(),
+    };
+  }
+}
+
+class Monitor {
+  constructor() {
+    this.sessions = new Map();
+    this.events = 0;
+    this.duplicates = 0;
+    this.skipped = 0;
+  }
+
+  receive(data) {
+    let event;
+    try {
+      event = JSON.parse(new TextDecoder().decode(data));
+    } catch {
+      event = null;
+    }
+    const fields = event && typeof event === "object" && typeof event.event === "string" &&
+      typeof event.sessionId === "string" && typeof event.eventId === "string" &&
+      Number.isInteger(event.seq) && event.seq >= 0;
+    if (!fields) { // rule 1
+      this.skipped += 1;
+      console.log("skipped a message that is not an event");
+      return;
+    }
+    if (!this.sessions.has(event.sessionId)) this.sessions.set(event.sessionId, new Session());
+    const state = this.sessions.get(event.sessionId);
+    const note = state.apply(event);
+    if (note === null) {
+      this.duplicates += 1;
+      return;
+    }
+    if (KINDS.has(event.event)) this.events += 1;
+    console.log(
+      `${event.sessionId.padEnd(12)} ${String(event.seq).padStart(5)} ${event.event.padEnd(10)} ` +
+      `${String(event.checkpointId).padEnd(14)} hw=${state.highWater}@${state.boundary} ` +
+      `in-flight=${state.inFlight.size} committed=${state.committed} ` +
+      `superseded=${state.superseded} failed=${state.failures.length}${note}`,
+    );
+  }
+
+  summary() {
+    const sessions = Object.fromEntries(
+      [...this.sessions.entries()].sort(([a], [b]) => (a < b ? -1 : 1))
+        .map(([name, state]) => [name, state.summary()]),
+    );
+    return JSON.stringify({ sessions, events: this.events, duplicates: this.duplicates });
+  }
+}
+
+// The latest committed event per session, from the KV bucket (key: the session's token).
+async function readDurable(js, session) {
+  let kv;
+  try {
+    kv = await js.views.kv(BUCKET, { bindOnly: true });
+  } catch {
+    return new Map();
+  }
+  const keys = [];
+  if (session) keys.push(token(session));
+  else for await (const key of await kv.keys()) if (!key.includes(".")) keys.push(key);
+  const durable = new Map();
+  for (const key of keys) {
+    const entry = await kv.get(key);
+    if (entry && entry.operation === "PUT") {
+      const event = JSON.parse(new TextDecoder().decode(entry.value));
+      durable.set(event.sessionId, event);
+    }
+  }
+  return durable;
+}
+
+function options(argv) {
+  const found = { nats: "nats://127.0.0.1:4222", session: null, once: false, idle: 1.0 };
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i];
+    if (arg === "--once") found.once = true;
+    else if (arg === "--nats") found.nats = argv[++i];
+    else if (arg === "--session") found.session = argv[++i];
+    else if (arg === "--idle") found.idle = Number(argv[++i]);
+    else throw new Error(`unknown argument ${arg}`);
+  }
+  return found;
+}
+
+async function main() {
+  const args = options(process.argv.slice(2));
+  if (args.session !== null && !ID.test(args.session)) {
+    console.log(`--session ${JSON.stringify(args.session)} is not a session id`);
+    return 2;
+  }
+  let nc;
+  try { // bounded: an unreachable server is one clear line
+    nc = await connect({ servers: args.nats, timeout: 3000, maxReconnectAttempts: 1 });
+  } catch (error) {
+    console.log(`cannot reach NATS at ${args.nats} (${error.code ?? error.message})`);
+    return 1;
+  }
+  const js = nc.jetstream();
+  const monitor = new Monitor();
+  for (const [session, event] of await readDurable(js, args.session)) {
+    monitor.sessions.set(session, new Session(event.highWater));
+    console.log(`durable  ${session}: ${event.highWater} (step ${event.boundary})`);
+  }
+  const subject = args.session ? `${PREFIX}.${token(args.session)}.*` : `${PREFIX}.>`;
+  let consumer;
+  try { // ordered, ephemeral: delivers everything from the start
+    consumer = await js.consumers.get(STREAM, { filterSubjects: [subject] });
+  } catch {
+    console.log(`no stream ${STREAM} on ${args.nats}: nothing has been published yet`);
+    await nc.close();
+    return 1;
+  }
+  const info = await consumer.info();
+  let replayed = info.num_pending === 0;
+  let announced = false;
+  for (;;) {
+    if (replayed && !args.once && !announced) {
+      console.log("-- history replayed; following live (Ctrl-C to stop) --");
+      announced = true;
+    }
+    const message = await consumer.next({ expires: Math.max(1000, args.idle * 1000) });
+    if (message === null) {
+      if (replayed && args.once) break; // replayed, and nothing came for `idle` seconds
+      continue;
+    }
+    monitor.receive(message.data);
+    replayed = replayed || message.info.pending === 0; // the history's last message
+  }
+  await nc.close();
+  console.log(monitor.summary());
+  return 0;
+}
+
+process.exitCode = await main();

@@ -1,0 +1,299 @@
+"""The event contract in any language (issue 17): one JSON Schema (2020-12) that
+Python's jsonschema, ajv in strict mode and RE2 all read the same way, exactly as
+strict as docs/events.md; every JSON example in the docs valid; and the fold the
+docs state in prose, followed alike by the library, the nats-py example and the
+nats.js example on one real stream."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import jsonschema
+import msgspec
+import nats
+import pytest
+import re2
+from test_examples import checkpoints_on_nats
+
+from coordinator.events import EVENT_NAMES, Event, events_schema
+from coordinator.monitor import SaveState
+from coordinator.server import EmbeddedServer
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+SCHEMA = json.loads((DOCS / "events.schema.json").read_text())
+VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
+AJV_CHECK = r"""
+import Ajv2020 from "ajv/dist/2020.js";
+import fs from "fs";
+const [schema, instances, patterns] = JSON.parse(fs.readFileSync(0, "utf8"));
+const ajv = new Ajv2020({ strict: true, allErrors: true });
+const validate = ajv.compile(schema);
+const verdicts = instances.map((instance) => validate(instance));
+const matches = patterns.map(([pattern, text]) => new RegExp(pattern, "u").test(text));
+console.log(JSON.stringify({ verdicts, matches }));
+"""
+# Keywords of JSON Schema 2020-12 (core, applicator, validation, meta-data).
+KEYWORDS = {
+    "$schema", "$id", "$ref", "$defs", "$comment", "title", "description", "type", "enum",
+    "const", "properties", "required", "items", "prefixItems", "oneOf", "anyOf", "allOf",
+    "pattern", "minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems",
+    "additionalProperties", "default", "examples", "if", "then", "else", "not",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def node() -> str:
+    """The node binary, with this repository's npm packages (ajv, nats) installed."""
+    binary, npm = shutil.which("node"), shutil.which("npm")
+    if binary is None or npm is None:
+        pytest.skip("node and npm are not installed here (CI has them)")
+    if not all((ROOT / "node_modules" / name).exists() for name in ("ajv", "nats")):
+        done = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+    return binary
+
+
+def run_node(node: str, script: str, stdin: Any) -> Any:
+    done = subprocess.run([node, "--input-type=module", "-e", script], cwd=ROOT,
+                          input=json.dumps(stdin), capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def wire(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every event a demo run published, as the stream holds it: all six kinds."""
+    folder = tmp_path_factory.mktemp("wire")
+
+    async def record() -> list[dict[str, Any]]:
+        async with EmbeddedServer(folder / "nats") as server:
+            demo = [sys.executable, "-m", "coordinator", "demo", "--nats", server.url]
+            await anyio.run_process(demo, check=True)
+            client = await nats.connect(server.url)
+            events = [json.loads(data) for data in await stream_messages(client)]
+            await client.close()
+            return events
+
+    events = anyio.run(record)
+    assert {event["event"] for event in events} == set(EVENT_NAMES)
+    return events
+
+
+async def stream_messages(client: Any) -> list[bytes]:
+    """Every message the CKPT stream holds, in order."""
+    js = client.jetstream()
+    count = (await js.stream_info("CKPT")).state.messages
+    sub = await js.subscribe("ckpt.>", stream="CKPT", ordered_consumer=True)
+    return [(await sub.next_msg(timeout=5)).data for _ in range(count)]
+
+
+def doc_examples() -> list[dict[str, Any]]:
+    """Every JSON block in docs/ that is an event."""
+    found = []
+    for page in sorted(DOCS.glob("*.md")):
+        for block in re.findall(r"```json\n(.*?)```", page.read_text(), re.S):
+            value = json.loads(block)
+            if isinstance(value, dict) and "event" in value:
+                found.append(value)
+    return found
+
+
+def mutations(event: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Ways to break an event that the prose says break it."""
+    broken = []
+    for field in event:
+        broken.append((f"without {field}", {k: v for k, v in event.items() if k != field}))
+    broken += [
+        ("timings null", {**event, "timings": {**event["timings"], "totalMs": None}}),
+        ("time not UTC", {**event, "time": event["time"].replace("Z", "+00:00")}),
+        ("eventId of another kind", {**event, "eventId": event["eventId"] + "x"}),
+        ("boundary a number", {**event, "boundary": int(event["boundary"])}),
+        ("sessionId with a newline", {**event, "sessionId": event["sessionId"] + "\n"}),
+        ("seq negative", {**event, "seq": -1}),
+    ]
+    if "envelopeDigest" in event:
+        abbreviated = event["envelopeDigest"][:8] + "..." + event["envelopeDigest"][-4:]
+        broken.append(("digest abbreviated", {**event, "envelopeDigest": abbreviated}))
+    return broken
+
+
+def test_the_schema_is_2020_12_with_json_schema_keywords_only() -> None:
+    assert SCHEMA["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert json.loads(json.dumps(events_schema())) == SCHEMA
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+    keys: set[str] = set()
+
+    def walk(value: Any, parent: str = "") -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if parent not in ("properties", "$defs"):
+                    keys.add(key)
+                walk(item, key)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item, parent)
+
+    walk(SCHEMA)
+    assert keys <= KEYWORDS, keys - KEYWORDS
+    tags = [SCHEMA["$defs"][ref["$ref"].rsplit("/", 1)[1]]["properties"]["event"]
+            for ref in SCHEMA["oneOf"]]  # fmt: skip
+    assert tags == [{"const": name} for name in EVENT_NAMES]
+
+
+def test_every_wire_event_is_valid_and_every_documented_break_is_not(
+    wire: list[dict[str, Any]],
+) -> None:
+    for event in wire:
+        VALIDATOR.validate(event)
+    for event in [next(e for e in wire if e["event"] == kind) for kind in EVENT_NAMES]:
+        for why, broken in mutations(event):
+            assert not VALIDATOR.is_valid(broken), (event["event"], why)
+
+
+def test_every_json_example_in_the_docs_is_valid() -> None:
+    examples = doc_examples()
+    assert {e["event"] for e in examples} >= {"committed", "restored"}
+    for example in examples:
+        VALIDATOR.validate(example)
+
+
+def patterns() -> list[str]:
+    found: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key == "pattern":
+                    found.add(item)
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(SCHEMA)
+    return sorted(found)
+
+
+SAMPLES = ["a", "run-1", "a" * 64, "a" * 65, "A", "-a", "a\n", "run.1_x-", "0", "01",
+           "18446744073709551615", "18446744073709551616", "f" * 64, "F" * 64, "",
+           "run-1:e1:e1-120:committed", "2026-12-01T05:05:37.085826Z",
+           "2026-12-01T05:05:37.085826+00:00", "x:y:z:restored\n"]  # fmt: skip
+
+
+def test_every_pattern_means_the_same_in_python_re2_and_ecmascript(node: str) -> None:
+    """RE2 compiles each pattern, and on the same strings Python's re, RE2 and
+    ECMAScript (node, with the 'u' flag ajv uses) give the same verdicts. Only a
+    final newline splits them (Python's ``$`` matches before it): every patterned
+    string also carries ``not: {pattern: "\\n"}``, so the schema refuses one in
+    all three (the mutations test checks that, under Python and ajv)."""
+    pairs = [(pattern, text) for pattern in patterns() if pattern != "\\n" for text in SAMPLES]
+    python = [re.search(pattern, text) is not None for pattern, text in pairs]
+    google = [re2.search(pattern, text) is not None for pattern, text in pairs]
+    ecmascript = run_node(node, AJV_CHECK, [SCHEMA, [], pairs])["matches"]
+    assert google == ecmascript
+    assert [p for p, (_, text) in zip(python, pairs, strict=True) if "\n" not in text] == [
+        e for e, (_, text) in zip(ecmascript, pairs, strict=True) if "\n" not in text
+    ]
+    assert not any(hit for (_, text), hit in zip(pairs, ecmascript, strict=True) if "\n" in text)
+
+
+def test_ajv_strict_compiles_the_schema_and_agrees_with_python(
+    node: str, wire: list[dict[str, Any]]
+) -> None:
+    instances: list[Any] = [*wire, *doc_examples()]
+    for kind in EVENT_NAMES:
+        first = next(e for e in wire if e["event"] == kind)
+        instances += [broken for _, broken in mutations(first)]
+    instances += [{"event": "replicated", "seq": 1}, [], "committed", None]
+    verdicts = run_node(node, AJV_CHECK, [SCHEMA, instances, []])["verdicts"]
+    assert verdicts == [VALIDATOR.is_valid(instance) for instance in instances]
+    assert sum(verdicts) == len(wire) + len(doc_examples())
+
+
+def test_the_prose_the_schema_and_the_structs_name_the_same_fields(
+    wire: list[dict[str, Any]],
+) -> None:
+    """docs/events.md's tables, the schema's properties (all required), the
+    Structs' fields and the events on the wire: field for field, per kind."""
+    prose = (DOCS / "events.md").read_text()
+    common_rows = re.search(r"Fields every event carries:\n\n(.*?)\n\n", prose, re.S)
+    assert common_rows is not None
+    common = set()
+    for row in common_rows.group(1).splitlines()[2:]:
+        common |= set(re.findall(r"`([a-zA-Z]+)`", row.split("|")[1]))
+    kinds_table = re.search(r"## The six events\n\n(.*?)\n\n", prose, re.S)
+    assert kinds_table is not None
+    for row in kinds_table.group(1).splitlines()[2:]:
+        cells = row.split("|")
+        kind = re.findall(r"`([a-z]+)`", cells[1])[0]
+        definition = SCHEMA["$defs"][kind.capitalize()]
+        properties = set(definition["properties"])
+        assert set(definition["required"]) == properties
+        own = properties - common
+        named = {name.split(":")[0] for name in re.findall(r"`([a-zA-Z]+(?::[^`]*)?)`", cells[3])}
+        assert own <= named, (kind, own - named)
+        struct = next(k for k in Event.__args__ if k.__name__.lower() == kind)  # type: ignore[attr-defined]
+        assert {f.encode_name for f in msgspec.structs.fields(struct)} | {"event"} == properties
+        for event in (e for e in wire if e["event"] == kind):
+            assert set(event) == properties, (kind, set(event) ^ properties)
+    assert common == set(SCHEMA["$defs"]["Committed"]["properties"]) - {
+        "generation",
+        "envelopeDigest",
+        "envelopeBytes",
+        "highWater",
+        "durable",
+    }
+
+
+@pytest.mark.asyncio
+async def test_the_three_folds_agree_on_one_stream(tmp_path: Path, node: str) -> None:
+    """The library (``SaveState.apply_message``), the nats-py example and the nats.js
+    example fold the same stream to the same state: with a missed event (a gap), a
+    re-published duplicate and an event of a kind none of them knows (its seq is
+    counted, not taken for a gap)."""
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        _, high_water, history, lost = await checkpoints_on_nats(server.url, tmp_path / "store")
+        client = await nats.connect(server.url)
+        js = client.jetstream()
+        last = history[-1]
+        duplicate = msgspec.json.encode(last)
+        await js.publish(f"ckpt.session-1.{type(last).__name__.lower()}", duplicate,
+                         headers={"Nats-Msg-Id": "another-publication"})  # fmt: skip
+        future = {"event": "replicated", "seq": last.seq + 1, "sessionId": "session-1",
+                  "eventId": "session-1:e:c:replicated", "checkpointId": "ckpt-6",
+                  "epoch": last.epoch}  # fmt: skip
+        await js.publish("ckpt.session-1.replicated", json.dumps(future).encode())
+        raw = await stream_messages(client)
+        await client.close()
+        outputs = []
+        for argv in ([sys.executable, str(ROOT / "examples" / "monitor_subscriber.py")],
+                     [node, str(ROOT / "examples" / "monitor_subscriber.mjs")]):  # fmt: skip
+            with anyio.fail_after(60):
+                done = await anyio.run_process(
+                    [*argv, "--nats", server.url, "--once", "--idle", "0.5"], check=False
+                )
+            assert done.returncode == 0, done.stderr.decode()[-2000:]
+            outputs.append(json.loads(done.stdout.decode().splitlines()[-1]))
+    python, javascript = outputs
+    assert python == javascript
+    state = SaveState()
+    for data in raw:
+        state = state.apply_message(data)
+    library = state.sessions["session-1"]
+    folded = python["sessions"]["session-1"]
+    lost_seq = json.loads(lost.data)["seq"]
+    assert folded["highWater"] == library.high_water == high_water
+    assert folded["lastSeq"] == library.last_seq == last.seq + 1
+    assert folded["gaps"] == [[lost_seq, lost_seq]] and library.missing == {lost_seq}
+    assert python["duplicates"] == library.duplicates == 1
+    assert folded["committed"] == library.committed and folded["superseded"] == library.superseded
