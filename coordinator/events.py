@@ -209,6 +209,9 @@ SCHEMA_DIALECT: Final = "https://json-schema.org/draft/2020-12/schema"
 # RFC 3339 in UTC with microseconds, as ``rfc3339_now`` writes it.
 TIME_PATTERN: Final = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z$"
 _ID = r"[a-z0-9][a-z0-9._-]{0,63}"
+# The largest seq a reader in any language holds exactly (JSON numbers are doubles there).
+MAX_SEQ: Final = 2**53 - 1
+MAX_TIMING_MS: Final = 1e12
 
 
 def events_schema() -> dict[str, Any]:
@@ -230,12 +233,17 @@ def events_schema() -> dict[str, Any]:
         properties["event"] = {"const": tag}
         properties["time"] = {"type": "string", "pattern": TIME_PATTERN}
         properties["eventId"] = {"type": "string", "pattern": f"^{_ID}:{_ID}:{_ID}:{tag}$"}
-        properties["seq"] = {"type": "integer", "minimum": 0}
-        variant["required"] = sorted(properties)  # (no event omits a field: no defaults)
+        properties["seq"] = {"type": "integer", "minimum": 0, "maximum": MAX_SEQ}
+    for name, definition in definitions.items():
+        definition.pop("additionalProperties", None)  # readers ignore unknown fields
+        if name != "Timings":  # every other field is always on the wire
+            definition["required"] = sorted(definition["properties"])
     for name in definitions["Timings"]["properties"]:
-        definitions["Timings"]["properties"][name] = {"type": "number", "minimum": 0}
+        definitions["Timings"]["properties"][name] = {
+            "type": "number", "minimum": 0, "maximum": MAX_TIMING_MS,
+        }  # fmt: skip
     definitions["Queued"]["properties"]["queueDepth"]["minimum"] = 0
-    definitions["Failed"]["properties"]["attempt"]["minimum"] = 1
+    definitions["Failed"]["properties"]["attempt"]["minimum"] = 0  # 0: never tried
     refs = [{"$ref": f"#/$defs/{kind.__name__}"} for kind in kinds]
     portable = {
         "$schema": SCHEMA_DIALECT,

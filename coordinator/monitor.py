@@ -51,12 +51,15 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     last_restore: str | None = None  # "<checkpoint> into <epoch> (<reason>; abandoned a-b)"
     last_seq: int = 0
     missing: frozenset[int] = frozenset()  # seqs skipped over and not seen yet (rule 3)
-    gaps: int = 0  # len(missing)
+    lost: int = 0  # seqs skipped beyond MAX_MISSING: counted, not kept
+    gaps: int = 0  # len(missing) + lost
     folded: tuple[str, ...] = ()  # the latest FOLDED_IDS eventIds folded (rule 2)
     duplicates: int = 0
 
 
 FOLDED_IDS = 1024
+MAX_MISSING = 4096  # the most missed seqs kept by number (rule 3)
+MAX_SEQ = 2**53 - 1  # the largest seq every language reads exactly (rule 1)
 
 
 class SaveState(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,14 +76,17 @@ class SaveState(msgspec.Struct, frozen=True, kw_only=True):
         try:
             fields = msgspec.json.decode(data, type=_Envelope)
         except msgspec.MsgspecError:
+            fields = None
+        seq = fields.seq if fields is not None else -1.0
+        if fields is None or isinstance(seq, bool) or not float(seq).is_integer():
             return msgspec.structs.replace(self, skipped=self.skipped + 1)
         event: Event | None = None
         if fields.event in EVENT_NAMES:
             try:
                 event = decode_event(data.encode() if isinstance(data, str) else data)
-            except msgspec.MsgspecError:
-                return msgspec.structs.replace(self, skipped=self.skipped + 1)
-        return self._with(fields.session_id, fields.seq, fields.event_id, event)
+            except msgspec.MsgspecError:  # its body does not fit its kind: rule 4's way
+                event = None
+        return self._with(fields.session_id, int(seq), fields.event_id, event)
 
     def _with(self, session_id: str, seq: int, event_id: str, event: Event | None) -> SaveState:
         before = self.sessions.get(session_id) or SessionState(session_id=session_id)
@@ -95,7 +101,10 @@ class _Envelope(msgspec.Struct, rename="camel"):
     event: str
     session_id: str
     event_id: str
-    seq: Annotated[int, msgspec.Meta(ge=0)]
+    seq: (
+        Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
+        | Annotated[float, msgspec.Meta(ge=0, le=MAX_SEQ)]
+    )  # (1.0 is the integer 1 in JSON)
 
 
 def _fold(state: SessionState, seq: int, event_id: str, event: Event | None) -> SessionState:
@@ -105,14 +114,20 @@ def _fold(state: SessionState, seq: int, event_id: str, event: Event | None) -> 
     # Rule 3. Late: behind one already seen (the stream may hold a few events out
     # of order after a connection drop); it fills the gap its number left.
     late = 0 < seq < state.last_seq
-    missing = state.missing
+    missing, lost = state.missing, state.lost
     if late:
         missing = missing - {seq}
     elif seq > 0:  # seq 0: a re-announcement by an older version, outside the sequence
         if state.last_seq and seq > state.last_seq + 1:
-            missing = missing | frozenset(range(state.last_seq + 1, seq))
+            skipped = range(max(state.last_seq + 1, seq - MAX_MISSING), seq)
+            lost += seq - state.last_seq - 1 - len(skipped)
+            missing = missing | frozenset(skipped)
+            if len(missing) > MAX_MISSING:  # keep the newest numbers: bounded memory
+                kept = frozenset(sorted(missing)[-MAX_MISSING:])
+                lost += len(missing) - len(kept)
+                missing = kept
         changes["last_seq"] = seq
-    changes.update(missing=missing, gaps=len(missing))
+    changes.update(missing=missing, lost=lost, gaps=len(missing) + lost)
     if event is None:  # rule 4: a kind this version does not know
         return msgspec.structs.replace(state, **changes)
     if not late and seq > 0:

@@ -18,7 +18,33 @@ const BUCKET = "CKPT_COMMITTED";
 const PREFIX = "ckpt";
 const KINDS = new Set(["captured", "queued", "superseded", "committed", "failed", "restored"]);
 const FOLDED_IDS = 1024;
+const MAX_MISSING = 4096;
+const MAX_SEQ = Number.MAX_SAFE_INTEGER; // 2**53 - 1
+
+// The fields the fold reads from each kind, and their form (rule 4: a body that
+// does not fit is folded like an unknown kind).
 const ID = /^[a-z0-9][a-z0-9._-]{0,63}$/;
+const U64 = /^(0|[1-9][0-9]{0,19})$/;
+const FORMS = {
+  id: (v) => typeof v === "string" && ID.test(v),
+  u64: (v) => typeof v === "string" && U64.test(v) && BigInt(v) < 2n ** 64n,
+  "u64?": (v) => v === null || FORMS.u64(v),
+  text: (v) => typeof v === "string",
+  count: (v) => Number.isInteger(v) && v >= 0,
+};
+const FIELDS = {
+  captured: { checkpointId: "id", epoch: "id" },
+  queued: { checkpointId: "id", epoch: "id", queueDepth: "count" },
+  superseded: { checkpointId: "id", epoch: "id", supersededBy: "id" },
+  committed: { checkpointId: "id", epoch: "id", highWater: "id", boundary: "u64" },
+  failed: { checkpointId: "id", epoch: "id", code: "text", reason: "text" },
+  restored: {
+    checkpointId: "id", epoch: "id", boundary: "u64", reason: "text",
+    previousEpoch: "id", abandonedFrom: "u64?", abandonedTo: "u64?",
+  },
+};
+const fits = (event) =>
+  Object.entries(FIELDS[event.event]).every(([name, form]) => FORMS[form](event[name]));
 
 // A session id as one subject token and KV key: every '.' is written =2E.
 const token = (session) => session.replaceAll(".", "=2E");
@@ -38,6 +64,7 @@ class Session {
     this.epoch = null;
     this.lastSeq = 0;
     this.missing = new Set();
+    this.lost = 0; // seqs skipped beyond MAX_MISSING: counted only
     this.folded = []; // the latest FOLDED_IDS eventIds
   }
 
@@ -54,12 +81,21 @@ class Session {
       note = `  (late: seq ${seq} after ${this.lastSeq})`;
     } else if (seq > 0) {
       if (this.lastSeq && seq > this.lastSeq + 1) {
-        for (let n = this.lastSeq + 1; n < seq; n++) this.missing.add(n);
+        const first = Math.max(this.lastSeq + 1, seq - MAX_MISSING);
+        this.lost += first - (this.lastSeq + 1);
+        for (let n = first; n < seq; n++) this.missing.add(n);
+        if (this.missing.size > MAX_MISSING) { // keep the newest: bounded memory
+          const kept = [...this.missing].sort((a, b) => a - b).slice(-MAX_MISSING);
+          this.lost += this.missing.size - kept.length;
+          this.missing = new Set(kept);
+        }
         note = `  GAP: missed seq ${this.lastSeq + 1}..${seq - 1}`;
       }
       this.lastSeq = seq;
     }
-    if (!KINDS.has(kind)) return note + `  (a kind this monitor does not know: ${kind})`; // rule 4
+    if (!KINDS.has(kind) || !fits(event)) { // rule 4: its seq counted, no more
+      return note + `  (a kind or body this monitor does not know: ${kind})`;
+    }
     if (!late && seq > 0) this.epoch = event.epoch; // rule 5
     const newest = this.highWater === null || (seq > 0 && seq >= this.highWaterSeq);
     if (kind === "captured") {
@@ -109,7 +145,7 @@ class Session {
       kv: this.kv, highWater: this.highWater, boundary: this.boundary,
       inFlight: [...this.inFlight].sort(), committed: this.committed,
       superseded: this.superseded, failed: this.failures, restores: this.restores,
-      lastSeq: this.lastSeq, gaps: this.gaps(),
+      lastSeq: this.lastSeq, gaps: this.gaps(), lost: this.lost,
     };
   }
 }
@@ -131,7 +167,7 @@ class Monitor {
     }
     const fields = event && typeof event === "object" && typeof event.event === "string" &&
       typeof event.sessionId === "string" && typeof event.eventId === "string" &&
-      Number.isInteger(event.seq) && event.seq >= 0;
+      Number.isInteger(event.seq) && event.seq >= 0 && event.seq <= MAX_SEQ;
     if (!fields) { // rule 1
       this.skipped += 1;
       console.log("skipped a message that is not an event");
@@ -147,7 +183,8 @@ class Monitor {
     if (KINDS.has(event.event)) this.events += 1;
     console.log(
       `${event.sessionId.padEnd(12)} ${String(event.seq).padStart(5)} ${event.event.padEnd(10)} ` +
-      `${String(event.checkpointId).padEnd(14)} hw=${state.highWater}@${state.boundary} ` +
+      `${(typeof event.checkpointId === "string" ? event.checkpointId : "-").padEnd(14)} ` +
+      `hw=${state.highWater}@${state.boundary} ` +
       `in-flight=${state.inFlight.size} committed=${state.committed} ` +
       `superseded=${state.superseded} failed=${state.failures.length}${note}`,
     );
@@ -176,8 +213,14 @@ async function readDurable(js, session) {
   const durable = new Map();
   for (const key of keys) {
     const entry = await kv.get(key);
-    if (entry && entry.operation === "PUT") {
-      const event = JSON.parse(new TextDecoder().decode(entry.value));
+    if (!entry || entry.operation !== "PUT") continue;
+    let event;
+    try {
+      event = JSON.parse(new TextDecoder().decode(entry.value));
+    } catch {
+      continue; // not an event: nothing durable to show for it
+    }
+    if (typeof event?.sessionId === "string" && typeof event?.highWater === "string") {
       durable.set(event.sessionId, event);
     }
   }

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import re
@@ -30,6 +31,7 @@ import nats.js.errors
 
 STREAM, BUCKET, PREFIX = "CKPT", "CKPT_COMMITTED", "ckpt"
 KINDS = ("captured", "queued", "superseded", "committed", "failed", "restored")
+FOLDED_IDS, MAX_MISSING, MAX_SEQ = 1024, 4096, 2**53 - 1
 
 
 def token(session: str) -> str:
@@ -50,23 +52,34 @@ class Session:
     last_seq: int = 0
     high_water_seq: int = 0  # the seq of the committed that set the high water
     missing: set[int] = field(default_factory=set)  # seqs skipped over, not seen yet
+    lost: int = 0  # seqs skipped beyond MAX_MISSING: counted only
+    folded: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=FOLDED_IDS)
+    )  # this session's latest eventIds (rule 2)
 
     def apply(self, event: dict) -> str:
         """Fold one event in; returns a note for the line (a gap, a failure...)."""
-        note, seq, kind, ckpt = "", event["seq"], event["event"], event["checkpointId"]
+        note, seq, kind, ckpt = "", event["seq"], event["event"], event.get("checkpointId")
         late = 0 < seq < self.last_seq  # rule 3: stored after later ones (a connection drop)
         if late:
             self.missing.discard(seq)
             note = f"  (late: seq {seq} after {self.last_seq})"
         elif seq > 0:  # seq 0: an older version's re-announcement, outside the sequence
             if self.last_seq and seq > self.last_seq + 1:
-                self.missing.update(range(self.last_seq + 1, seq))
+                skipped = range(max(self.last_seq + 1, seq - MAX_MISSING), seq)
+                self.lost += seq - self.last_seq - 1 - len(skipped)
+                self.missing.update(skipped)
+                if len(self.missing) > MAX_MISSING:  # keep the newest: bounded memory
+                    kept = set(sorted(self.missing)[-MAX_MISSING:])
+                    self.lost += len(self.missing) - len(kept)
+                    self.missing = kept
                 note = f"  GAP: missed seq {self.last_seq + 1}..{seq - 1}"
             self.last_seq = seq
-        if kind not in KINDS:  # rule 4: a newer kind of event; its seq counted, no more
-            return note + f"  (a kind this monitor does not know: {kind})"
+        if kind not in KINDS or not fits(event):  # rule 4: its seq counted, no more
+            return note + f"  (a kind or body this monitor does not know: {kind})"
         if kind == "captured":
-            self.in_flight.add(ckpt)
+            if not late:  # a late one may be over already
+                self.in_flight.add(ckpt)
         elif kind in ("superseded", "committed", "failed"):
             self.in_flight.discard(ckpt)
         # Only an event after the one that set the high water moves it: never back.
@@ -102,7 +115,7 @@ class Session:
             "kv": self.kv, "highWater": self.high_water, "boundary": self.boundary,
             "inFlight": sorted(self.in_flight), "committed": self.committed,
             "superseded": self.superseded, "failed": self.failures, "restores": self.restores,
-            "lastSeq": self.last_seq, "gaps": self.gaps(),
+            "lastSeq": self.last_seq, "gaps": self.gaps(), "lost": self.lost,
         }  # fmt: skip
 
     def gaps(self) -> list[list[int]]:
@@ -116,6 +129,32 @@ class Session:
         return ranges
 
 
+# The fields the fold reads from each kind, and their form (rule 4: a body that does
+# not fit is folded like an unknown kind).
+ID = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+U64 = re.compile(r"0|[1-9][0-9]{0,19}")
+FORMS = {
+    "id": lambda v: isinstance(v, str) and ID.fullmatch(v) is not None,
+    "u64": lambda v: isinstance(v, str) and U64.fullmatch(v) is not None and int(v) < 2**64,
+    "u64?": lambda v: v is None or FORMS["u64"](v),
+    "text": lambda v: isinstance(v, str),
+    "count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+}
+FIELDS = {
+    "captured": {"checkpointId": "id", "epoch": "id"},
+    "queued": {"checkpointId": "id", "epoch": "id", "queueDepth": "count"},
+    "superseded": {"checkpointId": "id", "epoch": "id", "supersededBy": "id"},
+    "committed": {"checkpointId": "id", "epoch": "id", "highWater": "id", "boundary": "u64"},
+    "failed": {"checkpointId": "id", "epoch": "id", "code": "text", "reason": "text"},
+    "restored": {"checkpointId": "id", "epoch": "id", "boundary": "u64", "reason": "text",
+                 "previousEpoch": "id", "abandonedFrom": "u64?", "abandonedTo": "u64?"},
+}  # fmt: skip
+
+
+def fits(event: dict) -> bool:
+    return all(FORMS[form](event.get(name)) for name, form in FIELDS[event["event"]].items())
+
+
 async def read_durable(js, session: str | None) -> dict[str, dict]:
     """The latest ``committed`` event per session, from the KV bucket (key: the
     session's token)."""
@@ -127,16 +166,16 @@ async def read_durable(js, session: str | None) -> dict[str, dict]:
         return {}
     durable = {}
     for key in keys:
-        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError, ValueError, TypeError):
             event = json.loads((await kv.get(key)).value)
-            durable[event["sessionId"]] = event
+            if isinstance(event.get("sessionId"), str) and isinstance(event.get("highWater"), str):
+                durable[event["sessionId"]] = event
     return durable
 
 
 @dataclass
 class Monitor:
     sessions: dict[str, Session] = field(default_factory=dict)
-    seen: set[str] = field(default_factory=set)  # eventIds: a re-publication is the same event
     events: int = 0
     duplicates: int = 0
 
@@ -144,18 +183,26 @@ class Monitor:
         try:
             event = json.loads(data)
             kind, session_id, event_id = event["event"], event["sessionId"], event["eventId"]
+            seq = event["seq"]
         except (ValueError, KeyError, TypeError):
+            event = None
+        texts = event is not None and all(isinstance(v, str) for v in (kind, session_id, event_id))
+        number = event is not None and isinstance(seq, int | float) and not isinstance(seq, bool)
+        if not (texts and number and float(seq).is_integer() and 0 <= seq <= MAX_SEQ):  # rule 1
             print("skipped a message that is not an event")
             return
-        if event_id in self.seen:  # rule 2: a re-publication
+        event["seq"] = int(seq)
+        state = self.sessions.setdefault(session_id, Session())
+        if event_id in state.folded:  # rule 2: a re-publication
             self.duplicates += 1
             return
-        self.seen.add(event_id)
+        state.folded.append(event_id)
         self.events += kind in KINDS
-        state = self.sessions.setdefault(session_id, Session())
         note = state.apply(event)
+        ckpt = event.get("checkpointId")
+        shown = ckpt if isinstance(ckpt, str) else "-"
         print(
-            f"{session_id:12} {event['seq']:5} {kind:10} {event['checkpointId']:14} "
+            f"{session_id:12} {event['seq']:5} {kind:10} {shown:14} "
             f"hw={state.high_water}@{state.boundary} in-flight={len(state.in_flight)} "
             f"committed={state.committed} superseded={state.superseded} "
             f"failed={len(state.failures)}{note}",

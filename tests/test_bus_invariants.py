@@ -293,15 +293,21 @@ def test_a_late_committed_never_moves_the_high_water_back() -> None:
     def committed(checkpoint: str, seq: int) -> Committed:
         event = make("committed", seq)
         assert isinstance(event, Committed)
-        return msgspec.structs.replace(event, checkpoint_id=checkpoint, high_water=checkpoint)
+        return msgspec.structs.replace(
+            event, checkpoint_id=checkpoint, high_water=checkpoint,
+            event_id=event_id("session-1", "epoch-1", checkpoint, "committed"),
+        )  # fmt: skip
 
     state = SaveState()
     for event in (committed("ckpt-1", 1), committed("ckpt-3", 3), committed("ckpt-2", 2)):
         state = state.apply(event)
     assert state.sessions["session-1"].high_water == "ckpt-3"
-    state = state.apply(committed("ckpt-1", 0))  # an older one announced again
+    state = state.apply(committed("ckpt-0", 0))  # an older one announced again (seq 0)
     assert state.sessions["session-1"].high_water == "ckpt-3"
     assert state.sessions["session-1"].committed == 4
+    state = state.apply(committed("ckpt-1", 0))  # one folded already: a duplicate (rule 2)
+    assert state.sessions["session-1"].committed == 4
+    assert state.sessions["session-1"].duplicates == 1
 
 
 # --- the attack round's breaks ---------------------------------------------------------------

@@ -273,6 +273,13 @@ async def test_the_three_folds_agree_on_one_stream(tmp_path: Path, node: str) ->
                   "eventId": "session-1:e:c:replicated", "checkpointId": "ckpt-6",
                   "epoch": last.epoch}  # fmt: skip
         await js.publish("ckpt.session-1.replicated", json.dumps(future).encode())
+        bad_body = {**json.loads(duplicate), "seq": last.seq + 2, "checkpointId": "C1-UPPER",
+                    "eventId": "session-1:e:C1-UPPER:committed"}  # fmt: skip
+        hostile = [b"not json", b"[]", b'{"event":"captured","seq":"5"}',
+                   b'{"event":"captured","seq":true,"sessionId":"session-1","eventId":"x"}',
+                   json.dumps(bad_body).encode()]  # fmt: skip
+        for index, data in enumerate(hostile):
+            await js.publish("ckpt.session-1.captured", data, headers={"Nats-Msg-Id": f"h{index}"})
         raw = await stream_messages(client)
         await client.close()
         outputs = []
@@ -293,7 +300,33 @@ async def test_the_three_folds_agree_on_one_stream(tmp_path: Path, node: str) ->
     folded = python["sessions"]["session-1"]
     lost_seq = json.loads(lost.data)["seq"]
     assert folded["highWater"] == library.high_water == high_water
-    assert folded["lastSeq"] == library.last_seq == last.seq + 1
+    assert folded["lastSeq"] == library.last_seq == last.seq + 2  # the bad body's seq counts
+    assert state.skipped == 4
     assert folded["gaps"] == [[lost_seq, lost_seq]] and library.missing == {lost_seq}
     assert python["duplicates"] == library.duplicates == 1
     assert folded["committed"] == library.committed and folded["superseded"] == library.superseded
+
+
+def test_a_huge_jump_in_seq_keeps_memory_bounded() -> None:
+    """seq 1, then 10**12: the fold keeps the newest 4096 missing numbers and
+    counts the rest, instead of allocating a trillion."""
+
+    def event(seq: int) -> bytes:
+        return json.dumps({"event": "captured", "seq": seq, "sessionId": "s",
+                           "eventId": f"s:e:c{seq}:captured", "checkpointId": f"c{seq}",
+                           "epoch": "e"}).encode()  # fmt: skip
+
+    state = SaveState().apply_message(event(1)).apply_message(event(10**12))
+    session = state.sessions["s"]
+    assert len(session.missing) == 4096 and session.gaps == 10**12 - 2
+    assert max(session.missing) == 10**12 - 1
+
+
+def test_an_event_our_writer_emits_for_a_job_it_never_tried_is_valid() -> None:
+    """A job the writer dropped at close, never attempted: ``attempt`` 0."""
+    from test_events import make
+
+    from coordinator.events import encode_event
+
+    failed = msgspec.structs.replace(make("failed", 3), attempt=0)
+    VALIDATOR.validate(json.loads(encode_event(failed)))
