@@ -330,3 +330,27 @@ def test_an_event_our_writer_emits_for_a_job_it_never_tried_is_valid() -> None:
 
     failed = msgspec.structs.replace(make("failed", 3), attempt=0)
     VALIDATOR.validate(json.loads(encode_event(failed)))
+
+
+@pytest.mark.asyncio
+async def test_the_node_example_follows_a_demo_like_the_python_one(
+    tmp_path: Path, node: str
+) -> None:
+    """examples/monitor_subscriber.mjs (nats.js only) replays a `coordinator demo`
+    run from a real nats-server and ends with the Python example's summary."""
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        demo = [sys.executable, "-m", "coordinator", "demo", "--nats", server.url]
+        await anyio.run_process(demo, check=True)
+        outputs = []
+        for argv in ([sys.executable, str(ROOT / "examples" / "monitor_subscriber.py")],
+                     [node, str(ROOT / "examples" / "monitor_subscriber.mjs")]):  # fmt: skip
+            with anyio.fail_after(60):
+                done = await anyio.run_process(
+                    [*argv, "--nats", server.url, "--once", "--idle", "0.5"], check=False
+                )
+            assert done.returncode == 0, done.stderr.decode()[-2000:]
+            outputs.append(json.loads(done.stdout.decode().splitlines()[-1]))
+    python, javascript = outputs
+    assert python == javascript
+    (session,) = python["sessions"].values()
+    assert session["restores"] and session["committed"] > 0 and session["failed"]
