@@ -11,21 +11,20 @@ state; it returns a new one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
 from .events import (
     EVENT_NAMES,
-    Captured,
     Committed,
     Event,
     Failed,
     Queued,
     Restored,
-    Superseded,
-    decode_event,
+    Timings,
 )
+from .ids import U64, Id
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -72,7 +71,8 @@ class SaveState(msgspec.Struct, frozen=True, kw_only=True):
 
     def apply_message(self, data: bytes | str) -> SaveState:
         """The state after one message as it came off the wire (rules 1-6): an event
-        of a kind this version does not know still counts in the sequence."""
+        of a kind this version does not know, or whose fields the fold reads do not
+        fit its kind, still counts in the sequence (rule 4)."""
         try:
             fields = msgspec.json.decode(data, type=_Envelope)
         except msgspec.MsgspecError:
@@ -80,15 +80,17 @@ class SaveState(msgspec.Struct, frozen=True, kw_only=True):
         seq = fields.seq if fields is not None else -1.0
         if fields is None or isinstance(seq, bool) or not float(seq).is_integer():
             return msgspec.structs.replace(self, skipped=self.skipped + 1)
-        event: Event | None = None
+        read: _Read | None = None
         if fields.event in EVENT_NAMES:
             try:
-                event = decode_event(data.encode() if isinstance(data, str) else data)
-            except msgspec.MsgspecError:  # its body does not fit its kind: rule 4's way
-                event = None
-        return self._with(fields.session_id, int(seq), fields.event_id, event)
+                read = _READ.decode(data)
+            except msgspec.MsgspecError:  # rule 4: its body does not fit its kind
+                read = None
+        return self._with(fields.session_id, int(seq), fields.event_id, read)
 
-    def _with(self, session_id: str, seq: int, event_id: str, event: Event | None) -> SaveState:
+    def _with(
+        self, session_id: str, seq: int, event_id: str, event: Event | _Read | None
+    ) -> SaveState:
         before = self.sessions.get(session_id) or SessionState(session_id=session_id)
         sessions = dict(self.sessions)
         sessions[session_id] = _fold(before, seq, event_id, event)
@@ -107,7 +109,58 @@ class _Envelope(msgspec.Struct, rename="camel"):
     )  # (1.0 is the integer 1 in JSON)
 
 
-def _fold(state: SessionState, seq: int, event_id: str, event: Event | None) -> SessionState:
+class _Read(msgspec.Struct, frozen=True, kw_only=True, rename="camel", tag_field="event"):
+    """The fields rule 6 reads from an event of a known kind, and nothing else:
+    a field the fold does not read (``time``, a digest) never makes it rule 4."""
+
+    checkpoint_id: Id
+    epoch: Id
+
+
+class _ReadCaptured(_Read, frozen=True, kw_only=True, tag="captured"):
+    pass
+
+
+class _ReadQueued(_Read, frozen=True, kw_only=True, tag="queued"):
+    queue_depth: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _ReadSuperseded(_Read, frozen=True, kw_only=True, tag="superseded"):
+    superseded_by: Id
+
+
+class _ReadCommitted(_Read, frozen=True, kw_only=True, tag="committed"):
+    high_water: Id
+    boundary: U64
+    timings: Any = None  # read for the last commit's latency when it is a Timings
+    envelope_bytes: Any = None
+
+
+class _ReadFailed(_Read, frozen=True, kw_only=True, tag="failed"):
+    code: str
+    reason: str
+
+
+class _ReadRestored(_Read, frozen=True, kw_only=True, tag="restored"):
+    boundary: U64
+    reason: str
+    previous_epoch: Id
+    abandoned_from: U64 | None
+    abandoned_to: U64 | None
+
+
+_READ = msgspec.json.Decoder(
+    _ReadCaptured | _ReadQueued | _ReadSuperseded | _ReadCommitted | _ReadFailed | _ReadRestored
+)
+
+
+def _kind(event: Event | _Read) -> str:
+    return str(type(event).__struct_config__.tag)
+
+
+def _fold(
+    state: SessionState, seq: int, event_id: str, event: Event | _Read | None
+) -> SessionState:
     if event_id in state.folded:  # rule 2: a re-publication
         return msgspec.structs.replace(state, duplicates=state.duplicates + 1)
     changes: dict[str, object] = {"folded": (*state.folded[-(FOLDED_IDS - 1) :], event_id)}
@@ -138,41 +191,53 @@ def _fold(state: SessionState, seq: int, event_id: str, event: Event | None) -> 
     # re-announcement (outside the sequence), never moves it back. One stored
     # late behind other kinds of event still does.
     newest = state.high_water is None or (seq > 0 and seq >= state.high_water_seq)
-    if isinstance(event, Restored):
+    kind = _kind(event)
+    if isinstance(event, Restored | _ReadRestored):
         changes.update(restores=state.restores + 1, last_restore=_restore_text(event))
         if newest:  # the store's high water is the checkpoint restored now
             changes.update(
                 high_water=event.checkpoint_id,
                 high_water_boundary=event.boundary,
-                high_water_seq=event.seq,
+                high_water_seq=seq,
             )
-    elif isinstance(event, Captured):
+    elif kind == "captured":
         if not late:  # a late one may already be over
             open_ids.add(event.checkpoint_id)
-    elif isinstance(event, Queued):
+    elif isinstance(event, Queued | _ReadQueued):
         if not late:
             changes["queue_depth"] = event.queue_depth
     else:
         open_ids.discard(event.checkpoint_id)
-        if isinstance(event, Committed):
+        if isinstance(event, Committed | _ReadCommitted):
             changes["committed"] = state.committed + 1
             if newest:
                 changes.update(
                     high_water=event.high_water,
                     high_water_boundary=event.boundary,
-                    high_water_seq=event.seq,
-                    last_committed_ms=event.timings.total_ms,
-                    last_committed_bytes=int(event.envelope_bytes),
+                    high_water_seq=seq,
+                    last_committed_ms=_total_ms(event.timings),
+                    last_committed_bytes=_count(event.envelope_bytes),
                 )
-        elif isinstance(event, Superseded):
+        elif kind == "superseded":
             changes["superseded"] = state.superseded + 1
-        elif isinstance(event, Failed):
+        elif isinstance(event, Failed | _ReadFailed):
             changes.update(failed=state.failed + 1, last_failure=f"{event.code}: {event.reason}")
     changes["in_flight"] = frozenset(open_ids)
     return msgspec.structs.replace(state, **changes)
 
 
-def _restore_text(event: Restored) -> str:
+def _total_ms(timings: object) -> float | None:
+    total = timings.total_ms if isinstance(timings, Timings) else None
+    if isinstance(timings, dict):
+        total = timings.get("totalMs")
+    return float(total) if isinstance(total, int | float) and not isinstance(total, bool) else None
+
+
+def _count(value: object) -> int | None:
+    return int(value) if isinstance(value, str) and value.isdigit() else None
+
+
+def _restore_text(event: Restored | _ReadRestored) -> str:
     if event.abandoned_from is None:
         lost = "nothing abandoned"
     else:

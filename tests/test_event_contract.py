@@ -275,9 +275,12 @@ async def test_the_three_folds_agree_on_one_stream(tmp_path: Path, node: str) ->
         await js.publish("ckpt.session-1.replicated", json.dumps(future).encode())
         bad_body = {**json.loads(duplicate), "seq": last.seq + 2, "checkpointId": "C1-UPPER",
                     "eventId": "session-1:e:C1-UPPER:committed"}  # fmt: skip
+        odd_time = {**json.loads(duplicate), "seq": last.seq + 3, "time": "yesterday",
+                    "checkpointId": "ckpt-9", "highWater": "ckpt-9",
+                    "eventId": "session-1:e:ckpt-9:committed"}  # fmt: skip
         hostile = [b"not json", b"[]", b'{"event":"captured","seq":"5"}',
                    b'{"event":"captured","seq":true,"sessionId":"session-1","eventId":"x"}',
-                   json.dumps(bad_body).encode()]  # fmt: skip
+                   json.dumps(bad_body).encode(), json.dumps(odd_time).encode()]  # fmt: skip
         for index, data in enumerate(hostile):
             await js.publish("ckpt.session-1.captured", data, headers={"Nats-Msg-Id": f"h{index}"})
         raw = await stream_messages(client)
@@ -299,8 +302,9 @@ async def test_the_three_folds_agree_on_one_stream(tmp_path: Path, node: str) ->
     library = state.sessions["session-1"]
     folded = python["sessions"]["session-1"]
     lost_seq = json.loads(lost.data)["seq"]
-    assert folded["highWater"] == library.high_water == high_water
-    assert folded["lastSeq"] == library.last_seq == last.seq + 2  # the bad body's seq counts
+    # A field the fold does not read (time) never makes a committed rule 4.
+    assert folded["highWater"] == library.high_water == "ckpt-9" != high_water
+    assert folded["lastSeq"] == library.last_seq == last.seq + 3  # the bad body's seq counts
     assert state.skipped == 4
     assert folded["gaps"] == [[lost_seq, lost_seq]] and library.missing == {lost_seq}
     assert python["duplicates"] == library.duplicates == 1
