@@ -73,6 +73,11 @@ def _path(text: str) -> Path:
     return Path(text)
 
 
+def _source(text: str) -> Path | str:
+    """A store directory, or a NATS URL (the replicated tier) kept as it is."""
+    return text if text.startswith(("nats://", "tls://")) else _path(text)
+
+
 def _store(path: Path) -> Path:
     """``path`` if it is a store directory: ``FileNotFoundError`` if there is nothing
     there, ``NotAStoreError`` for a file or a directory without ``manifest.json``
@@ -328,6 +333,8 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if target.exists():
         print(f"coordinator: {target} exists; restore writes a new directory", file=err)
         return EXIT_USAGE
+    if isinstance(args.store, str):
+        return _restore_replica(args, target, out, err)
     if target.resolve().is_relative_to(args.store.resolve()):
         print(f"coordinator: {target} is inside the store; restore writes elsewhere", file=err)
         return EXIT_USAGE
@@ -348,6 +355,40 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     print(
         f"restored {stored.record.checkpoint_id} ({count} payloads, envelope {size} bytes) "
         f"to {target}",
+        file=out,
+    )
+    return EXIT_OK
+
+
+def _restore_replica(args: argparse.Namespace, target: Path, out: TextIO, err: TextIO) -> int:
+    """The session's replicated generation, fetched from the bucket, verified by
+    every reader check, and written out like a local one."""
+    import anyio
+
+    from .bus._nats import NatsBus
+    from .bus._replica import Replicas
+    from .store import export_payloads
+
+    if args.session is None or not is_id(args.session):
+        print("coordinator restore: a NATS source needs --session (an Id)", file=err)
+        return EXIT_USAGE
+    if args.checkpoint is not None:
+        print("coordinator restore: the replicated tier keeps the pointed generation "
+              "only: leave out --checkpoint", file=err)  # fmt: skip
+        return EXIT_USAGE
+
+    async def fetch() -> Any:
+        async with NatsBus(args.store, connect_timeout=3) as bus:
+            replicas = await Replicas(bus).open()
+            return await replicas.fetch(args.session, str(target.parent))
+
+    stored = anyio.run(fetch)
+    with stored:
+        count = export_payloads(stored, str(target))
+        size = stored.envelope.layout.file_bytes
+    print(
+        f"restored {stored.record.checkpoint_id} of session {args.session} from {args.store} "
+        f"({count} payloads, envelope {size} bytes, verified) to {target}",
         file=out,
     )
     return EXIT_OK
@@ -511,9 +552,11 @@ def _parser() -> argparse.ArgumentParser:
     restore = commands.add_parser(
         "restore",
         help="verify a generation and write its payloads to files (all or none)",
-        description="Example: coordinator restore ./saves --checkpoint ckpt-120 --to ./restored",
+        description="Example: coordinator restore ./saves --checkpoint ckpt-120 --to ./restored\n"
+        "         coordinator restore nats://127.0.0.1:4222 --session s1 --to ./restored "
+        "(the session's replicated generation, from any host)",
     )
-    restore.add_argument("store", type=_path)
+    restore.add_argument("store", type=_source, help="a store directory, or nats://HOST:PORT")
     restore.add_argument(
         "--checkpoint", default=None, help="checkpoint id (default: the session's high water)"
     )

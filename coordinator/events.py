@@ -33,6 +33,7 @@ __all__ = [
     "Failed",
     "PayloadSummary",
     "Queued",
+    "Replicated",
     "Restored",
     "Superseded",
     "Timings",
@@ -48,7 +49,9 @@ __all__ = [
 ]
 
 DEFAULT_PREFIX: Final = "ckpt"
-EVENT_NAMES: Final = ("captured", "queued", "superseded", "committed", "failed", "restored")
+EVENT_NAMES: Final = (
+    "captured", "queued", "superseded", "committed", "failed", "restored", "replicated",
+)  # fmt: skip
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
@@ -60,6 +63,7 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_de
     fetch_ms: float | None = None  # reading remote participants' objects
     write_ms: float | None = None
     fsync_ms: float | None = None
+    upload_ms: float | None = None  # the replicated tier: the generation's upload
     total_ms: float | None = None
 
 
@@ -149,7 +153,22 @@ class Restored(_Event, frozen=True, kw_only=True, tag="restored"):
     allowed_incompatible: tuple[str, ...] = ()
 
 
-Event = Captured | Queued | Superseded | Committed | Failed | Restored
+class Replicated(_Event, frozen=True, kw_only=True, tag="replicated"):
+    """A committed generation is in the replicated tier: uploaded, as it is on disk,
+    as ``object`` of the bucket, and the session's pointer moved to it (its KV
+    ``pointerRevision``): restorable on any host. Never before its ``committed``.
+    ``passedOver``: committed checkpoints of the session this upload made
+    unnecessary (replication fell behind; only the newest is worth uploading)."""
+
+    generation: str
+    envelope_digest: Digest
+    envelope_bytes: U64
+    object: str
+    pointer_revision: int
+    passed_over: tuple[Id, ...] = ()
+
+
+Event = Captured | Queued | Superseded | Committed | Failed | Restored | Replicated
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(Event)

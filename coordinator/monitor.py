@@ -48,6 +48,9 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     epoch: str | None = None  # the newest epoch seen
     restores: int = 0
     last_restore: str | None = None  # "<checkpoint> into <epoch> (<reason>; abandoned a-b)"
+    replicated: int = 0  # generations that reached the replicated tier
+    replicated_high_water: str | None = None
+    replicated_seq: int = 0
     last_seq: int = 0
     missing: frozenset[int] = frozenset()  # seqs skipped over and not seen yet (rule 3)
     lost: int = 0  # seqs skipped beyond MAX_MISSING: counted, not kept
@@ -149,8 +152,18 @@ class _ReadRestored(_Read, frozen=True, kw_only=True, tag="restored"):
     abandoned_to: U64 | None
 
 
+class _ReadReplicated(_Read, frozen=True, kw_only=True, tag="replicated"):
+    pass
+
+
 _READ = msgspec.json.Decoder(
-    _ReadCaptured | _ReadQueued | _ReadSuperseded | _ReadCommitted | _ReadFailed | _ReadRestored
+    _ReadCaptured
+    | _ReadQueued
+    | _ReadSuperseded
+    | _ReadCommitted
+    | _ReadFailed
+    | _ReadRestored
+    | _ReadReplicated
 )
 
 
@@ -200,6 +213,12 @@ def _fold(
                 high_water_boundary=event.boundary,
                 high_water_seq=seq,
             )
+    elif kind == "replicated":
+        changes["replicated"] = state.replicated + 1
+        if state.replicated_high_water is None or (seq > 0 and seq >= state.replicated_seq):
+            changes.update(replicated_high_water=event.checkpoint_id, replicated_seq=seq)
+        changes["in_flight"] = state.in_flight
+        return msgspec.structs.replace(state, **changes)
     elif kind == "captured":
         if not late:  # a late one may already be over
             open_ids.add(event.checkpoint_id)
@@ -252,7 +271,7 @@ def render(state: SaveState) -> Table:
     table = Table(title="save state", title_justify="left")
     columns = ("session", "high water", "step", "in flight", "queue", "committed",
                "last commit", "size", "superseded", "failed", "last failure",
-               "last restore")  # fmt: skip
+               "last restore", "replicated")  # fmt: skip
     for column in columns:
         table.add_column(column, overflow="fold")
     for session in sorted(state.sessions.values(), key=lambda s: s.session_id):
@@ -271,5 +290,6 @@ def render(state: SaveState) -> Table:
             str(session.failed),
             session.last_failure or "",
             session.last_restore or "",
+            session.replicated_high_water or "-",
         )
     return table

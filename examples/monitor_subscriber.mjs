@@ -16,7 +16,9 @@ import { connect } from "nats";
 const STREAM = "CKPT";
 const BUCKET = "CKPT_COMMITTED";
 const PREFIX = "ckpt";
-const KINDS = new Set(["captured", "queued", "superseded", "committed", "failed", "restored"]);
+const KINDS = new Set([
+  "captured", "queued", "superseded", "committed", "failed", "restored", "replicated",
+]);
 const FOLDED_IDS = 1024;
 const MAX_MISSING = 4096;
 const MAX_SEQ = Number.MAX_SAFE_INTEGER; // 2**53 - 1
@@ -38,6 +40,7 @@ const FIELDS = {
   superseded: { checkpointId: "id", epoch: "id", supersededBy: "id" },
   committed: { checkpointId: "id", epoch: "id", highWater: "id", boundary: "u64" },
   failed: { checkpointId: "id", epoch: "id", code: "text", reason: "text" },
+  replicated: { checkpointId: "id", epoch: "id" },
   restored: {
     checkpointId: "id", epoch: "id", boundary: "u64", reason: "text",
     previousEpoch: "id", abandonedFrom: "u64?", abandonedTo: "u64?",
@@ -65,6 +68,9 @@ class Session {
     this.lastSeq = 0;
     this.missing = new Set();
     this.lost = 0; // seqs skipped beyond MAX_MISSING: counted only
+    this.replicated = 0; // generations that reached the replicated tier
+    this.replicatedHighWater = null;
+    this.replicatedSeq = 0;
     this.folded = []; // the latest FOLDED_IDS eventIds
   }
 
@@ -98,6 +104,13 @@ class Session {
     }
     if (!late && seq > 0) this.epoch = event.epoch; // rule 5
     const newest = this.highWater === null || (seq > 0 && seq >= this.highWaterSeq);
+    if (kind === "replicated") { // the replicated tier: never the local high water
+      this.replicated += 1;
+      if (this.replicatedHighWater === null || (seq > 0 && seq >= this.replicatedSeq)) {
+        [this.replicatedHighWater, this.replicatedSeq] = [ckpt, seq];
+      }
+      return note + `  to the replicated tier as ${event.object}`;
+    }
     if (kind === "captured") {
       if (!late) this.inFlight.add(ckpt);
     } else if (kind === "queued") {
@@ -146,6 +159,7 @@ class Session {
       inFlight: [...this.inFlight].sort(), committed: this.committed,
       superseded: this.superseded, failed: this.failures, restores: this.restores,
       lastSeq: this.lastSeq, gaps: this.gaps(), lost: this.lost,
+      replicated: this.replicated, replicatedHighWater: this.replicatedHighWater,
     };
   }
 }

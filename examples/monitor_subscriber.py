@@ -30,7 +30,7 @@ import nats.errors
 import nats.js.errors
 
 STREAM, BUCKET, PREFIX = "CKPT", "CKPT_COMMITTED", "ckpt"
-KINDS = ("captured", "queued", "superseded", "committed", "failed", "restored")
+KINDS = ("captured", "queued", "superseded", "committed", "failed", "restored", "replicated")
 FOLDED_IDS, MAX_MISSING, MAX_SEQ = 1024, 4096, 2**53 - 1
 
 
@@ -49,6 +49,9 @@ class Session:
     superseded: int = 0
     failures: list[dict[str, str]] = field(default_factory=list)
     restores: list[dict] = field(default_factory=list)  # what each restore installed, and lost
+    replicated: int = 0  # generations that reached the replicated tier
+    replicated_high_water: str | None = None
+    replicated_seq: int = 0
     last_seq: int = 0
     high_water_seq: int = 0  # the seq of the committed that set the high water
     missing: set[int] = field(default_factory=set)  # seqs skipped over, not seen yet
@@ -77,6 +80,11 @@ class Session:
             self.last_seq = seq
         if kind not in KINDS or not fits(event):  # rule 4: its seq counted, no more
             return note + f"  (a kind or body this monitor does not know: {kind})"
+        if kind == "replicated":  # the replicated tier: never the local high water
+            self.replicated += 1
+            if self.replicated_high_water is None or (seq > 0 and seq >= self.replicated_seq):
+                self.replicated_high_water, self.replicated_seq = ckpt, seq
+            return note + f"  to the replicated tier as {event.get('object')}"
         if kind == "captured":
             if not late:  # a late one may be over already
                 self.in_flight.add(ckpt)
@@ -116,6 +124,7 @@ class Session:
             "inFlight": sorted(self.in_flight), "committed": self.committed,
             "superseded": self.superseded, "failed": self.failures, "restores": self.restores,
             "lastSeq": self.last_seq, "gaps": self.gaps(), "lost": self.lost,
+            "replicated": self.replicated, "replicatedHighWater": self.replicated_high_water,
         }  # fmt: skip
 
     def gaps(self) -> list[list[int]]:
@@ -146,6 +155,7 @@ FIELDS = {
     "superseded": {"checkpointId": "id", "epoch": "id", "supersededBy": "id"},
     "committed": {"checkpointId": "id", "epoch": "id", "highWater": "id", "boundary": "u64"},
     "failed": {"checkpointId": "id", "epoch": "id", "code": "text", "reason": "text"},
+    "replicated": {"checkpointId": "id", "epoch": "id"},
     "restored": {"checkpointId": "id", "epoch": "id", "boundary": "u64", "reason": "text",
                  "previousEpoch": "id", "abandonedFrom": "u64?", "abandonedTo": "u64?"},
 }  # fmt: skip

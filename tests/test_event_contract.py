@@ -21,6 +21,7 @@ import nats
 import pytest
 import re2
 from test_examples import checkpoints_on_nats
+from test_replication import replicated_run
 
 from coordinator.events import EVENT_NAMES, Event, events_schema
 from coordinator.monitor import SaveState
@@ -79,6 +80,7 @@ def wire(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         async with EmbeddedServer(folder / "nats") as server:
             demo = [sys.executable, "-m", "coordinator", "demo", "--nats", server.url]
             await anyio.run_process(demo, check=True)
+            await replicated_run(server.url, folder / "replicated", 2)  # + replicated
             client = await nats.connect(server.url)
             events = [json.loads(data) for data in await stream_messages(client)]
             await client.close()
@@ -231,7 +233,7 @@ def test_the_prose_the_schema_and_the_structs_name_the_same_fields(
     common = set()
     for row in common_rows.group(1).splitlines()[2:]:
         common |= set(re.findall(r"`([a-zA-Z]+)`", row.split("|")[1]))
-    kinds_table = re.search(r"## The six events\n\n(.*?)\n\n", prose, re.S)
+    kinds_table = re.search(r"## The \w+ events\n\n(.*?)\n\n", prose, re.S)
     assert kinds_table is not None
     for row in kinds_table.group(1).splitlines()[2:]:
         cells = row.split("|")

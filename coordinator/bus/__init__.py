@@ -56,7 +56,7 @@ class Bus(Protocol):
     async def aclose(self) -> None: ...
 
 
-_NEEDS_NATS = {"NatsBus": "._nats"}
+_NEEDS_NATS = {"NatsBus": "._nats", "Replicas": "._replica", "Replicator": "._replica"}
 
 
 def __getattr__(name: str) -> object:

@@ -1,0 +1,281 @@
+"""The replicated tier: committed generations, as they are on disk, in a JetStream
+object bucket, and a per-session pointer to the newest in a KV bucket.
+
+The local store's manifest rename stays the durability point (``committed``).
+Afterwards a ``Replicator`` uploads the generation file into the object bucket
+``CKPT_GENERATIONS`` (object ``<session token>/<file>``), checks the digest the
+upload computed against the store's, and then moves the session's pointer in
+``CKPT_REPLICAS`` with a revision-checked update. That update is the replicated
+tier's commit point; only then is ``replicated`` published. Retention keeps the
+newest ``keep`` objects per session, and deletes an object only once the
+pointer no longer names it. ``read_replica`` fetches a session's pointed-to
+generation on any host, verified by every reader check before it is used.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar, Self
+
+import anyio
+import msgspec
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
+
+from .._errors import BusUnavailableError, CoordinatorError, GenerationNotFoundError
+from ..events import Committed, Replicated, Timings, event_id, rfc3339_now, subject_token
+from ..fs import FileSystem
+from ..remote._objects import ObjectBucket
+from ..store import FileStore, GenerationRecord, StoredCheckpoint
+from ..store._verify import read_generation
+from ._nats import NatsBus
+
+__all__ = [
+    "GENERATIONS_BUCKET",
+    "POINTERS_BUCKET",
+    "ReplicaFencedError",
+    "ReplicaPointer",
+    "Replicas",
+    "Replicator",
+]
+
+GENERATIONS_BUCKET = "CKPT_GENERATIONS"
+POINTERS_BUCKET = "CKPT_REPLICAS"
+_RETRY_S = 1.0  # between attempts while the cluster cannot take an upload
+
+
+class ReplicaFencedError(CoordinatorError):
+    """The session's pointer moved under us (another writer): not overwritten."""
+
+    code: ClassVar[str] = "replica.fenced"
+
+
+class ReplicaPointer(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """A session's newest replicated generation, and the objects kept for it."""
+
+    record: GenerationRecord
+    object: str
+    kept: tuple[str, ...]  # object names, newest first (the pointed one included)
+
+
+class Replicas:
+    """The two buckets on a bus's JetStream: the objects and the pointers."""
+
+    def __init__(self, bus: NatsBus, *, keep: int = 3, replicas: int | None = None) -> None:
+        if keep < 1:
+            raise ValueError("keep at least one replicated generation per session")
+        self.bus = bus
+        self.keep = keep
+        self.replicas = replicas if replicas is not None else bus.replicas
+        self._objects: ObjectBucket | None = None
+        self._pointers: Any = None
+
+    async def open(self) -> Self:
+        js = self.bus.client.jetstream()
+        try:
+            store = await js.object_store(GENERATIONS_BUCKET)
+        except (BucketNotFoundError, NotFoundError):
+            store = await js.create_object_store(bucket=GENERATIONS_BUCKET, replicas=self.replicas)
+        self._objects = ObjectBucket(js, store, GENERATIONS_BUCKET)
+        try:
+            self._pointers = await js.key_value(POINTERS_BUCKET)
+        except BucketNotFoundError:
+            self._pointers = await js.create_key_value(
+                bucket=POINTERS_BUCKET, history=1, replicas=self.replicas
+            )
+        return self
+
+    async def pointer(self, session_id: str) -> tuple[ReplicaPointer, int] | None:
+        """The session's pointer and its KV revision, or ``None``."""
+        try:
+            entry = await self._pointers.get(subject_token(session_id))
+        except Exception as error:  # nats-py: KeyNotFoundError, KeyDeletedError
+            if type(error).__name__ in ("KeyNotFoundError", "KeyDeletedError"):
+                return None
+            raise
+        if entry.value is None:
+            return None
+        return msgspec.json.decode(entry.value, type=ReplicaPointer), int(entry.revision)
+
+    async def upload(self, path: str, record: GenerationRecord) -> tuple[ReplicaPointer, int]:
+        """Upload the generation file at ``path`` and move the session's pointer to it
+        (revision-checked). Returns the new pointer and its revision."""
+        assert self._objects is not None
+        name = f"{subject_token(record.session_id)}/{record.file}"
+        fd = await anyio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size != int(record.byte_length):
+                raise ValueError(f"{path} is {size} bytes, not {record.byte_length}")
+            with _mapped(fd, size) as view:
+                digest = await self._objects.put(name, view)
+        finally:
+            os.close(fd)
+        if digest != record.envelope_digest:
+            with contextlib.suppress(Exception):
+                await self._objects.delete(name)
+            raise ValueError(f"{path} changed: it hashes to {digest}, not the committed digest")
+        current = await self.pointer(record.session_id)
+        kept = [name, *(n for n in (current[0].kept if current else ()) if n != name)]
+        pointer = ReplicaPointer(record=record, object=name, kept=tuple(kept[: self.keep]))
+        value = msgspec.json.encode(pointer)
+        key = subject_token(record.session_id)
+        try:
+            if current is None:
+                revision = await self._pointers.create(key, value)
+            else:
+                revision = await self._pointers.update(key, value, last=current[1])
+        except KeyWrongLastSequenceError as error:
+            raise ReplicaFencedError(
+                f"the pointer of session {record.session_id} moved meanwhile; "
+                f"{record.checkpoint_id} was not made the replicated one"
+            ) from error
+        for dropped in kept[self.keep :]:  # only once the pointer no longer names them
+            with contextlib.suppress(Exception):
+                await self._objects.delete(dropped)
+        return pointer, int(revision)
+
+    async def fetch(self, session_id: str, directory: str) -> StoredCheckpoint:
+        """The session's pointed-to generation, downloaded into ``directory`` (a
+        nameless temporary file) and verified by every reader check against the
+        pointer's record: length, whole-file digest, envelope, manifest."""
+        assert self._objects is not None
+        found = await self.pointer(session_id)
+        if found is None:
+            raise GenerationNotFoundError(f"no replicated generation of session {session_id}")
+        pointer, _ = found
+        record = pointer.record
+        data = await self._objects.read(
+            pointer.object, int(record.byte_length), record.envelope_digest
+        )
+        target = os.path.join(directory, f".replica-{os.getpid()}-{record.file}")
+        with open(target, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        try:
+            return read_generation(FileSystem(), target, record)
+        finally:
+            os.unlink(target)  # the map keeps the bytes
+
+
+@contextlib.contextmanager
+def _mapped(fd: int, size: int) -> Any:
+    import mmap
+
+    mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+    view = memoryview(mapped) if mapped is not None else memoryview(b"")
+    try:
+        yield view
+    finally:
+        view.release()
+        if mapped is not None:
+            mapped.close()
+
+
+class Replicator:
+    """Follows a store's ``committed`` events on the bus and replicates them,
+    newest first: while an upload runs, a newer commit of the same session
+    replaces the one waiting (named in the next ``replicated``'s ``passedOver``).
+    Local commits never wait for it; an unreachable cluster is retried."""
+
+    def __init__(
+        self,
+        bus: NatsBus,
+        store: FileStore,
+        *,
+        keep: int = 3,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.bus = bus
+        self.store = store
+        self.replicas = Replicas(bus, keep=keep)
+        self._clock = clock
+        self._waiting: dict[str, Committed] = {}
+        self._passed: collections.defaultdict[str, list[str]] = collections.defaultdict(list)
+        self._wake = anyio.Event()
+        self._group: Any = None
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    async def __aenter__(self) -> Self:
+        await self.replicas.open()
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        subscription = await self.bus.subscribe()
+        self._group.start_soon(self._follow, subscription)
+        self._group.start_soon(self._run)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._group.cancel_scope.cancel()
+        await self._group.__aexit__(None, None, None)
+
+    def offer(self, committed: Committed) -> None:
+        """Replicate this commit (it replaces one of its session still waiting)."""
+        earlier = self._waiting.get(committed.session_id)
+        if earlier is not None:
+            self._passed[committed.session_id].append(earlier.checkpoint_id)
+            self.counts["passed_over"] += 1
+        self._waiting[committed.session_id] = committed
+        self._wake.set()
+
+    async def _follow(self, subscription: Any) -> None:
+        async with subscription:
+            async for event in subscription:
+                if isinstance(event, Committed) and self.store.lookup(event.checkpoint_id):
+                    self.offer(event)
+
+    async def _run(self) -> None:
+        while True:
+            if not self._waiting:
+                self._wake = anyio.Event()
+                await self._wake.wait()
+                continue
+            session_id = next(iter(self._waiting))
+            committed = self._waiting.pop(session_id)
+            try:
+                await self._replicate(committed)
+            except (BusUnavailableError, OSError, TimeoutError, ConnectionError) as error:
+                self.counts["retried"] += 1
+                self._waiting.setdefault(session_id, committed)  # a newer one wins
+                del error
+                await anyio.sleep(_RETRY_S)
+            except Exception:
+                self.counts["failed"] += 1
+
+    async def _replicate(self, committed: Committed) -> None:
+        record = self.store.lookup(committed.checkpoint_id)
+        if record is None:  # rotated away before it was its turn: a newer one will come
+            self.counts["gone"] += 1
+            return
+        started = self._clock()
+        pointer, revision = await self.replicas.upload(
+            os.path.join(str(self.store.path), record.file), record
+        )
+        passed = tuple(self._passed.pop(committed.session_id, ()))
+        self.counts["replicated"] += 1
+        await self.bus.publish(
+            Replicated(
+                seq=0,  # the bus gives it the session's next seq
+                event_id=event_id(
+                    committed.session_id, committed.epoch, committed.checkpoint_id, "replicated"
+                ),
+                time=rfc3339_now(),
+                checkpoint_id=committed.checkpoint_id,
+                session_id=committed.session_id,
+                epoch=committed.epoch,
+                episode_id=committed.episode_id,
+                boundary=committed.boundary,
+                byte_length=committed.byte_length,
+                timings=Timings(upload_ms=round((self._clock() - started) * 1000, 3)),
+                generation=record.file,
+                envelope_digest=record.envelope_digest,
+                envelope_bytes=record.byte_length,
+                object=pointer.object,
+                pointer_revision=revision,
+                passed_over=passed,
+            )
+        )
