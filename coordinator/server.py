@@ -17,6 +17,7 @@ could never come), and execs the server, which keeps the setting and the pid.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -113,9 +114,19 @@ class EmbeddedServer:
             return
         binary = find_nats_server()
         os.makedirs(str(self.store_dir), exist_ok=True)
+        # JetStream acknowledges before fsync unless told otherwise (sync_interval
+        # is 2 minutes by default): the embedded server syncs every write.
+        config = os.path.join(str(self.store_dir), "nats-server.conf")
+        with open(config, "w", encoding="utf-8") as file:
+            file.write(
+                "jetstream {\n"
+                f"  store_dir: {json.dumps(str(self.store_dir))}\n"
+                "  sync_interval: always\n"
+                "}\n"
+            )
         command = [
-            binary, "-a", "127.0.0.1", "-p", str(self.port),
-            "-js", "-sd", str(self.store_dir), "-l", self.log_file,
+            binary, "-c", config, "-a", "127.0.0.1", "-p", str(self.port),
+            "-l", self.log_file,
         ]  # fmt: skip
         self._process = subprocess.Popen(
             _with_parent_death_signal(command),

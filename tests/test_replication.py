@@ -163,3 +163,18 @@ def _committed() -> Committed:
         byte_length="1", generation="c.flysess", envelope_digest="0" * 64,
         envelope_bytes="1", high_water="c",
     )  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_the_embedded_server_syncs_every_jetstream_write(tmp_path: Path) -> None:
+    """The embedded server runs with ``sync_interval: always`` (JetStream would
+    otherwise acknowledge writes that are only in the page cache for 2 minutes),
+    and JetStream works under it."""
+    async with EmbeddedServer(tmp_path / "nats") as running:
+        config = (Path(running.store_dir) / "nats-server.conf").read_text()
+        assert "sync_interval: always" in config
+        async with NatsBus(running.url) as bus:
+            replicas = await Replicas(bus).open()
+            assert await replicas.pointer("nobody") is None
+        log = Path(running.log_file).read_text()
+        assert "Server is ready" in log and "[ERR]" not in log

@@ -19,6 +19,8 @@ __all__ = [
     "BusStatistics",
     "MemoryBus",
     "NatsBus",
+    "Replicas",
+    "Replicator",
     "Subscription",
 ]
 
