@@ -19,6 +19,7 @@ import pytest_asyncio
 
 from coordinator import ArtifactCorruptError, Coordinator, FileStore, HostDescription
 from coordinator.bus import NatsBus
+from coordinator.bus._lease import SessionLease, SessionLeasedError
 from coordinator.bus._replica import Replicas, Replicator
 from coordinator.events import Committed, Replicated
 from coordinator.server import EmbeddedServer
@@ -178,3 +179,56 @@ async def test_the_embedded_server_syncs_every_jetstream_write(tmp_path: Path) -
             assert await replicas.pointer("nobody") is None
         log = Path(running.log_file).read_text()
         assert "Server is ready" in log and "[ERR]" not in log
+
+
+# --- one owner per session --------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_second_host_is_refused_until_the_lease_expires(server: EmbeddedServer) -> None:
+    """Host A holds session s1; host B is refused (session.leased), and gets it once
+    A stopped renewing for the TTL. A renewing lease outlives its TTL."""
+    async with NatsBus(server.url) as bus_a, NatsBus(server.url) as bus_b:
+        async with SessionLease(bus_a, "s1", ttl=0.6, holder="a") as lease_a:
+            await anyio.sleep(1.0)  # renewed meanwhile: still A's
+            with pytest.raises(SessionLeasedError) as refused:
+                async with SessionLease(bus_b, "s1", ttl=0.6, holder="b"):
+                    pass
+            assert refused.value.code == "session.leased" and "held by a" in str(refused.value)
+            await lease_a.check()
+        async with SessionLease(bus_b, "s1", ttl=0.6, holder="b") as lease_b:  # A left
+            assert lease_b.revision > 0
+
+
+@pytest.mark.asyncio
+async def test_a_zombie_host_can_never_move_the_pointer_again(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Host A replicates under its lease; host B takes the session over (take_over)
+    and fences the pointer. A, still running, commits again: its upload is refused
+    with a typed error, deleted, and the pointer stays what B made it."""
+    parts = [Part("world", os.urandom(50_000)), Part("agent-a", b"a")]
+    async with (
+        NatsBus(server.url) as bus_a,
+        NatsBus(server.url) as bus_b,
+        SessionLease(bus_a, "s1", ttl=30, holder="a") as lease_a,
+        FileStore(tmp_path / "a") as store,
+        Replicator(bus_a, store, leases=[lease_a]) as replicator,
+        Coordinator(store, bus_a, parts, session_id="s1",
+                    describe=HostDescription(agents=["a"])) as host,
+    ):  # fmt: skip
+        await host.checkpoint(1)
+        await until(lambda: replicator.counts["replicated"] == 1)
+        async with SessionLease(bus_b, "s1", ttl=30, take_over=True, holder="b") as taker:
+            await (await Replicas(bus_b).open()).fence(taker)
+            before = await replicator.replicas.pointer("s1")
+            await host.checkpoint(2)  # the zombie's commit, and its upload
+            await until(lambda: replicator.counts["fenced"] == 1)
+            after = await replicator.replicas.pointer("s1")
+            assert before is not None and after == before
+            assert after[0].lease_revision == taker.revision
+            assert after[0].record.checkpoint_id.endswith("-1")
+            assert replicator.fenced["s1"].code in ("session.lease_lost", "replica.fenced")
+            bucket = await bus_b.client.jetstream().object_store("CKPT_GENERATIONS")
+            names = [info.name for info in await bucket.list() if not info.deleted]
+            assert names == [after[0].object]

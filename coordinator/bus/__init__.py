@@ -21,6 +21,7 @@ __all__ = [
     "NatsBus",
     "Replicas",
     "Replicator",
+    "SessionLease",
     "Subscription",
 ]
 
@@ -58,7 +59,12 @@ class Bus(Protocol):
     async def aclose(self) -> None: ...
 
 
-_NEEDS_NATS = {"NatsBus": "._nats", "Replicas": "._replica", "Replicator": "._replica"}
+_NEEDS_NATS = {
+    "NatsBus": "._nats",
+    "Replicas": "._replica",
+    "Replicator": "._replica",
+    "SessionLease": "._lease",
+}
 
 
 def __getattr__(name: str) -> object:

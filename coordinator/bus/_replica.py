@@ -18,7 +18,7 @@ import collections
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Self
 
 import anyio
@@ -31,6 +31,7 @@ from ..fs import FileSystem
 from ..remote._objects import ObjectBucket
 from ..store import FileStore, GenerationRecord, StoredCheckpoint
 from ..store._verify import read_generation
+from ._lease import LeaseLostError, SessionLease
 from ._nats import NatsBus
 
 __all__ = [
@@ -54,11 +55,13 @@ class ReplicaFencedError(CoordinatorError):
 
 
 class ReplicaPointer(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    """A session's newest replicated generation, and the objects kept for it."""
+    """A session's newest replicated generation, the objects kept for it, and the
+    lease revision it was moved under (0: no lease)."""
 
     record: GenerationRecord
     object: str
     kept: tuple[str, ...]  # object names, newest first (the pointed one included)
+    lease_revision: int = 0
 
 
 class Replicas:
@@ -100,9 +103,25 @@ class Replicas:
             return None
         return msgspec.json.decode(entry.value, type=ReplicaPointer), int(entry.revision)
 
-    async def upload(self, path: str, record: GenerationRecord) -> tuple[ReplicaPointer, int]:
+    async def fence(self, lease: SessionLease) -> None:
+        """Stamp the session's pointer with ``lease``'s revision (a new owner does it
+        at once): from then on an update under an older lease is refused."""
+        current = await self.pointer(lease.session_id)
+        if current is None or current[0].lease_revision >= lease.revision:
+            return
+        stamped = msgspec.structs.replace(current[0], lease_revision=lease.revision)
+        try:
+            await self._pointers.update(lease.key, msgspec.json.encode(stamped), last=current[1])
+        except KeyWrongLastSequenceError:
+            await self.fence(lease)  # it moved meanwhile: stamp what is there now
+
+    async def upload(
+        self, path: str, record: GenerationRecord, lease: SessionLease | None = None
+    ) -> tuple[ReplicaPointer, int]:
         """Upload the generation file at ``path`` and move the session's pointer to it
-        (revision-checked). Returns the new pointer and its revision."""
+        (revision-checked, and under ``lease`` when given: ``LeaseLostError`` once it
+        was taken, ``ReplicaFencedError`` if the pointer carries a newer lease; the
+        upload is then deleted). Returns the new pointer and its revision."""
         assert self._objects is not None
         name = f"{subject_token(record.session_id)}/{record.file}"
         fd = await anyio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
@@ -118,21 +137,37 @@ class Replicas:
             with contextlib.suppress(Exception):
                 await self._objects.delete(name)
             raise ValueError(f"{path} changed: it hashes to {digest}, not the committed digest")
-        current = await self.pointer(record.session_id)
-        kept = [name, *(n for n in (current[0].kept if current else ()) if n != name)]
-        pointer = ReplicaPointer(record=record, object=name, kept=tuple(kept[: self.keep]))
-        value = msgspec.json.encode(pointer)
-        key = subject_token(record.session_id)
+        fence = lease.revision if lease is not None else 0
         try:
-            if current is None:
-                revision = await self._pointers.create(key, value)
-            else:
-                revision = await self._pointers.update(key, value, last=current[1])
-        except KeyWrongLastSequenceError as error:
-            raise ReplicaFencedError(
-                f"the pointer of session {record.session_id} moved meanwhile; "
-                f"{record.checkpoint_id} was not made the replicated one"
-            ) from error
+            if lease is not None:
+                await lease.check()
+            current = await self.pointer(record.session_id)
+            if current is not None and current[0].lease_revision > fence:
+                raise ReplicaFencedError(
+                    f"the pointer of session {record.session_id} was moved under a newer "
+                    f"lease ({current[0].lease_revision} > {fence}): {record.checkpoint_id} "
+                    "is not made the replicated one"
+                )
+            kept = [name, *(n for n in (current[0].kept if current else ()) if n != name)]
+            pointer = ReplicaPointer(
+                record=record, object=name, kept=tuple(kept[: self.keep]), lease_revision=fence
+            )
+            value = msgspec.json.encode(pointer)
+            key = subject_token(record.session_id)
+            try:
+                if current is None:
+                    revision = await self._pointers.create(key, value)
+                else:
+                    revision = await self._pointers.update(key, value, last=current[1])
+            except KeyWrongLastSequenceError as error:
+                raise ReplicaFencedError(
+                    f"the pointer of session {record.session_id} moved meanwhile; "
+                    f"{record.checkpoint_id} was not made the replicated one"
+                ) from error
+        except (LeaseLostError, ReplicaFencedError):
+            with contextlib.suppress(Exception):  # a zombie's upload is not left behind
+                await self._objects.delete(name)
+            raise
         for dropped in kept[self.keep :]:  # only once the pointer no longer names them
             with contextlib.suppress(Exception):
                 await self._objects.delete(dropped)
@@ -188,11 +223,14 @@ class Replicator:
         store: FileStore,
         *,
         keep: int = 3,
+        leases: Sequence[SessionLease] = (),
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.bus = bus
         self.store = store
         self.replicas = Replicas(bus, keep=keep)
+        self.leases = {lease.session_id: lease for lease in leases}
+        self.fenced: dict[str, CoordinatorError] = {}  # sessions this host lost
         self._clock = clock
         self._waiting: dict[str, Committed] = {}
         self._passed: collections.defaultdict[str, list[str]] = collections.defaultdict(list)
@@ -202,6 +240,8 @@ class Replicator:
 
     async def __aenter__(self) -> Self:
         await self.replicas.open()
+        for lease in self.leases.values():  # a new owner fences the pointer at once
+            await self.replicas.fence(lease)
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
         subscription = await self.bus.subscribe()
@@ -236,8 +276,13 @@ class Replicator:
                 continue
             session_id = next(iter(self._waiting))
             committed = self._waiting.pop(session_id)
+            if session_id in self.fenced:
+                continue
             try:
                 await self._replicate(committed)
+            except (LeaseLostError, ReplicaFencedError) as error:  # another host owns it now
+                self.counts["fenced"] += 1
+                self.fenced[session_id] = error
             except (BusUnavailableError, OSError, TimeoutError, ConnectionError) as error:
                 self.counts["retried"] += 1
                 self._waiting.setdefault(session_id, committed)  # a newer one wins
@@ -253,7 +298,9 @@ class Replicator:
             return
         started = self._clock()
         pointer, revision = await self.replicas.upload(
-            os.path.join(str(self.store.path), record.file), record
+            os.path.join(str(self.store.path), record.file),
+            record,
+            self.leases.get(committed.session_id),
         )
         passed = tuple(self._passed.pop(committed.session_id, ()))
         self.counts["replicated"] += 1

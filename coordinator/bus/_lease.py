@@ -1,0 +1,176 @@
+"""One owner per session across machines: a lease in the KV bucket ``CKPT_LEASES``.
+
+A host that opens a session takes its lease with a revision-checked create (key:
+the session's token), renews it on a heartbeat (a revision-checked update), and
+gives it up when it leaves. A second host is refused (``SessionLeasedError``,
+code ``session.leased``) until the lease has not been renewed for its TTL, or it
+takes the session over explicitly (``take_over=True``): either way its write
+bumps the revision, and the first holder's next renewal fails, so it knows it
+lost the session (``LeaseLostError``, code ``session.lease_lost``).
+
+The lease revision is the fence of the replicated tier: every pointer update
+records the lease revision it was made under, a new owner stamps the pointer
+with its own at once, and an update under an older revision is refused. Expiry
+compares the holder's renewal time with the contender's clock: keep clocks
+within a small part of the TTL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+import time
+from typing import Any, ClassVar, Self
+
+import anyio
+import msgspec
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
+
+from .._errors import CoordinatorError
+from ..events import subject_token
+from ..ids import check_id
+from ._nats import NatsBus
+
+__all__ = ["LEASES_BUCKET", "LeaseLostError", "SessionLease", "SessionLeasedError"]
+
+LEASES_BUCKET = "CKPT_LEASES"
+
+
+class SessionLeasedError(CoordinatorError):
+    """Another host holds the session's lease, and it has not expired."""
+
+    code: ClassVar[str] = "session.leased"
+
+
+class LeaseLostError(CoordinatorError):
+    """This host's lease was taken over (or expired and was taken): it no longer
+    owns the session, and may not move its replicated pointer."""
+
+    code: ClassVar[str] = "session.lease_lost"
+
+
+class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    holder: str
+    ttl_s: float
+    renewed_at: float  # the holder's wall clock, seconds since the epoch
+
+
+class SessionLease:
+    """``async with SessionLease(bus, "s1") as lease:`` holds session ``s1`` while
+    the block runs (renewed every ``ttl / 3`` seconds). ``lease.revision`` is the
+    fence; ``lease.check()`` raises ``LeaseLostError`` once it was taken."""
+
+    def __init__(
+        self,
+        bus: NatsBus,
+        session_id: str,
+        *,
+        ttl: float = 15.0,
+        take_over: bool = False,
+        holder: str | None = None,
+    ) -> None:
+        if ttl <= 0:
+            raise ValueError("a lease needs a positive TTL")
+        self.bus = bus
+        self.session_id = check_id(session_id)
+        self.ttl = ttl
+        self.take_over = take_over
+        self.holder = holder or f"{socket.gethostname()}:{secrets.token_hex(4)}"
+        self.revision = 0
+        self.lost: LeaseLostError | None = None
+        self._kv: Any = None
+        self._scope: anyio.CancelScope | None = None
+        self._group: Any = None
+
+    @property
+    def key(self) -> str:
+        return subject_token(self.session_id)
+
+    def _value(self) -> bytes:
+        return msgspec.json.encode(
+            LeaseRecord(holder=self.holder, ttl_s=self.ttl, renewed_at=time.time())
+        )
+
+    async def __aenter__(self) -> Self:
+        js = self.bus.client.jetstream()
+        try:
+            self._kv = await js.key_value(LEASES_BUCKET)
+        except BucketNotFoundError:
+            self._kv = await js.create_key_value(
+                bucket=LEASES_BUCKET, history=1, replicas=self.bus.replicas
+            )
+        await self._acquire()
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        self._group.start_soon(self._renew)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._group.cancel_scope.cancel()
+        await self._group.__aexit__(None, None, None)
+        if self.lost is None:  # still ours: let the next host in at once
+            # (taken meanwhile, or the bus is gone: then it expires on its own)
+            with contextlib.suppress(Exception):
+                await self._kv.delete(self.key, last=self.revision)
+
+    async def _acquire(self) -> None:
+        try:
+            self.revision = int(await self._kv.create(self.key, self._value()))
+            return
+        except KeyWrongLastSequenceError:
+            pass
+        except Exception as error:  # nats-py raises its KeyWrongLastSequence variants
+            if "wrong last sequence" not in str(error).lower():
+                raise
+        entry = await self._kv.get(self.key)
+        held = msgspec.json.decode(entry.value, type=LeaseRecord)
+        expired = time.time() - held.renewed_at > held.ttl_s
+        if not (expired or self.take_over):
+            left = held.ttl_s - (time.time() - held.renewed_at)
+            raise SessionLeasedError(
+                f"session {self.session_id} is held by {held.holder} (renewed "
+                f"{time.time() - held.renewed_at:.1f} s ago, expires in {left:.1f} s); "
+                "wait for it, or take it over explicitly"
+            )
+        try:
+            self.revision = int(
+                await self._kv.update(self.key, self._value(), last=int(entry.revision))
+            )
+        except KeyWrongLastSequenceError:
+            raise SessionLeasedError(
+                f"session {self.session_id}: another host took the lease at the same moment"
+            ) from None
+
+    async def _renew(self) -> None:
+        while True:
+            await anyio.sleep(self.ttl / 3)
+            try:
+                self.revision = int(
+                    await self._kv.update(self.key, self._value(), last=self.revision)
+                )
+            except KeyWrongLastSequenceError:
+                self.lost = LeaseLostError(
+                    f"the lease of session {self.session_id} was taken over: "
+                    f"{self.holder} no longer owns it"
+                )
+                return
+            except Exception:  # the bus is away: try again at the next beat
+                continue
+
+    async def check(self) -> None:
+        """``LeaseLostError`` unless the lease is still this holder's revision."""
+        if self.lost is not None:
+            raise self.lost
+        try:
+            entry = await self._kv.get(self.key)
+        except Exception as error:
+            if type(error).__name__ in ("KeyNotFoundError", "KeyDeletedError"):
+                entry = None
+            else:
+                raise
+        if entry is None or int(entry.revision) != self.revision:
+            self.lost = LeaseLostError(
+                f"the lease of session {self.session_id} is no longer {self.holder}'s"
+            )
+            raise self.lost
