@@ -248,7 +248,13 @@ def test_every_bench_group_runs_and_reports_baselines() -> None:
     verdict and, where it has one, its same-run baseline."""
     from coordinator.bench import GROUPS
 
-    assert list(GROUPS) == ["envelope", "store", "runtime", "bus"]
+    assert list(GROUPS) == [
+        "envelope",
+        "store",
+        "runtime",
+        "bus",
+        "replicate",
+    ]  # (replicate: test_replication.py)
     documents = []
     for group in ("envelope", "store", "runtime"):  # bus: tests/test_bench_bus.py, tiny counts
         code, out, _ = run("bench", group, "--size", "8MiB", "--runs", "1", "--json")

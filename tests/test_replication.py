@@ -232,3 +232,16 @@ async def test_a_zombie_host_can_never_move_the_pointer_again(
             bucket = await bus_b.client.jetstream().object_store("CKPT_GENERATIONS")
             names = [info.name for info in await bucket.list() if not info.deleted]
             assert names == [after[0].object]
+
+
+def test_bench_replicate_reports_ours_beside_bare_nats_py(tmp_path: Path) -> None:
+    """`coordinator bench replicate` measures the upload and nats-py's put of the
+    same file in one run (small, here: the figures are for the bench, not a test)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "coordinator", "bench", "replicate", "--size", "8MiB",
+         "--runs", "1", "--json"], capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (row,) = msgspec.json.decode(done.stdout)["results"]
+    assert row["metric"] == "replicate.upload_mib_s" and row["baseline"] > 0
+    assert row["ratio"] == pytest.approx(row["ours"] / row["baseline"], rel=1e-3)

@@ -172,9 +172,16 @@ def _bus(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Resu
     return run(size=size, runs=runs, progress=progress)
 
 
+def _replicate(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Result]:
+    from .replicate import run
+
+    return run(size=size, runs=runs, progress=progress)
+
+
 GROUPS: dict[str, Group] = {
     "envelope": _envelope,
     "store": _store,
     "runtime": _runtime,
     "bus": _bus,
+    "replicate": _replicate,
 }
