@@ -245,3 +245,26 @@ def test_bench_replicate_reports_ours_beside_bare_nats_py(tmp_path: Path) -> Non
     (row,) = msgspec.json.decode(done.stdout)["results"]
     assert row["metric"] == "replicate.upload_mib_s" and row["baseline"] > 0
     assert row["ratio"] == pytest.approx(row["ours"] / row["baseline"], rel=1e-3)
+
+
+@pytest.mark.asyncio
+async def test_commits_made_while_no_replicator_ran_are_caught_up_at_start(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A host commits with no replicator (the cluster was away); a replicator
+    started later uploads the session's high water at once."""
+    parts = [Part("world", os.urandom(10_000)), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with Coordinator(store, bus, parts, session_id="s1",
+                               describe=HostDescription(agents=["a"])) as host:  # fmt: skip
+            for step in (1, 2):
+                await host.checkpoint(step)
+            newest = f"{host.epoch}-2"
+        async with Replicator(bus, store) as replicator:
+            assert replicator.counts["caught_up"] == 1
+            try:
+                await until(lambda: replicator.counts["replicated"] == 1)
+            except TimeoutError:
+                pytest.fail(f"{replicator.counts} {list(replicator.errors)}")
+            found = await replicator.replicas.pointer("s1")
+            assert found is not None and found[0].record.checkpoint_id == newest

@@ -237,11 +237,13 @@ class Replicator:
         self._wake = anyio.Event()
         self._group: Any = None
         self.counts: collections.Counter[str] = collections.Counter()
+        self.errors: collections.deque[Exception] = collections.deque(maxlen=8)
 
     async def __aenter__(self) -> Self:
         await self.replicas.open()
         for lease in self.leases.values():  # a new owner fences the pointer at once
             await self.replicas.fence(lease)
+        await self._catch_up()
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
         subscription = await self.bus.subscribe()
@@ -252,6 +254,30 @@ class Replicator:
     async def __aexit__(self, *exc: object) -> None:
         self._group.cancel_scope.cancel()
         await self._group.__aexit__(None, None, None)
+
+    async def _catch_up(self) -> None:
+        """Each session's high water that its pointer does not name yet (committed
+        while no replicator ran) is offered first."""
+        sessions = {record.session_id for record in self.store.generations}
+        for session_id in sorted(sessions):
+            state = self.store.session(session_id)
+            record = self.store.lookup(state.high_water) if state and state.high_water else None
+            if record is None:
+                continue
+            found = await self.replicas.pointer(session_id)
+            if found is not None and found[0].record.checkpoint_id == record.checkpoint_id:
+                continue
+            with await self.store.read(record.checkpoint_id, session_id=session_id) as stored:
+                payload_bytes = sum(int(p.byte_length) for p in stored.manifest.payloads)
+            committed = Committed(
+                seq=0, event_id="", time=rfc3339_now(), checkpoint_id=record.checkpoint_id,
+                session_id=session_id, epoch=record.epoch, episode_id=record.episode_id,
+                boundary=record.boundary, byte_length=str(payload_bytes),
+                generation=record.file, envelope_digest=record.envelope_digest,
+                envelope_bytes=record.byte_length, high_water=record.checkpoint_id,
+            )  # fmt: skip
+            self.offer(committed)
+            self.counts["caught_up"] += 1
 
     def offer(self, committed: Committed) -> None:
         """Replicate this commit (it replaces one of its session still waiting)."""
@@ -285,11 +311,12 @@ class Replicator:
                 self.fenced[session_id] = error
             except (BusUnavailableError, OSError, TimeoutError, ConnectionError) as error:
                 self.counts["retried"] += 1
+                self.errors.append(error)
                 self._waiting.setdefault(session_id, committed)  # a newer one wins
-                del error
                 await anyio.sleep(_RETRY_S)
-            except Exception:
+            except Exception as error:  # kept for statistics; the next commit tries again
                 self.counts["failed"] += 1
+                self.errors.append(error)
 
     async def _replicate(self, committed: Committed) -> None:
         record = self.store.lookup(committed.checkpoint_id)
