@@ -46,7 +46,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, Protocol, Self
 
 import anyio
 import msgspec
@@ -110,6 +110,7 @@ __all__ = [
     "CaptureScope",
     "Coordinator",
     "Participant",
+    "ReplicaSource",
     "RestoreReport",
     "RestoreScope",
     "Resumed",
@@ -133,6 +134,12 @@ class RestoreReport(msgspec.Struct, frozen=True, kw_only=True):
     event: Restored  # as published: the abandoned range, the reason, the identity
     skipped: tuple[SkippedGeneration, ...] = ()  # newer, incompatible (default selection)
     allowed_incompatible: tuple[IdentityDifference, ...] = ()  # overridden differences
+
+
+class ReplicaSource(Protocol):
+    """Where a session's replicated generation comes from (``bus.Replicas``)."""
+
+    async def fetch(self, session_id: str, directory: str) -> StoredCheckpoint: ...
 
 
 class Resumed(msgspec.Struct, frozen=True, kw_only=True):
@@ -564,14 +571,32 @@ class Coordinator:
                 continue
             return epoch
 
-    async def resume(self) -> Resumed:
+    async def _adopt(self, source: ReplicaSource) -> None:
+        """Bring the session's replicated generation into the local store, which has
+        none of it: fetched and verified by every reader check, then committed here
+        under its own epoch (recorded in this store, as used)."""
+        with await source.fetch(self.session_id, str(self.store.path)) as stored:
+            payloads = [(name, bytes(stored.payload(name))) for name in stored.envelope.names]
+            manifest = stored.manifest
+        await self.store.open_epoch(self.session_id, manifest.source_scope.epoch)
+        await self.store.commit(manifest, payloads)
+
+    async def resume(self, *, source: ReplicaSource | None = None) -> Resumed:
         """Continue the session after a restart: restore its newest compatible
         checkpoint into a fresh epoch (``fresh_epoch``). ``Resumed.step`` is the
         boundary the state is at, so the host's next step is ``step + 1``; it is
         ``None`` when the session has no checkpoint (start from the beginning).
+        With ``source`` (``Replicas``) and no checkpoint of the session on the local
+        disk, the replicated generation is fetched, verified and committed locally
+        first: a host with an empty disk goes on from another host's checkpoint.
         An incompatible newest generation is passed over for an older compatible
         one (``report.skipped``); when none is compatible,
         ``IncompatibleStateError``."""
+        if source is not None and not self.store.timeline(self.session_id):
+            try:  # an empty local disk: start from the replicated tier
+                await self._adopt(source)
+            except GenerationNotFoundError:
+                return Resumed(step=None, report=None)
         try:
             report = await self.restore(new_epoch=self.fresh_epoch())
         except GenerationNotFoundError:

@@ -5,6 +5,7 @@ with nothing on its disk, verified by every reader check."""
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from coordinator.bus._replica import Replicas, Replicator
 from coordinator.events import Committed, Replicated
 from coordinator.server import EmbeddedServer
 from coordinator.session import CaptureScope, RestoreScope
+from coordinator.store import SyncStore
 
 
 @pytest_asyncio.fixture
@@ -146,8 +148,8 @@ def test_a_newer_commit_replaces_one_still_waiting() -> None:
     """While an upload runs, a newer commit of the session replaces the waiting
     one, which the next ``replicated`` names in ``passedOver``."""
     replicator = Replicator.__new__(Replicator)
-    replicator._waiting, replicator._passed = {}, __import__("collections").defaultdict(list)
-    replicator.counts = __import__("collections").Counter()
+    replicator._waiting, replicator._passed = {}, collections.defaultdict(list)
+    replicator.counts = collections.Counter()
     replicator._wake = anyio.Event()
     first = msgspec.structs.replace(_committed(), checkpoint_id="c1")
     second = msgspec.structs.replace(_committed(), checkpoint_id="c2")
@@ -268,3 +270,29 @@ async def test_commits_made_while_no_replicator_ran_are_caught_up_at_start(
                 pytest.fail(f"{replicator.counts} {list(replicator.errors)}")
             found = await replicator.replicas.pointer("s1")
             assert found is not None and found[0].record.checkpoint_id == newest
+
+
+@pytest.mark.asyncio
+async def test_a_host_with_an_empty_disk_resumes_another_hosts_session_and_goes_on(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Host B, with nothing on its disk, resumes session s1 from the replicated tier:
+    the state host A replicated last is installed, B's store starts from that
+    generation, and B goes on checkpointing into an epoch of its own."""
+    parts, _ = await replicated_run(server.url, tmp_path / "a", 3)
+    fresh = [Part("world", b""), Part("agent-a", b"")]
+    async with (
+        NatsBus(server.url) as bus,
+        FileStore(tmp_path / "b") as store,
+        Coordinator(store, bus, fresh, session_id="s1",
+                    describe=HostDescription(agents=["a"])) as host,
+    ):  # fmt: skip
+        replicas = await Replicas(bus).open()
+        resumed = await host.resume(source=replicas)
+        assert resumed.step == 3
+        assert [p.data for p in fresh] == [p.data for p in parts]
+        fresh[0].data = b"next"
+        assert isinstance(await host.checkpoint(4), Committed)
+    with SyncStore(tmp_path / "b", read_only=True) as reader:
+        assert reader.verify().ok
+        assert [g.boundary for g in reader.generations] == ["3", "4"]
