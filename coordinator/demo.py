@@ -33,7 +33,7 @@ import msgspec
 from ._errors import RemoteWorkerError, SaveFailedError, UsageError, WriterBusyError
 from ._sample import sample_body
 from ._stats import percentile
-from .events import Committed, Event, Failed, Restored, Superseded, event_name
+from .events import Committed, Event, Failed, Replicated, Restored, Superseded, event_name
 from .fs import FileSystem
 from .manifest import ManifestBody
 from .server import EmbeddedServer
@@ -149,6 +149,8 @@ def _show(event: Event, out: TextIO) -> None:
     elif isinstance(event, Restored):
         extra = f"into {event.epoch} ({event.reason}); abandoned "
         extra += _abandoned_text(event)
+    elif isinstance(event, Replicated):
+        extra = f"-> {event.object} (pointer revision {event.pointer_revision})"
     _say(out, f"  {event.seq:4}  {kind:10}  {event.checkpoint_id:12}  {extra}")
 
 
@@ -323,12 +325,14 @@ async def _host(
             if out is not None:
                 _show(event, out)
 
+    from .bus._replica import Replicator
     from .remote import RemoteParticipant
 
     remote = RemoteParticipant(bus, REMOTE_AGENT)
     async with (
         _remote_agent(url, REMOTE_AGENT, AGENT_BYTES, 4),
         FileStore(store_dir, fs=disk) as store,
+        Replicator(bus, store) as replicator,  # each commit also to the cluster
         anyio.create_task_group() as group,
     ):
         group.start_soon(watch)
@@ -353,6 +357,9 @@ async def _host(
             restored = await coordinator.restore(oldest, new_epoch=f"{run}-2")
             identical = world.state == worlds[int(restored.record.boundary)]
         generations = store.generations
+        with anyio.move_on_after(10):  # the final commit reaches the replicated tier
+            while replicator.counts["replicated"] == 0 or replicator.pending:
+                await anyio.sleep(0.05)
         await anyio.sleep(0.2)  # let the last events reach the monitor
         group.cancel_scope.cancel()
     await subscription.aclose()

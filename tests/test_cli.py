@@ -274,7 +274,7 @@ def test_demo_shows_every_event_kind_and_restores_the_world(tmp_path: Path) -> N
     code, out, err = run("demo", "--steps", "31", "--store", str(tmp_path / "saves"), "--json")
     assert code == 0, err
     summary = json.loads(out)
-    assert set(summary["events"]) == set(EVENT_NAMES) - {"replicated"}  # (no replication yet)
+    assert set(summary["events"]) == set(EVENT_NAMES)
     assert summary["events"]["restored"] == 1
     assert summary["world_identical"] is True
     assert summary["generations"] >= 1

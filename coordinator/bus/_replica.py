@@ -238,6 +238,7 @@ class Replicator:
         self._group: Any = None
         self.counts: collections.Counter[str] = collections.Counter()
         self.errors: collections.deque[Exception] = collections.deque(maxlen=8)
+        self._busy = 0
 
     async def __aenter__(self) -> Self:
         await self.replicas.open()
@@ -279,6 +280,11 @@ class Replicator:
             self.offer(committed)
             self.counts["caught_up"] += 1
 
+    @property
+    def pending(self) -> int:
+        """Sessions with a commit waiting to be replicated (or being replicated)."""
+        return len(self._waiting) + self._busy
+
     def offer(self, committed: Committed) -> None:
         """Replicate this commit (it replaces one of its session still waiting)."""
         earlier = self._waiting.get(committed.session_id)
@@ -302,6 +308,7 @@ class Replicator:
                 continue
             session_id = next(iter(self._waiting))
             committed = self._waiting.pop(session_id)
+            self._busy = 1
             if session_id in self.fenced:
                 continue
             try:
@@ -317,6 +324,8 @@ class Replicator:
             except Exception as error:  # kept for statistics; the next commit tries again
                 self.counts["failed"] += 1
                 self.errors.append(error)
+            finally:
+                self._busy = 0
 
     async def _replicate(self, committed: Committed) -> None:
         record = self.store.lookup(committed.checkpoint_id)
