@@ -296,3 +296,99 @@ async def test_a_host_with_an_empty_disk_resumes_another_hosts_session_and_goes_
     with SyncStore(tmp_path / "b", read_only=True) as reader:
         assert reader.verify().ok
         assert [g.boundary for g in reader.generations] == ["3", "4"]
+
+
+# --- the attack round's breaks ---------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "pointer",
+    [b"{1:2}", b'{"record": 5}', b"{}", "foreign", "../../evil"],
+    ids=["bad-json", "wrong-types", "empty", "another-sessions-object", "path-file"],
+)
+async def test_a_pointer_we_did_not_write_is_a_typed_refusal(
+    server: EmbeddedServer, tmp_path: Path, pointer: Any
+) -> None:
+    """A malformed pointer, one naming another session's object, or a record whose
+    file is a path: `replica.pointer`, no traceback, nothing written anywhere."""
+    await replicated_run(server.url, tmp_path / "a", 1)
+    async with NatsBus(server.url) as bus:
+        kv = await bus.client.jetstream().key_value("CKPT_REPLICAS")
+        good = msgspec.json.decode((await kv.get("s1")).value)
+        if pointer == "foreign":
+            value = msgspec.json.encode({**good, "object": "s2/" + good["record"]["file"]})
+        elif pointer == "../../evil":
+            value = msgspec.json.encode({**good, "record": {**good["record"], "file": pointer}})
+        else:
+            value = pointer
+        await kv.put("s1", value)
+    target = tmp_path / "out" / "restored"
+    target.parent.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "coordinator", "restore", server.url, "--session", "s1",
+         "--to", str(target)], capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0 and "[replica.pointer]" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert list(target.parent.iterdir()) == []
+
+
+@pytest.mark.asyncio
+async def test_a_lease_no_holder_could_have_written_can_be_taken(
+    server: EmbeddedServer,
+) -> None:
+    """Malformed JSON, a NaN TTL, a renewal from the year 3000: no live holder wrote
+    them, so a host takes the lease instead of being locked out (or crashing)."""
+    async with NatsBus(server.url) as bus:
+        async with SessionLease(bus, "s0", ttl=5):
+            pass  # (makes the bucket)
+        kv = await bus.client.jetstream().key_value("CKPT_LEASES")
+        hostile = [
+            ("s1", b"{not json"),
+            ("s2", b'{"holder":"x","ttlS":NaN,"renewedAt":1}'),
+            ("s3", b'{"holder":"x","ttlS":1,"renewedAt":32503680000}'),
+        ]
+        for session, value in hostile:
+            await kv.put(session, value)
+            async with SessionLease(bus, session, ttl=5) as lease:
+                await lease.check()
+
+
+@pytest.mark.asyncio
+async def test_a_holder_alone_never_loses_its_own_lease(server: EmbeddedServer) -> None:
+    """Checks racing the holder's own renewals (a short TTL renews often) never
+    take the renewal for another host's write."""
+    async with NatsBus(server.url) as bus, SessionLease(bus, "s1", ttl=0.05) as lease:
+        with anyio.move_on_after(2):
+            while True:
+                await lease.check()
+        assert lease.lost is None
+
+
+@pytest.mark.asyncio
+async def test_a_refused_zombie_upload_never_deletes_the_object_the_pointer_names(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The zombie re-uploads the very generation the pointer names (a retried or
+    re-announced commit): refused, and the pointed object stays restorable."""
+    parts = [Part("world", os.urandom(10_000)), Part("agent-a", b"a")]
+    async with (
+        NatsBus(server.url) as bus_a,
+        NatsBus(server.url) as bus_b,
+        SessionLease(bus_a, "s1", ttl=30, holder="a") as lease_a,
+        FileStore(tmp_path / "a") as store,
+        Replicator(bus_a, store, leases=[lease_a]) as replicator,
+        Coordinator(store, bus_a, parts, session_id="s1",
+                    describe=HostDescription(agents=["a"])) as host,
+    ):  # fmt: skip
+        committed = await host.checkpoint(1)
+        await until(lambda: replicator.counts["replicated"] == 1)
+        async with SessionLease(bus_b, "s1", ttl=30, take_over=True) as taker:
+            replicas_b = await Replicas(bus_b).open()
+            await replicas_b.fence(taker)
+            assert isinstance(committed, Committed)
+            replicator.offer(committed)  # the same generation again, from the zombie
+            await until(lambda: replicator.counts["fenced"] == 1)
+            with await replicas_b.fetch("s1", str(tmp_path)) as stored:
+                assert bytes(stored.payload("world")) == parts[0].data

@@ -18,6 +18,7 @@ within a small part of the TTL.
 from __future__ import annotations
 
 import contextlib
+import math
 import secrets
 import socket
 import time
@@ -35,6 +36,7 @@ from ._nats import NatsBus
 __all__ = ["LEASES_BUCKET", "LeaseLostError", "SessionLease", "SessionLeasedError"]
 
 LEASES_BUCKET = "CKPT_LEASES"
+MAX_TTL_S = 24 * 3600.0
 
 
 class SessionLeasedError(CoordinatorError):
@@ -56,6 +58,20 @@ class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     renewed_at: float  # the holder's wall clock, seconds since the epoch
 
 
+def _held(value: bytes | None) -> LeaseRecord | None:
+    """The lease a KV value records, or ``None`` for one no holder could have
+    written (malformed, a TTL that is not a positive finite number, a renewal
+    from the future): it can be taken like an expired one."""
+    try:
+        held = msgspec.json.decode(value or b"", type=LeaseRecord)
+    except msgspec.MsgspecError:
+        return None
+    sane = math.isfinite(held.ttl_s) and 0 < held.ttl_s <= MAX_TTL_S
+    if not (sane and math.isfinite(held.renewed_at) and held.renewed_at <= time.time() + 60):
+        return None
+    return held
+
+
 class SessionLease:
     """``async with SessionLease(bus, "s1") as lease:`` holds session ``s1`` while
     the block runs (renewed every ``ttl / 3`` seconds). ``lease.revision`` is the
@@ -70,8 +86,8 @@ class SessionLease:
         take_over: bool = False,
         holder: str | None = None,
     ) -> None:
-        if ttl <= 0:
-            raise ValueError("a lease needs a positive TTL")
+        if not 0 < ttl <= MAX_TTL_S:
+            raise ValueError(f"a lease's TTL is positive, at most {MAX_TTL_S:.0f} s")
         self.bus = bus
         self.session_id = check_id(session_id)
         self.ttl = ttl
@@ -80,8 +96,8 @@ class SessionLease:
         self.revision = 0
         self.lost: LeaseLostError | None = None
         self._kv: Any = None
-        self._scope: anyio.CancelScope | None = None
         self._group: Any = None
+        self._writing = anyio.Lock()  # a renewal and a check never interleave
 
     @property
     def key(self) -> str:
@@ -124,9 +140,10 @@ class SessionLease:
             if "wrong last sequence" not in str(error).lower():
                 raise
         entry = await self._kv.get(self.key)
-        held = msgspec.json.decode(entry.value, type=LeaseRecord)
-        expired = time.time() - held.renewed_at > held.ttl_s
+        held = _held(entry.value)
+        expired = held is None or time.time() - held.renewed_at > held.ttl_s
         if not (expired or self.take_over):
+            assert held is not None
             left = held.ttl_s - (time.time() - held.renewed_at)
             raise SessionLeasedError(
                 f"session {self.session_id} is held by {held.holder} (renewed "
@@ -146,9 +163,10 @@ class SessionLease:
         while True:
             await anyio.sleep(self.ttl / 3)
             try:
-                self.revision = int(
-                    await self._kv.update(self.key, self._value(), last=self.revision)
-                )
+                async with self._writing:
+                    self.revision = int(
+                        await self._kv.update(self.key, self._value(), last=self.revision)
+                    )
             except KeyWrongLastSequenceError:
                 self.lost = LeaseLostError(
                     f"the lease of session {self.session_id} was taken over: "
@@ -162,14 +180,16 @@ class SessionLease:
         """``LeaseLostError`` unless the lease is still this holder's revision."""
         if self.lost is not None:
             raise self.lost
-        try:
-            entry = await self._kv.get(self.key)
-        except Exception as error:
-            if type(error).__name__ in ("KeyNotFoundError", "KeyDeletedError"):
-                entry = None
-            else:
-                raise
-        if entry is None or int(entry.revision) != self.revision:
+        async with self._writing:  # (a renewal's new revision is known once it is read)
+            try:
+                entry = await self._kv.get(self.key)
+            except Exception as error:
+                if type(error).__name__ in ("KeyNotFoundError", "KeyDeletedError"):
+                    entry = None
+                else:
+                    raise
+            held = entry is not None and int(entry.revision) == self.revision
+        if not held:
             self.lost = LeaseLostError(
                 f"the lease of session {self.session_id} is no longer {self.holder}'s"
             )

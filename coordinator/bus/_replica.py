@@ -17,15 +17,18 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Self
 
 import anyio
 import msgspec
+from nats.errors import Error as NatsError
 from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
-from .._errors import BusUnavailableError, CoordinatorError, GenerationNotFoundError
+from .._errors import CoordinatorError, GenerationNotFoundError
 from ..events import Committed, Replicated, Timings, event_id, rfc3339_now, subject_token
 from ..fs import FileSystem
 from ..remote._objects import ObjectBucket
@@ -39,11 +42,14 @@ __all__ = [
     "POINTERS_BUCKET",
     "ReplicaFencedError",
     "ReplicaPointer",
+    "ReplicaPointerError",
     "Replicas",
     "Replicator",
 ]
 
 GENERATIONS_BUCKET = "CKPT_GENERATIONS"
+# A generation file's name in a store: <checkpoint id>.flysess, or <id>+1.flysess.
+_GENERATION_FILE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}(?:\+1)?\.flysess")
 POINTERS_BUCKET = "CKPT_REPLICAS"
 _RETRY_S = 1.0  # between attempts while the cluster cannot take an upload
 
@@ -52,6 +58,13 @@ class ReplicaFencedError(CoordinatorError):
     """The session's pointer moved under us (another writer): not overwritten."""
 
     code: ClassVar[str] = "replica.fenced"
+
+
+class ReplicaPointerError(CoordinatorError):
+    """The session's pointer in the KV bucket is not one we wrote: malformed, or
+    naming another session's object or a file that is no generation's."""
+
+    code: ClassVar[str] = "replica.pointer"
 
 
 class ReplicaPointer(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -101,7 +114,25 @@ class Replicas:
             raise
         if entry.value is None:
             return None
-        return msgspec.json.decode(entry.value, type=ReplicaPointer), int(entry.revision)
+        try:
+            pointer = msgspec.json.decode(entry.value, type=ReplicaPointer)
+        except msgspec.MsgspecError as error:
+            raise ReplicaPointerError(
+                f"the replicated pointer of session {session_id} is malformed: {error}"
+            ) from None
+        file = pointer.record.file
+        expected = f"{subject_token(session_id)}/{file}"
+        if (
+            pointer.record.session_id != session_id
+            or pointer.object != expected
+            or not _GENERATION_FILE.fullmatch(file)
+        ):
+            raise ReplicaPointerError(
+                f"the replicated pointer of session {session_id} names {pointer.object!r} "
+                f"(session {pointer.record.session_id}, file {file!r}), not its own "
+                f"generation {expected!r}"
+            )
+        return pointer, int(entry.revision)
 
     async def fence(self, lease: SessionLease) -> None:
         """Stamp the session's pointer with ``lease``'s revision (a new owner does it
@@ -165,18 +196,42 @@ class Replicas:
                     f"{record.checkpoint_id} was not made the replicated one"
                 ) from error
         except (LeaseLostError, ReplicaFencedError):
-            with contextlib.suppress(Exception):  # a zombie's upload is not left behind
-                await self._objects.delete(name)
+            await self._discard(name, record.session_id)  # a zombie's upload is not left
             raise
         for dropped in kept[self.keep :]:  # only once the pointer no longer names them
             with contextlib.suppress(Exception):
                 await self._objects.delete(dropped)
         return pointer, int(revision)
 
+    async def _discard(self, name: str, session_id: str) -> None:
+        """Delete an object this host uploaded and will not point to, unless the
+        pointer (another host's, now) names it: it may be the very same file."""
+        assert self._objects is not None
+        with contextlib.suppress(Exception):
+            found = await self.pointer(session_id)
+            if found is None or name not in found[0].kept:
+                await self._objects.delete(name)
+
+    async def sweep(self, session_id: str) -> int:
+        """Delete the session's objects its pointer does not keep (left by a host
+        killed between an upload and its pointer update, or before its deletes).
+        Only the session's lease holder may: another host's upload in flight would
+        be deleted too. Returns how many."""
+        assert self._objects is not None
+        found = await self.pointer(session_id)
+        kept = set(found[0].kept) if found is not None else set()
+        prefix = f"{subject_token(session_id)}/"
+        swept = 0
+        for name in await self._objects.names():
+            if name.startswith(prefix) and name not in kept:
+                swept += await self._objects.delete(name)
+        return swept
+
     async def fetch(self, session_id: str, directory: str) -> StoredCheckpoint:
         """The session's pointed-to generation, downloaded into ``directory`` (a
-        nameless temporary file) and verified by every reader check against the
-        pointer's record: length, whole-file digest, envelope, manifest."""
+        temporary file of a random name, gone once it is mapped) and verified by
+        every reader check against the pointer's record: length, whole-file
+        digest, envelope, manifest."""
         assert self._objects is not None
         found = await self.pointer(session_id)
         if found is None:
@@ -186,15 +241,15 @@ class Replicas:
         data = await self._objects.read(
             pointer.object, int(record.byte_length), record.envelope_digest
         )
-        target = os.path.join(directory, f".replica-{os.getpid()}-{record.file}")
-        with open(target, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
+        # A new file of a random name (O_EXCL: never a symlink someone planted),
+        # unlinked as soon as it is mapped: the map keeps the bytes.
+        fd, target = tempfile.mkstemp(prefix=".replica-", suffix=".flysess", dir=directory)
         try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
             return read_generation(FileSystem(), target, record)
         finally:
-            os.unlink(target)  # the map keeps the bytes
+            os.unlink(target)
 
 
 @contextlib.contextmanager
@@ -242,8 +297,9 @@ class Replicator:
 
     async def __aenter__(self) -> Self:
         await self.replicas.open()
-        for lease in self.leases.values():  # a new owner fences the pointer at once
+        for lease in self.leases.values():  # a new owner fences the pointer at once,
             await self.replicas.fence(lease)
+            self.counts["swept"] += await self.replicas.sweep(lease.session_id)  # and sweeps
         await self._catch_up()
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
@@ -316,7 +372,10 @@ class Replicator:
             except (LeaseLostError, ReplicaFencedError) as error:  # another host owns it now
                 self.counts["fenced"] += 1
                 self.fenced[session_id] = error
-            except (BusUnavailableError, OSError, TimeoutError, ConnectionError) as error:
+            except (ReplicaPointerError, ValueError) as error:  # not the cluster's fault
+                self.counts["failed"] += 1
+                self.errors.append(error)
+            except (CoordinatorError, NatsError, OSError, TimeoutError) as error:  # the cluster
                 self.counts["retried"] += 1
                 self.errors.append(error)
                 self._waiting.setdefault(session_id, committed)  # a newer one wins
