@@ -1,0 +1,55 @@
+"""A host for the replicated tier's kill test: it takes its session's lease over
+(the previous run was killed), and commits and replicates until it is killed."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import anyio
+
+from coordinator import Coordinator, FileStore, HostDescription
+from coordinator.bus import NatsBus
+from coordinator.bus._lease import SessionLease
+from coordinator.bus._replica import Replicator
+from coordinator.session import CaptureScope, RestoreScope
+
+
+class Part:
+    def __init__(self, name: str, data: bytes) -> None:
+        self.name, self.data = name, data
+
+    async def capture(self, scope: CaptureScope) -> bytes:
+        return self.data
+
+    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
+        return bytes(payload)
+
+    async def activate_restore(self, token: bytes) -> None:
+        self.data = token
+
+    async def abort_restore(self, token: bytes) -> None:
+        pass
+
+
+async def main(url: str, store_dir: str) -> None:
+    parts = [Part("world", os.urandom(200_000)), Part("agent-a", b"a")]
+    async with (
+        NatsBus(url) as bus,
+        SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+        FileStore(store_dir) as store,
+        Replicator(bus, store, keep=1, leases=[lease]) as replicator,
+        Coordinator(store, bus, parts, session_id="s1",
+                    describe=HostDescription(agents=["a"])) as host,
+    ):  # fmt: skip
+        print(f"ready swept={replicator.counts['swept']}", flush=True)
+        step = 0
+        while True:
+            step += 1
+            parts[0].data = os.urandom(200_000)
+            await host.checkpoint(step)
+            await anyio.sleep(0.01)
+
+
+if __name__ == "__main__":
+    anyio.run(main, sys.argv[1], sys.argv[2])
