@@ -6,6 +6,7 @@ with nothing on its disk, verified by every reader check."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import subprocess
 import sys
@@ -429,3 +430,48 @@ async def test_a_host_killed_mid_upload_never_leaves_a_pointer_to_a_partial_obje
         bucket = await bus.client.jetstream().object_store("CKPT_GENERATIONS")
         names = [info.name for info in await bucket.list() if not info.deleted]
         assert len(names) <= 2, names  # keep=1, and at most one upload in flight
+
+
+@pytest.mark.asyncio
+async def test_local_commits_go_on_through_a_cluster_outage_and_replication_catches_up(
+    tmp_path: Path,
+) -> None:
+    """The NATS server dies: local commits go on (each one committed, none waiting
+    for the cluster). It comes back on the same port and store: the replicator
+    uploads the newest generation, not every one it missed."""
+    server = EmbeddedServer(tmp_path / "nats")
+    await server.start()
+    parts = [Part("world", os.urandom(20_000)), Part("agent-a", b"a")]
+    try:
+        async with (
+            NatsBus(server.url) as bus,
+            FileStore(tmp_path / "a") as store,
+            Replicator(bus, store) as replicator,
+            Coordinator(store, bus, parts, session_id="s1",
+                        describe=HostDescription(agents=["a"])) as host,
+        ):  # fmt: skip
+            await host.checkpoint(1)
+            await until(lambda: replicator.counts["replicated"] == 1)
+            await server.kill()
+            for step in range(2, 7):
+                parts[0].data = os.urandom(20_000)
+                with anyio.fail_after(10):  # never waits for the cluster
+                    assert isinstance(await host.checkpoint(step), Committed)
+            newest = f"{host.epoch}-6"
+            revived = EmbeddedServer(tmp_path / "nats", port=server.port)
+            await revived.start()
+            server = revived
+
+            async def pointed() -> str | None:
+                found = await replicator.replicas.pointer("s1")
+                return None if found is None else found[0].record.checkpoint_id
+
+            with anyio.fail_after(60):
+                while True:
+                    with contextlib.suppress(Exception):
+                        if await pointed() == newest:
+                            break
+                    await anyio.sleep(0.2)
+            assert replicator.counts["replicated"] < 6  # the missed ones were passed over
+    finally:
+        await server.stop()
