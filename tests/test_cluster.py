@@ -511,3 +511,61 @@ async def test_stream_leader_killed_mid_run_loses_and_duplicates_nothing(
     members = {caught_up.cluster.leader, *(peer.name for peer in caught_up.cluster.replicas)}
     assert outcome.victim in members
     assert caught_up.state.messages == len(expected)
+
+
+# --- the replicated tier on the cluster (issue 14) -------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_replication_survives_the_object_streams_leader_killed(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """An R3 replicated tier: the object bucket's stream leader is SIGKILLed after
+    three generations reached it; the host goes on committing, and replication
+    resumes on the new leader until the pointer names the newest generation, whose
+    object verifies. Nothing the pointer named is lost."""
+    from test_replication import Part
+
+    from coordinator import Coordinator, HostDescription
+    from coordinator.bus._replica import GENERATIONS_BUCKET, Replicas, Replicator
+
+    parts = [Part("world", b"w" * 200_000), Part("agent-a", b"a")]
+    async with admin(cluster.urls) as js:
+        await bus_creates_r3(cluster, js)
+        async with (
+            NatsBus(cluster.urls, replicas=3) as bus,
+            FileStore(tmp_path / "store") as store,
+            Replicator(bus, store) as replicator,
+            Coordinator(store, bus, parts, session_id=SESSION,
+                        describe=HostDescription(agents=["a"])) as host,
+        ):  # fmt: skip
+
+            async def pointed() -> str | None:
+                with contextlib.suppress(Exception):
+                    found = await replicator.replicas.pointer(SESSION)
+                    return None if found is None else found[0].record.checkpoint_id
+                return None
+
+            for step in (1, 2, 3):
+                await host.checkpoint(step)
+            third = f"{host.epoch}-3"
+            await poll(lambda: _named(pointed, third), timeout=DRAIN_TIMEOUT,
+                       what="the third generation replicated", cluster=cluster)  # fmt: skip
+            stream = f"OBJ_{GENERATIONS_BUCKET}"
+            assert (await settled(js, stream, cluster)).config.num_replicas == 3
+            victim = await leader_of(js, stream, cluster)
+            await anyio.to_thread.run_sync(cluster.node(victim).kill)
+            for step in range(4, 9):
+                parts[0].data = bytes([step]) * 200_000
+                assert isinstance(await host.checkpoint(step), Committed)
+            newest = f"{host.epoch}-8"
+            await poll(lambda: _named(pointed, newest), timeout=DRAIN_TIMEOUT,
+                       what="the newest generation replicated", cluster=cluster)  # fmt: skip
+        async with NatsBus(cluster.urls, replicas=3) as reader:
+            replicas = await Replicas(reader).open()
+            with await replicas.fetch(SESSION, str(tmp_path)) as stored:
+                assert bytes(stored.payload("world")) == bytes([8]) * 200_000
+
+
+async def _named(pointed: Callable[[], Awaitable[str | None]], wanted: str) -> bool | None:
+    return (await pointed() == wanted) or None
