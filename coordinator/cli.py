@@ -409,7 +409,7 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             error = InvalidScalarError("Id", session_id)
             print(f"coordinator watch: FAILED [{error.code}] --session: {error}", file=err)
             return EXIT_USAGE
-    console = Console(file=out, width=None if out.isatty() else 160)  # pipes: no folding
+    console = Console(file=out, width=None if out.isatty() else 220)  # pipes: no folding
     display = Live(render(SaveState()), console=console, refresh_per_second=8, transient=False)
 
     def show(state: SaveState, session_id: str) -> None:
