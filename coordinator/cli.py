@@ -315,6 +315,8 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .demo import run_demo, summary_json, summary_text
 
     live = None if args.json else out
+    if args.dashboard is not None:
+        return _demo_with_dashboard(args, out, err)
     summary = anyio.run(
         lambda: run_demo(
             steps=args.steps, store_dir=args.store, nats_url=args.nats, out=live, keep=args.keep
@@ -322,6 +324,86 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     )
     print(summary_json(summary) if args.json else summary_text(summary), file=out)
     return EXIT_OK if summary.world_identical else EXIT_FAILED
+
+
+def _listen(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _check_listen(args: argparse.Namespace, err: TextIO) -> tuple[str, int] | None:
+    """The address, if it is loopback or remote access was asked for explicitly;
+    ``None`` (and a line on ``err``) if not, or if the web extra is missing."""
+    import importlib.util
+
+    host, port = args.listen if args.listen else args.dashboard
+    if host not in ("127.0.0.1", "localhost", "::1") and not args.allow_remote:
+        print(f"coordinator: {host} is not loopback: the dashboard shows every session's save "
+              "state to whoever reaches it; pass --allow-remote to mean it", file=err)  # fmt: skip
+        return None
+    if not all(importlib.util.find_spec(name) for name in ("starlette", "uvicorn")):
+        print("coordinator: the dashboard needs the web extra: "
+              "pip install 'checkpoint-coordinator[web]'", file=err)  # fmt: skip
+        return None
+    return host, port
+
+
+def _dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Serve the live save-state page until Ctrl-C."""
+    import anyio
+
+    from .dashboard import serve
+
+    address = _check_listen(args, err)
+    if address is None:
+        return EXIT_USAGE
+    host, port = address
+
+    async def run() -> None:
+        ready = anyio.Event()
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: serve(args.nats, host, port, ready=ready))
+            await ready.wait()
+            print(f"dashboard: http://{host}:{port}/ (following {args.nats}; Ctrl-C to stop)",
+                  file=out, flush=True)  # fmt: skip
+
+    with contextlib.suppress(KeyboardInterrupt):
+        anyio.run(run)
+    return EXIT_OK
+
+
+def _demo_with_dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """The demo, with the dashboard beside it (it stays up after: Ctrl-C to stop)."""
+    import anyio
+
+    from .dashboard import serve
+    from .demo import run_demo, summary_text
+    from .server import EmbeddedServer
+
+    args.listen = None
+    address = _check_listen(args, err)
+    if address is None:
+        return EXIT_USAGE
+    host, port = address
+
+    async def run() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            url = args.nats or (await stack.enter_async_context(EmbeddedServer())).url
+            ready = anyio.Event()
+            async with anyio.create_task_group() as group:
+                group.start_soon(lambda: serve(url, host, port, ready=ready))
+                await ready.wait()
+                print(f"dashboard: http://{host}:{port}/", file=out, flush=True)
+                summary = await run_demo(steps=args.steps, store_dir=args.store, nats_url=url,
+                                         out=out, keep=args.keep)  # fmt: skip
+                print(summary_text(summary), file=out)
+                print("the dashboard stays up: Ctrl-C to stop", file=out, flush=True)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        anyio.run(run)
+    return EXIT_OK
 
 
 def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -521,7 +603,25 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--keep", action="store_true", help="keep the temporary store (with --store: always kept)"
     )
+    demo.add_argument("--dashboard", type=_listen, nargs="?", const=("127.0.0.1", 8321),
+                      default=None, metavar="HOST:PORT",
+                      help="serve the live dashboard beside the demo (127.0.0.1:8321)")  # fmt: skip
+    demo.add_argument("--allow-remote", action="store_true",
+                      help="the dashboard may listen on a non-loopback address")  # fmt: skip
     demo.set_defaults(run=_demo)
+
+    dashboard = commands.add_parser(
+        "dashboard",
+        help="a live web page of save state on a NATS server (read-only)",
+        description="Example: coordinator dashboard --nats nats://127.0.0.1:4222 "
+        "--listen 127.0.0.1:8321",
+    )
+    dashboard.add_argument("--nats", default="nats://127.0.0.1:4222", help="the NATS server URL")
+    dashboard.add_argument("--listen", type=_listen, default=("127.0.0.1", 8321),
+                           metavar="HOST:PORT", help="where to serve (127.0.0.1:8321)")  # fmt: skip
+    dashboard.add_argument("--allow-remote", action="store_true",
+                           help="listen on an address that is not loopback")  # fmt: skip
+    dashboard.set_defaults(run=_dashboard, dashboard=None)
 
     inspect = commands.add_parser(
         "inspect",
