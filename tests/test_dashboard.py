@@ -176,3 +176,38 @@ def test_a_dead_nats_server_is_shown_and_recovered_from(
         page.wait_for_selector("#bus:not(.down)", timeout=20_000)
         assert "connected" in page.locator("#bus").inner_text()
         chrome.close()
+
+
+def test_demo_dashboard_prints_its_url_and_serves_the_demo(tmp_path: Path) -> None:
+    """`coordinator demo --dashboard HOST:PORT` serves the page beside the demo, says
+    where, and keeps serving after the demo until stopped."""
+    import json
+    import urllib.request
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "demo", "--steps", "10", "--dashboard",
+         f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    try:
+        assert process.stdout.readline().strip() == f"dashboard: http://127.0.0.1:{port}/"
+        for line in process.stdout:
+            if line.startswith("the dashboard stays up"):
+                break
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/overview", timeout=10) as reply:
+            overview = json.load(reply)
+        assert [s["sessionId"] for s in overview["sessions"]] == ["demo"]
+        assert overview["sessions"][0]["committed"] > 0
+    finally:
+        process.terminate()
+        _, err = process.communicate(timeout=30)
+    assert "Traceback" not in err, err
+
+
+def test_a_remote_address_needs_to_be_asked_for() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "coordinator", "dashboard", "--listen", "0.0.0.0:8399"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0 and "--allow-remote" in done.stderr
