@@ -38,6 +38,7 @@ from .monitor import SaveState
 __all__ = ["HISTORY", "Dashboard", "app", "serve"]
 
 HISTORY = 100  # checkpoints kept per session; older ones only count
+PUSH_INTERVAL_S = 0.02  # between two updates sent to one page
 FAILURES = 20  # failures kept per session
 RESTORES = 20
 
@@ -82,6 +83,18 @@ class Dashboard:
         self.version = 0  # moves with every event: the page is told when it does
         self.bus = "connecting"
         self.events = 0
+        self._changed = anyio.Event()
+
+    def touch(self) -> None:
+        """Something changed: the pages waiting are told at once."""
+        self.version += 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def changed(self, seen: int) -> None:
+        """Return once ``version`` is past ``seen``."""
+        if self.version == seen:
+            await self._changed.wait()
 
     def apply(self, event: Event) -> None:
         self.state = self.state.apply(event)
@@ -90,7 +103,7 @@ class Dashboard:
         session.kinds[kind] += 1
         session.last_event = time.monotonic()
         self.events += 1
-        self.version += 1
+        self.touch()
         if isinstance(event, Restored):
             session.restores.append({
                 "checkpointId": event.checkpoint_id, "epoch": event.epoch,
@@ -181,15 +194,15 @@ async def follow(dashboard: Dashboard, url: str, *, retry_s: float = 1.0) -> Non
                     fresh.apply(event)
                 dashboard.state, dashboard.sessions = fresh.state, fresh.sessions
                 dashboard.events = fresh.events
-                dashboard.version += 1
                 dashboard.bus = "connected"
+                dashboard.touch()
                 async with subscription, anyio.create_task_group() as group:
                     group.start_soon(_watch_connection, dashboard, bus, group.cancel_scope)
                     async for event in subscription:
                         dashboard.apply(event)
         except Exception as error:  # shown on the page, never a traceback
             dashboard.bus = f"unavailable: {type(error).__name__}: {error}"[:300]
-            dashboard.version += 1
+            dashboard.touch()
         await anyio.sleep(retry_s)
 
 
@@ -202,7 +215,7 @@ async def _watch_connection(dashboard: Dashboard, bus: Any, scope: anyio.CancelS
         if not bus.client.is_connected:
             if not down:
                 dashboard.bus = "unavailable: the connection to NATS is lost; reconnecting"
-                dashboard.version += 1
+                dashboard.touch()
             down = True
         elif down:
             scope.cancel()
@@ -232,10 +245,12 @@ def app(dashboard: Dashboard) -> Any:
         async def changes() -> Any:
             seen = -1
             while not await request.is_disconnected():
+                with anyio.move_on_after(1):  # (a disconnected page is noticed within 1 s)
+                    await dashboard.changed(seen)
                 if dashboard.version != seen:
                     seen = dashboard.version
                     yield f"data: {json.dumps(dashboard.overview())}\n\n"
-                await anyio.sleep(0.05)
+                    await anyio.sleep(PUSH_INTERVAL_S)  # at most 50 pushes a second
 
         return StreamingResponse(changes(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store"})  # fmt: skip

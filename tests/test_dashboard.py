@@ -211,3 +211,19 @@ def test_a_remote_address_needs_to_be_asked_for() -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode != 0 and "--allow-remote" in done.stderr
+
+
+def test_bench_dashboard_measures_the_page_beside_the_bus() -> None:
+    """`coordinator bench dashboard` times events to the page's DOM in Chromium
+    beside the bus's own latency, and the server's memory for 1,000 sessions."""
+    import json
+
+    done = subprocess.run(
+        [sys.executable, "-m", "coordinator", "bench", "dashboard", "--runs", "1", "--json"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = {row["metric"]: row for row in json.loads(done.stdout)["results"]}
+    latency = rows["dashboard.event_to_page_p99_ms"]
+    assert latency["baseline"] > 0 and latency["ours"] > 0
+    assert rows["dashboard.server_rss_mib"]["detail"]["sessions"] == 1000

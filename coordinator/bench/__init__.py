@@ -178,10 +178,17 @@ def _replicate(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> lis
     return run(size=size, runs=runs, progress=progress)
 
 
+def _dashboard(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Result]:
+    from .dashboard import run
+
+    return run(size=size, runs=runs, progress=progress)
+
+
 GROUPS: dict[str, Group] = {
     "envelope": _envelope,
     "store": _store,
     "runtime": _runtime,
     "bus": _bus,
     "replicate": _replicate,
+    "dashboard": _dashboard,
 }
