@@ -249,7 +249,12 @@ def test_every_bench_group_runs_and_reports_baselines() -> None:
     from coordinator.bench import GROUPS
 
     assert list(GROUPS) == [
-        "envelope", "store", "runtime", "bus", "replicate", "dashboard",
+        "envelope",
+        "store",
+        "runtime",
+        "bus",
+        "replicate",
+        "dashboard",
     ]  # fmt: skip  (replicate, dashboard: their own test files)
     documents = []
     for group in ("envelope", "store", "runtime"):  # bus: tests/test_bench_bus.py, tiny counts
