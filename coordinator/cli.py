@@ -495,9 +495,11 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     display = Live(render(SaveState()), console=console, refresh_per_second=8, transient=False)
 
     def show(state: SaveState, session_id: str) -> None:
-        if args.json:
-            session = state.sessions[session_id]
-            print(json.dumps(msgspec.to_builtins(session)), file=out, flush=True)
+        if args.json:  # (the fold's own bookkeeping, folded ids and missing seqs, left out)
+            session = msgspec.to_builtins(state.sessions[session_id])
+            for internal in ("folded", "missing"):
+                session.pop(internal, None)
+            print(json.dumps(session), file=out, flush=True)
         else:
             display.update(render(state))
 
@@ -519,6 +521,7 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             if args.replay_only:
                 return
             async with anyio.create_task_group() as group:
+                group.start_soon(_until_reader_gone, out)
                 for subscription in live:
 
                     async def pump(subscription: Any = subscription) -> None:
@@ -532,6 +535,25 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     anyio.run(follow)
     return EXIT_OK
+
+
+async def _until_reader_gone(out: TextIO) -> None:
+    """While following live, a pipe whose reader went away (``| head -1``) would only
+    be noticed at the next event: poll it, and end as a write to it would."""
+    import select
+
+    import anyio
+
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a file (a test's StringIO)
+    watcher = select.poll()
+    watcher.register(fd, select.POLLERR)
+    while True:
+        if any(events & (select.POLLERR | select.POLLHUP) for _, events in watcher.poll(0)):
+            raise BrokenPipeError(errno.EPIPE, "the reader of standard output went away")
+        await anyio.sleep(0.5)
 
 
 def _schema(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
