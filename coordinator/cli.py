@@ -339,7 +339,9 @@ def _check_listen(args: argparse.Namespace, err: TextIO) -> tuple[str, int] | No
     import importlib.util
 
     host, port = args.listen if args.listen else args.dashboard
-    if host not in ("127.0.0.1", "localhost", "::1") and not args.allow_remote:
+    if host == "localhost":  # bound to loopback itself, whatever the name resolves to
+        host = "127.0.0.1"
+    if host not in ("127.0.0.1", "::1") and not args.allow_remote:
         print(f"coordinator: {host} is not loopback: the dashboard shows every session's save "
               "state to whoever reaches it; pass --allow-remote to mean it", file=err)  # fmt: skip
         return None
@@ -364,7 +366,9 @@ def _dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     async def run() -> None:
         ready = anyio.Event()
         async with anyio.create_task_group() as group:
-            group.start_soon(lambda: serve(args.nats, host, port, ready=ready))
+            group.start_soon(
+                lambda: serve(args.nats, host, port, ready=ready, remote=args.allow_remote)
+            )
             await ready.wait()
             print(f"dashboard: http://{host}:{port}/ (following {args.nats}; Ctrl-C to stop)",
                   file=out, flush=True)  # fmt: skip
@@ -393,7 +397,9 @@ def _demo_with_dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> 
             url = args.nats or (await stack.enter_async_context(EmbeddedServer())).url
             ready = anyio.Event()
             async with anyio.create_task_group() as group:
-                group.start_soon(lambda: serve(url, host, port, ready=ready))
+                group.start_soon(
+                    lambda: serve(url, host, port, ready=ready, remote=args.allow_remote)
+                )
                 await ready.wait()
                 print(f"dashboard: http://{host}:{port}/", file=out, flush=True)
                 summary = await run_demo(steps=args.steps, store_dir=args.store, nats_url=url,

@@ -39,6 +39,9 @@ __all__ = ["HISTORY", "Dashboard", "app", "serve"]
 
 HISTORY = 100  # checkpoints kept per session; older ones only count
 PUSH_INTERVAL_S = 0.02  # between two updates sent to one page
+MAX_STREAMS = 64  # pages following at once; more are refused (503), never queued
+MAX_TEXT = 500  # characters of a code or reason kept (the bus does not bound them)
+MAX_MS = 1e12  # a phase longer than this is no measurement (the schema's maximum)
 FAILURES = 20  # failures kept per session
 RESTORES = 20
 
@@ -53,6 +56,8 @@ class _Stats:
         self.total = 0.0
 
     def add(self, value: float) -> None:
+        if not 0 <= value <= MAX_MS:  # (not finite, or no measurement: not a statistic)
+            return
         self.count += 1
         self.total += value
         self.low = value if self.low is None else min(self.low, value)
@@ -97,7 +102,12 @@ class Dashboard:
             await self._changed.wait()
 
     def apply(self, event: Event) -> None:
+        before = self.state.sessions.get(event.session_id)
         self.state = self.state.apply(event)
+        after = self.state.sessions[event.session_id]
+        if before is not None and after.duplicates > before.duplicates:
+            return  # the fold's rule 2: a re-publication changes nothing, here either
+        late = before is not None and 0 < event.seq < before.last_seq
         session = self.sessions.setdefault(event.session_id, _Session())
         kind = event_name(event)
         session.kinds[kind] += 1
@@ -112,9 +122,11 @@ class Dashboard:
             })  # fmt: skip
             return
         row = session.history.get(event.checkpoint_id)
+        if row is None and late:
+            return  # a checkpoint already aggregated (or never seen): not the newest row
         if row is None:
             row = {"checkpointId": event.checkpoint_id, "boundary": event.boundary,
-                   "status": kind, "time": event.time, "timings": {},
+                   "status": kind, "time": event.time[:64], "timings": {},
                    "bytes": int(event.byte_length), "replicated": False}  # fmt: skip
             session.history[event.checkpoint_id] = row
             while len(session.history) > HISTORY:
@@ -122,8 +134,9 @@ class Dashboard:
         if isinstance(event, Replicated):
             row["replicated"] = True
             return
-        if not isinstance(event, Captured | Queued) or row["status"] in ("captured", "queued"):
-            row["status"] = kind
+        if isinstance(event, Captured | Queued) and row["status"] not in ("captured", "queued"):
+            return  # a late captured or queued: the outcome's timings stay
+        row["status"] = kind
         row["timings"] = msgspec.to_builtins(event.timings)
         if isinstance(event, Committed):
             row["envelopeBytes"] = int(event.envelope_bytes)
@@ -131,9 +144,11 @@ class Dashboard:
             if event.timings.total_ms is not None:
                 session.latency.add(event.timings.total_ms)
         elif isinstance(event, Failed):
-            row["code"] = event.code
-            session.failures.append({"checkpointId": event.checkpoint_id, "code": event.code,
-                                     "reason": event.reason, "time": event.time})  # fmt: skip
+            row["code"] = event.code[:MAX_TEXT]
+            session.failures.append({"checkpointId": event.checkpoint_id,
+                                     "code": event.code[:MAX_TEXT],
+                                     "reason": event.reason[:MAX_TEXT],
+                                     "time": event.time[:64]})  # fmt: skip
         elif isinstance(event, Superseded):
             row["supersededBy"] = event.superseded_by
 
@@ -157,7 +172,8 @@ class Dashboard:
                 "superseded": folded.superseded, "failed": folded.failed,
                 "lastCommitMs": folded.last_committed_ms,
                 "lastCommitBytes": folded.last_committed_bytes,
-                "lastFailure": folded.last_failure, "restores": folded.restores,
+                "lastFailure": (folded.last_failure or "")[:MAX_TEXT] or None,
+                "restores": folded.restores,
                 "replicated": folded.replicated_high_water, "health": health,
                 "kinds": dict(session.kinds), "epoch": folded.epoch,
             })  # fmt: skip
@@ -188,7 +204,7 @@ async def follow(dashboard: Dashboard, url: str, *, retry_s: float = 1.0) -> Non
     while True:
         try:
             async with NatsBus(url, connect_timeout=2) as bus:
-                subscription = await bus.subscribe()
+                subscription = await bus.subscribe(buffer=16384)
                 fresh = Dashboard()
                 for event in await bus.history():
                     fresh.apply(event)
@@ -197,7 +213,9 @@ async def follow(dashboard: Dashboard, url: str, *, retry_s: float = 1.0) -> Non
                 dashboard.bus = "connected"
                 dashboard.touch()
                 async with subscription, anyio.create_task_group() as group:
-                    group.start_soon(_watch_connection, dashboard, bus, group.cancel_scope)
+                    group.start_soon(
+                        _watch_connection, dashboard, bus, subscription, group.cancel_scope
+                    )
                     async for event in subscription:
                         dashboard.apply(event)
         except Exception as error:  # shown on the page, never a traceback
@@ -206,12 +224,18 @@ async def follow(dashboard: Dashboard, url: str, *, retry_s: float = 1.0) -> Non
         await anyio.sleep(retry_s)
 
 
-async def _watch_connection(dashboard: Dashboard, bus: Any, scope: anyio.CancelScope) -> None:
-    """Say so while the connection is down; once it is back, end the live follow
-    so the state is rebuilt from the stream (events of the outage included)."""
+async def _watch_connection(
+    dashboard: Dashboard, bus: Any, subscription: Any, scope: anyio.CancelScope
+) -> None:
+    """Say so while the connection is down; once it is back, or once the live
+    subscription lost events (a burst filled its buffer), end the live follow so
+    the state is rebuilt from the stream, which has them all."""
     down = False
     while True:
         await anyio.sleep(0.25)
+        if subscription.dropped:
+            scope.cancel()
+            return
         if not bus.client.is_connected:
             if not down:
                 dashboard.bus = "unavailable: the connection to NATS is lost; reconnecting"
@@ -222,9 +246,13 @@ async def _watch_connection(dashboard: Dashboard, bus: Any, scope: anyio.CancelS
             return
 
 
-def app(dashboard: Dashboard) -> Any:
-    """The Starlette application: the page, two JSON reads and the SSE stream."""
+def app(dashboard: Dashboard, hosts: list[str] | None = None) -> Any:
+    """The Starlette application: the page, two JSON reads and the SSE stream.
+    ``hosts``: the Host headers it answers (a page of another site resolving its
+    name to 127.0.0.1 is refused: DNS rebinding); ``None``: any."""
     from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.trustedhost import TrustedHostMiddleware
     from starlette.requests import Request
     from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -241,32 +269,53 @@ def app(dashboard: Dashboard) -> Any:
         found = dashboard.session(request.path_params["session_id"])
         return JSONResponse(found) if found is not None else JSONResponse({}, status_code=404)
 
+    streams = 0
+
     async def stream(request: Request) -> Response:
+        nonlocal streams
+        if streams >= MAX_STREAMS:
+            return JSONResponse({"error": "too many pages follow this dashboard"},
+                                status_code=503)  # fmt: skip
+
         async def changes() -> Any:
-            seen = -1
-            while not await request.is_disconnected():
-                with anyio.move_on_after(1):  # (a disconnected page is noticed within 1 s)
-                    await dashboard.changed(seen)
-                if dashboard.version != seen:
-                    seen = dashboard.version
-                    yield f"data: {json.dumps(dashboard.overview())}\n\n"
-                    await anyio.sleep(PUSH_INTERVAL_S)  # at most 50 pushes a second
+            nonlocal streams
+            streams += 1
+            try:
+                async for update in _updates(request):
+                    yield update
+            finally:
+                streams -= 1
 
         return StreamingResponse(changes(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store"})  # fmt: skip
 
+    async def _updates(request: Request) -> Any:
+        seen = -1
+        while not await request.is_disconnected():
+            with anyio.move_on_after(1):  # (a disconnected page is noticed within 1 s)
+                await dashboard.changed(seen)
+            if dashboard.version != seen:
+                seen = dashboard.version
+                yield f"data: {json.dumps(dashboard.overview())}\n\n"
+                await anyio.sleep(PUSH_INTERVAL_S)  # at most 50 pushes a second
+
+    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=hosts)] if hosts else []
     return Starlette(routes=[
         Route("/", index), Route("/api/overview", overview),
         Route("/api/sessions/{session_id}", session), Route("/stream", stream),
-    ])  # fmt: skip
+    ], middleware=middleware)  # fmt: skip
 
 
-async def serve(url: str, host: str, port: int, *, ready: anyio.Event | None = None) -> None:
-    """Run the dashboard until cancelled."""
+async def serve(
+    url: str, host: str, port: int, *, ready: anyio.Event | None = None, remote: bool = False
+) -> None:
+    """Run the dashboard until cancelled. Unless ``remote``, it answers only
+    requests naming a loopback host (``localhost``, ``127.0.0.1``, ``[::1]``)."""
     import uvicorn
 
     dashboard = Dashboard()
-    config = uvicorn.Config(app(dashboard), host=host, port=port, log_level="warning",
+    hosts = None if remote else ["localhost", "127.0.0.1", "::1", "[::1]"]
+    config = uvicorn.Config(app(dashboard, hosts), host=host, port=port, log_level="warning",
                             lifespan="off")  # fmt: skip
     server = uvicorn.Server(config)
     async with anyio.create_task_group() as group:

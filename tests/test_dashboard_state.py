@@ -1,0 +1,99 @@
+"""The dashboard's state and server without a browser (issue 15's attack round):
+re-publications and late events never count twice or rewrite a row, absurd
+timings are no statistic, and a page of another site (DNS rebinding) is refused."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from coordinator.dashboard import Dashboard
+from coordinator.events import Captured, Committed, Failed, Timings
+
+
+def committed(seq: int, checkpoint: str, total_ms: float = 10.0) -> Committed:
+    return Committed(
+        seq=seq, event_id=f"s:e:{checkpoint}:committed", time="2026-12-01T00:00:00.000000Z",
+        checkpoint_id=checkpoint, session_id="s", epoch="e", episode_id="ep",
+        boundary=checkpoint.removeprefix("c"), byte_length="10",
+        timings=Timings(total_ms=total_ms), generation=f"{checkpoint}.flysess",
+        envelope_digest="0" * 64, envelope_bytes="100", high_water=checkpoint,
+    )  # fmt: skip
+
+
+def test_a_republished_event_is_counted_once() -> None:
+    board = Dashboard()
+    event = committed(1, "c1")
+    board.apply(event)
+    board.apply(event)  # the same eventId again (a history read racing the live feed)
+    failed = Failed(seq=2, event_id="s:e:c2:failed", time="t", checkpoint_id="c2",
+                    session_id="s", epoch="e", episode_id="ep", boundary="2",
+                    byte_length="10", code="store.fsync", reason="eio", attempt=1)  # fmt: skip
+    board.apply(failed)
+    board.apply(failed)
+    view = board.session("s")
+    assert view is not None
+    assert view["kinds"] == {"committed": 1, "failed": 1}
+    assert view["latencyMs"]["count"] == 1 and len(view["failures"]) == 1
+    assert board.events == 2
+
+
+def test_late_events_never_rewrite_a_row_or_make_a_newest_one() -> None:
+    board = Dashboard()
+    board.apply(committed(5, "c5", total_ms=42))
+    late = Captured(seq=3, event_id="s:e:c5:captured", time="t", checkpoint_id="c5",
+                    session_id="s", epoch="e", episode_id="ep", boundary="5",
+                    byte_length="10", payloads=(), timings=Timings(capture_ms=1))  # fmt: skip
+    board.apply(late)
+    old = msgspec.structs.replace(committed(2, "c0"), event_id="s:e:c0:failed")
+    board.apply(old)
+    view = board.session("s")
+    assert view is not None
+    rows = view["history"]
+    assert [r["checkpointId"] for r in rows] == ["c5"]
+    assert rows[0]["status"] == "committed" and rows[0]["timings"]["totalMs"] == 42
+
+
+def test_timings_no_measurement_can_have_are_no_statistic() -> None:
+    board = Dashboard()
+    for index, total in enumerate((1.7e308, 1.7e308, 5.0), start=1):
+        board.apply(committed(index, f"c{index}", total_ms=total))
+    latency = board.session("s")["latencyMs"]  # type: ignore[index]
+    assert latency["count"] == 1 and math.isfinite(latency["max"])
+
+
+@pytest.mark.asyncio
+async def test_a_page_of_another_site_is_refused() -> None:
+    """Only Host headers naming loopback are answered (DNS rebinding); the server
+    runs even while its NATS cannot be reached."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    import anyio
+
+    pytest.importorskip("uvicorn")
+    from coordinator.dashboard import serve
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def status(host: str) -> int:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/api/overview",
+                                         headers={"Host": host})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return int(reply.status)
+        except urllib.error.HTTPError as error:
+            return int(error.code)
+
+    async with anyio.create_task_group() as group:
+        ready = anyio.Event()
+        group.start_soon(lambda: serve("nats://127.0.0.1:1", "127.0.0.1", port, ready=ready))
+        await ready.wait()
+        assert await anyio.to_thread.run_sync(status, f"127.0.0.1:{port}") == 200
+        assert await anyio.to_thread.run_sync(status, "attacker.example") == 400
+        group.cancel_scope.cancel()
