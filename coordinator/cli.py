@@ -341,7 +341,7 @@ def _check_listen(args: argparse.Namespace, err: TextIO) -> tuple[str, int] | No
     host, port = args.listen if args.listen else args.dashboard
     if host == "localhost":  # bound to loopback itself, whatever the name resolves to
         host = "127.0.0.1"
-    if host not in ("127.0.0.1", "::1") and not args.allow_remote:
+    if not _is_loopback(host) and not args.allow_remote:
         print(f"coordinator: {host} is not loopback: the dashboard shows every session's save "
               "state to whoever reaches it; pass --allow-remote to mean it", file=err)  # fmt: skip
         return None
@@ -350,6 +350,16 @@ def _check_listen(args: argparse.Namespace, err: TextIO) -> tuple[str, int] | No
               "pip install 'checkpoint-coordinator[web]'", file=err)  # fmt: skip
         return None
     return host, port
+
+
+def _is_loopback(host: str) -> bool:
+    """An address literal in 127.0.0.0/8 or ::1 (a name is not trusted to be one)."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

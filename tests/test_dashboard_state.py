@@ -97,3 +97,18 @@ async def test_a_page_of_another_site_is_refused() -> None:
         assert await anyio.to_thread.run_sync(status, f"127.0.0.1:{port}") == 200
         assert await anyio.to_thread.run_sync(status, "attacker.example") == 400
         group.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed"),
+    [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True),
+     ("0.0.0.0", False), ("::", False), ("vm", False), ("192.0.2.2", False)],
+)  # fmt: skip
+def test_only_loopback_addresses_listen_without_allow_remote(host: str, allowed: bool) -> None:
+    import argparse
+    import io
+
+    from coordinator.cli import _check_listen
+
+    args = argparse.Namespace(listen=(host, 8321), dashboard=None, allow_remote=False)
+    assert (_check_listen(args, io.StringIO()) is not None) == allowed
