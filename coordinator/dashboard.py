@@ -89,6 +89,7 @@ class Dashboard:
         self.bus = "connecting"
         self.events = 0
         self._changed = anyio.Event()
+        self._encoded: tuple[int, str] | None = None
 
     def touch(self) -> None:
         """Something changed: the pages waiting are told at once."""
@@ -151,6 +152,12 @@ class Dashboard:
                                      "time": event.time[:64]})  # fmt: skip
         elif isinstance(event, Superseded):
             row["supersededBy"] = event.superseded_by
+
+    def overview_json(self) -> str:
+        """``overview()`` as JSON, made once per change whoever asks (every page)."""
+        if self._encoded is None or self._encoded[0] != self.version:
+            self._encoded = (self.version, json.dumps(self.overview()))
+        return self._encoded[1]
 
     def overview(self, stale_after: float = 60.0) -> dict[str, Any]:
         """One row per session, and the totals."""
@@ -296,7 +303,7 @@ def app(dashboard: Dashboard, hosts: list[str] | None = None) -> Any:
                 await dashboard.changed(seen)
             if dashboard.version != seen:
                 seen = dashboard.version
-                yield f"data: {json.dumps(dashboard.overview())}\n\n"
+                yield f"data: {dashboard.overview_json()}\n\n"
                 await anyio.sleep(PUSH_INTERVAL_S)  # at most 50 pushes a second
 
     middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=hosts)] if hosts else []

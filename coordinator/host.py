@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Mapping, Sequence
 
@@ -149,8 +150,8 @@ class HostDescription:
                 f"HostDescription needs a participant for each of {missing}: "
                 f"the participants are {sorted(names)}"
             )
-        bound = HostDescription.__new__(HostDescription)
-        bound.__dict__.update(self.__dict__, _participants=names)
+        bound = copy.copy(self)
+        bound._participants = names
         return bound
 
     def __call__(self, scope: CaptureScope) -> ManifestBody:

@@ -576,10 +576,14 @@ class Coordinator:
         none of it: fetched and verified by every reader check, then committed here
         under its own epoch (recorded in this store, as used)."""
         with await source.fetch(self.session_id, str(self.store.path)) as stored:
-            payloads = [(name, bytes(stored.payload(name))) for name in stored.envelope.names]
+            # One copy, off the loop, into bytes (owned); fetch verified every digest
+            # against these very bytes, so the commit does not hash them again.
+            payloads = await anyio.to_thread.run_sync(
+                lambda: [(name, bytes(stored.payload(name))) for name in stored.envelope.names]
+            )
             manifest = stored.manifest
         await self.store.open_epoch(self.session_id, manifest.source_scope.epoch)
-        await self.store.commit(manifest, payloads)
+        await self.store.commit(manifest, payloads, payloads_verified=True)
 
     async def resume(self, *, source: ReplicaSource | None = None) -> Resumed:
         """Continue the session after a restart: restore its newest compatible

@@ -7,29 +7,12 @@ import os
 import sys
 
 import anyio
+from test_replication import Part  # (this script's directory is on sys.path)
 
 from coordinator import Coordinator, FileStore, HostDescription
 from coordinator.bus import NatsBus
 from coordinator.bus._lease import SessionLease
 from coordinator.bus._replica import Replicator
-from coordinator.session import CaptureScope, RestoreScope
-
-
-class Part:
-    def __init__(self, name: str, data: bytes) -> None:
-        self.name, self.data = name, data
-
-    async def capture(self, scope: CaptureScope) -> bytes:
-        return self.data
-
-    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
-        return bytes(payload)
-
-    async def activate_restore(self, token: bytes) -> None:
-        self.data = token
-
-    async def abort_restore(self, token: bytes) -> None:
-        pass
 
 
 async def main(url: str, store_dir: str) -> None:

@@ -99,6 +99,20 @@ async def stream_messages(client: Any) -> list[bytes]:
     return [(await sub.next_msg(timeout=5)).data for _ in range(count)]
 
 
+async def both_examples(url: str, node: str) -> tuple[Any, Any]:
+    """The final summaries of the nats-py and the nats.js example replaying ``url``."""
+    outputs = []
+    for argv in ([sys.executable, str(ROOT / "examples" / "monitor_subscriber.py")],
+                 [node, str(ROOT / "examples" / "monitor_subscriber.mjs")]):  # fmt: skip
+        with anyio.fail_after(60):
+            done = await anyio.run_process(
+                [*argv, "--nats", url, "--once", "--idle", "0.5"], check=False
+            )
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        outputs.append(json.loads(done.stdout.decode().splitlines()[-1]))
+    return outputs[0], outputs[1]
+
+
 def doc_examples() -> list[dict[str, Any]]:
     """Every JSON block in docs/ that is an event."""
     found = []
@@ -287,16 +301,7 @@ async def test_the_three_folds_agree_on_one_stream(tmp_path: Path, node: str) ->
             await js.publish("ckpt.session-1.captured", data, headers={"Nats-Msg-Id": f"h{index}"})
         raw = await stream_messages(client)
         await client.close()
-        outputs = []
-        for argv in ([sys.executable, str(ROOT / "examples" / "monitor_subscriber.py")],
-                     [node, str(ROOT / "examples" / "monitor_subscriber.mjs")]):  # fmt: skip
-            with anyio.fail_after(60):
-                done = await anyio.run_process(
-                    [*argv, "--nats", server.url, "--once", "--idle", "0.5"], check=False
-                )
-            assert done.returncode == 0, done.stderr.decode()[-2000:]
-            outputs.append(json.loads(done.stdout.decode().splitlines()[-1]))
-    python, javascript = outputs
+        python, javascript = await both_examples(server.url, node)
     assert python == javascript
     state = SaveState()
     for data in raw:
@@ -347,16 +352,7 @@ async def test_the_node_example_follows_a_demo_like_the_python_one(
     async with EmbeddedServer(tmp_path / "nats") as server:
         demo = [sys.executable, "-m", "coordinator", "demo", "--nats", server.url]
         await anyio.run_process(demo, check=True)
-        outputs = []
-        for argv in ([sys.executable, str(ROOT / "examples" / "monitor_subscriber.py")],
-                     [node, str(ROOT / "examples" / "monitor_subscriber.mjs")]):  # fmt: skip
-            with anyio.fail_after(60):
-                done = await anyio.run_process(
-                    [*argv, "--nats", server.url, "--once", "--idle", "0.5"], check=False
-                )
-            assert done.returncode == 0, done.stderr.decode()[-2000:]
-            outputs.append(json.loads(done.stdout.decode().splitlines()[-1]))
-    python, javascript = outputs
+        python, javascript = await both_examples(server.url, node)
     assert python == javascript
     (session,) = python["sessions"].values()
     assert session["restores"] and session["committed"] > 0 and session["failed"]

@@ -26,7 +26,12 @@ from typing import Any, ClassVar, Self
 
 import anyio
 import msgspec
-from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+)
 
 from .._errors import CoordinatorError
 from ..events import subject_token
@@ -134,11 +139,8 @@ class SessionLease:
         try:
             self.revision = int(await self._kv.create(self.key, self._value()))
             return
-        except KeyWrongLastSequenceError:
+        except KeyWrongLastSequenceError:  # held, or held once: read what is there
             pass
-        except Exception as error:  # nats-py raises its KeyWrongLastSequence variants
-            if "wrong last sequence" not in str(error).lower():
-                raise
         entry = await self._kv.get(self.key)
         held = _held(entry.value)
         expired = held is None or time.time() - held.renewed_at > held.ttl_s
@@ -183,11 +185,8 @@ class SessionLease:
         async with self._writing:  # (a renewal's new revision is known once it is read)
             try:
                 entry = await self._kv.get(self.key)
-            except Exception as error:
-                if type(error).__name__ in ("KeyNotFoundError", "KeyDeletedError"):
-                    entry = None
-                else:
-                    raise
+            except (KeyNotFoundError, KeyDeletedError):
+                entry = None
             held = entry is not None and int(entry.revision) == self.revision
         if not held:
             self.lost = LeaseLostError(

@@ -26,7 +26,13 @@ from typing import Any, ClassVar, Self
 import anyio
 import msgspec
 from nats.errors import Error as NatsError
-from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
 
 from .._errors import CoordinatorError, GenerationNotFoundError
 from ..events import Committed, Replicated, Timings, event_id, rfc3339_now, subject_token
@@ -108,10 +114,8 @@ class Replicas:
         """The session's pointer and its KV revision, or ``None``."""
         try:
             entry = await self._pointers.get(subject_token(session_id))
-        except Exception as error:  # nats-py: KeyNotFoundError, KeyDeletedError
-            if type(error).__name__ in ("KeyNotFoundError", "KeyDeletedError"):
-                return None
-            raise
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
         if entry.value is None:
             return None
         try:
@@ -241,15 +245,21 @@ class Replicas:
         data = await self._objects.read(
             pointer.object, int(record.byte_length), record.envelope_digest
         )
-        # A new file of a random name (O_EXCL: never a symlink someone planted),
-        # unlinked as soon as it is mapped: the map keeps the bytes.
-        fd, target = tempfile.mkstemp(prefix=".replica-", suffix=".flysess", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as file:
-                file.write(data)
-            return read_generation(FileSystem(), target, record)
-        finally:
-            os.unlink(target)
+        return await anyio.to_thread.run_sync(_verified, data, directory, record)
+
+
+def _verified(data: Any, directory: str, record: GenerationRecord) -> StoredCheckpoint:
+    """Blocking (a worker thread: it writes and hashes the whole file): ``data``
+    in a new file of a random name in ``directory`` (O_EXCL: never a symlink
+    someone planted), read back by every reader check, and unlinked once it is
+    mapped (the map keeps the bytes)."""
+    fd, target = tempfile.mkstemp(prefix=".replica-", suffix=".flysess", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        return read_generation(FileSystem(), target, record)
+    finally:
+        os.unlink(target)
 
 
 @contextlib.contextmanager
