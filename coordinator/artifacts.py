@@ -44,8 +44,8 @@ import anyio.to_thread
 import msgspec
 from anyio.lowlevel import RunVar
 
-from ._errors import ArtifactReleasedError, UsageError
-from ._types import BytesLike
+from .buffers import BytesLike
+from .errors import ArtifactReleasedError, UsageError
 from .ids import check_id
 from .sealed import OwnedMap, is_owned, seal_copy, spool_copy
 

@@ -34,8 +34,8 @@ from typing import Any, NamedTuple
 import msgspec
 import rfc8785
 
-from ._errors import JsonError, JsonValueError, NotCanonicalError
-from ._types import BytesLike
+from .buffers import BytesLike
+from .errors import JsonError, JsonValueError, NotCanonicalError
 
 __all__ = [
     "ESCAPES_PER_VALUE",

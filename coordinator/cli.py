@@ -22,7 +22,8 @@ from typing import Any, TextIO
 
 import msgspec
 
-from ._errors import (
+from .envelope import Envelope, decode
+from .errors import (
     CommitError,
     CoordinatorError,
     CorruptEnvelopeError,
@@ -30,7 +31,6 @@ from ._errors import (
     NotAStoreError,
     UsageError,
 )
-from .envelope import Envelope, decode
 from .ids import is_id
 from .manifest import manifest_from_builtins
 
@@ -233,8 +233,7 @@ def _verify_store(path: Path, out: TextIO, err: TextIO) -> int:
 
 
 def _ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from .store import SyncStore
-    from .store._lineage import on_timeline
+    from .store import SyncStore, on_timeline
 
     with SyncStore(_store(args.store), read_only=True, create=False) as store:
         records = store.generations
@@ -463,8 +462,8 @@ def _restore_replica(args: argparse.Namespace, target: Path, out: TextIO, err: T
     every reader check, and written out like a local one."""
     import anyio
 
-    from .bus._nats import NatsBus
-    from .bus._replica import Replicas
+    from .bus import connect
+    from .replicate import Replicas
     from .store import export_payloads
 
     if args.session is None or not is_id(args.session):
@@ -476,9 +475,14 @@ def _restore_replica(args: argparse.Namespace, target: Path, out: TextIO, err: T
         return EXIT_USAGE
 
     async def fetch() -> Any:
-        async with NatsBus(args.store, connect_timeout=3) as bus:
-            replicas = await Replicas(bus).open()
-            return await replicas.fetch(args.session, str(target.parent))
+        # A plain connection: a read creates nothing (no stream, no bucket), so a
+        # read-only credential is enough.
+        client = await connect([args.store], 3.0, error_cb=_ignore_async_errors)
+        try:
+            return await (await Replicas(client).open()).fetch(args.session)
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await client.close()
 
     stored = anyio.run(fetch)
     with stored:
@@ -492,6 +496,10 @@ def _restore_replica(args: argparse.Namespace, target: Path, out: TextIO, err: T
     return EXIT_OK
 
 
+async def _ignore_async_errors(error: Exception) -> None:
+    """nats-py's background errors during a one-shot read: what fails, fails the read."""
+
+
 def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Replay the stream's history, then follow live events, folding them into save
     state. --json: one folded session state per event, for scripts."""
@@ -499,7 +507,7 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from .bus._nats import NatsBus
+    from .bus import NatsBus
     from .monitor import SaveState, render
 
     for session_id in args.session or []:  # a wildcard would follow other sessions

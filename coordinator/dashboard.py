@@ -206,7 +206,7 @@ async def follow(dashboard: Dashboard, url: str, *, retry_s: float = 1.0) -> Non
     """Follow the bus for ever: history first, then live. A dead server is shown
     on the page and retried; on each reconnection the state is rebuilt from the
     stream's history, so nothing is counted twice."""
-    from .bus._nats import NatsBus
+    from .bus import NatsBus
 
     while True:
         try:

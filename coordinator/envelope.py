@@ -33,7 +33,9 @@ from typing import Any
 
 import msgspec
 
-from ._errors import (
+from .buffers import BytesLike
+from .canonical import ESCAPES_PER_VALUE, canonical_bytes, count_values, parse_canonical
+from .errors import (
     CorruptEnvelopeError,
     EnvelopeInputError,
     JsonError,
@@ -41,8 +43,6 @@ from ._errors import (
     NotCanonicalError,
     release_frames,
 )
-from ._types import BytesLike
-from .canonical import ESCAPES_PER_VALUE, canonical_bytes, count_values, parse_canonical
 from .ids import is_digest, is_id
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "Seal",
     "decode",
     "encode",
+    "layout_of",
     "plan",
 ]
 
@@ -439,6 +440,37 @@ def plan(
             views.append(_byte_view(data))
         except TypeError as error:
             raise EnvelopeInputError(f"payload {name!r}: {error}") from None
+    prefix, layout = _lay_out(manifest, list(zip(names, map(len, views), strict=True)))
+    return EnvelopePlan(prefix, layout, views, verify=not payloads_verified)
+
+
+def layout_of(manifest: Mapping[str, Any]) -> tuple[bytes, Layout]:
+    """The prefix (header, manifest, table) and the layout of ``manifest``'s
+    envelope, from the manifest alone: its ``payloads`` records give each
+    payload's name and length. What rebuilds an envelope from payloads fetched
+    one by one needs before it has any of them; ``plan`` over those payloads
+    then lays them out the same way. ``EnvelopeInputError`` for a manifest
+    ``plan`` would refuse."""
+    records = manifest.get("payloads") if isinstance(manifest, Mapping) else None
+    if not isinstance(records, list) or len(records) > MAX_PAYLOADS:
+        raise EnvelopeInputError("manifest 'payloads' must list at most 64 payloads")
+    lengths: list[tuple[str, int]] = []
+    for record in records:
+        name = record.get("name") if isinstance(record, dict) else None
+        length = record.get("byteLength") if isinstance(record, dict) else None
+        if not (is_id(name) and isinstance(length, str) and length.isdigit()):
+            raise EnvelopeInputError(f"manifest payload record {record!r} has no name or length")
+        lengths.append((str(name), int(length)))
+    if len({name for name, _ in lengths}) != len(lengths):
+        raise EnvelopeInputError("manifest 'payloads' names a payload twice")
+    return _lay_out(manifest, lengths)
+
+
+def _lay_out(
+    manifest: Mapping[str, Any], lengths: Sequence[tuple[str, int]]
+) -> tuple[bytes, Layout]:
+    """The prefix and layout for ``manifest`` and payloads of these names and
+    lengths, in write order: every rule a writer keeps, checked."""
     if not isinstance(manifest, Mapping):
         raise EnvelopeInputError("the manifest must be a mapping")
     body = dict(manifest)
@@ -463,23 +495,23 @@ def plan(
                 f"readers refuse this manifest: {error.reason} (put large state in a payload)"
             ) from None
     records = body.get("payloads")
-    if not isinstance(records, list) or len(records) != len(views):
+    if not isinstance(records, list) or len(records) != len(lengths):
         raise EnvelopeInputError(
             "manifest 'payloads' must list every payload: "
             "build it with coordinator.manifest.build_manifest()"
         )
 
     table_offset = _align(HEADER_BYTES + len(manifest_json))
-    offset = table_offset + ENTRY_BYTES * len(views)
+    offset = table_offset + ENTRY_BYTES * len(lengths)
     entries: list[PayloadEntry] = []
-    for name, view, record in zip(names, views, records, strict=True):
+    for (name, length), record in zip(lengths, records, strict=True):
         claimed = record.get("digest") if isinstance(record, dict) else None
         if not is_digest(claimed):
             raise EnvelopeInputError(f"manifest payload record for {name!r} has no valid digest")
         entries.append(
-            PayloadEntry(name=name, offset=offset, byte_length=len(view), digest=str(claimed))
+            PayloadEntry(name=name, offset=offset, byte_length=length, digest=str(claimed))
         )
-        offset = _align(offset + len(view))
+        offset = _align(offset + length)
     footer_offset = entries[-1].end if entries else table_offset
     problem = _manifest_problem(body, entries, manifest_json)
     if problem is not None:
@@ -510,7 +542,7 @@ def plan(
             entry.byte_length,
             bytes.fromhex(entry.digest),
         )
-    return EnvelopePlan(bytes(prefix), layout, views, verify=not payloads_verified)
+    return bytes(prefix), layout
 
 
 def encode(manifest: Mapping[str, Any], payloads: Sequence[tuple[str, BytesLike]]) -> bytes:

@@ -154,17 +154,23 @@ class Restored(_Event, frozen=True, kw_only=True, tag="restored"):
 
 
 class Replicated(_Event, frozen=True, kw_only=True, tag="replicated"):
-    """A committed generation is in the replicated tier: uploaded, as it is on disk,
-    as ``object`` of the bucket, and the session's pointer moved to it (its KV
-    ``pointerRevision``): restorable on any host. Never before its ``committed``.
-    ``passedOver``: committed checkpoints of the session this upload made
-    unnecessary (replication fell behind; only the newest is worth uploading)."""
+    """The session's pointer in the replicated tier moved (to KV revision
+    ``pointerRevision``): ``checkpointId`` is restorable on any host, and it is
+    the session's state since ``epoch``, by a commit or by a restore that
+    installed it again (``cause``: ``commit``, ``rollback`` or ``recovery``).
+    Never before its ``committed``. ``object`` is its checkpoint manifest's object
+    (named by its SHA-256); ``uploadedBytes`` what this move sent (only the
+    objects the bucket lacked). ``passedOver``: committed checkpoints of the
+    session this move made unnecessary (replication fell behind; only the newest
+    is worth replicating)."""
 
     generation: str
     envelope_digest: Digest
     envelope_bytes: U64
     object: str
     pointer_revision: int
+    cause: Literal["commit", "rollback", "recovery"] = "commit"
+    uploaded_bytes: U64 = "0"
     passed_over: tuple[Id, ...] = ()
 
 

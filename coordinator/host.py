@@ -7,7 +7,7 @@ import copy
 import hashlib
 from collections.abc import Mapping, Sequence
 
-from ._errors import UsageError
+from .errors import UsageError
 from .ids import ID_MAX_LENGTH, U64_MAX, check_id
 from .manifest import (
     AgentRecord,

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import msgspec
 
-from ._errors import InvalidScalarError
+from .errors import InvalidScalarError
 
 __all__ = [
     "DIGEST_PATTERN",

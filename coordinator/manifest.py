@@ -18,9 +18,9 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from ._errors import ManifestError
-from ._types import BytesLike
+from .buffers import BytesLike
 from .canonical import MAX_SAFE_INTEGER
+from .errors import ManifestError
 from .ids import U64, Digest, Id
 
 __all__ = [

@@ -21,9 +21,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from ._errors import IdentityMismatchError, IncompatibleCaptureError
-from ._types import BytesLike
 from .artifacts import ArtifactHandle, ArtifactLedger
+from .buffers import BytesLike
+from .errors import IdentityMismatchError, IncompatibleCaptureError
 
 __all__ = [
     "ArtifactSource",

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from ._errors import BusUnavailableError, GenerationCorruptError, UsageError
+from .errors import BusUnavailableError, GenerationCorruptError, UsageError
 from .events import Committed, Event, Restored, Timings, event_id, rfc3339_now
 from .identity import identity_of
 from .manifest import CheckpointManifest

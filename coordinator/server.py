@@ -33,7 +33,7 @@ from typing import Self
 import anyio
 import anyio.to_thread
 
-from ._errors import ServerError
+from .errors import ServerError
 
 __all__ = ["EmbeddedServer", "ServerError", "find_nats_server"]
 

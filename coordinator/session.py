@@ -52,7 +52,17 @@ import anyio
 import msgspec
 
 from ._cancel import raised_on_its_own
-from ._errors import (
+from .artifacts import (
+    ArtifactHandle,
+    ArtifactLedger,
+    MemoryArtifact,
+    capture,
+    hashing_limiter,
+    release_off_loop,
+)
+from .bus import Bus
+from .envelope import MAX_PAYLOADS
+from .errors import (
     CaptureFailedError,
     CoordinatorError,
     DeadlineExpiredError,
@@ -70,16 +80,6 @@ from ._errors import (
     WriterClosedError,
     release_frames,
 )
-from .artifacts import (
-    ArtifactHandle,
-    ArtifactLedger,
-    MemoryArtifact,
-    capture,
-    hashing_limiter,
-    release_off_loop,
-)
-from .bus import Bus
-from .envelope import MAX_PAYLOADS
 from .events import Committed, Restored
 from .host import HostDescription
 from .identity import (
@@ -137,9 +137,10 @@ class RestoreReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ReplicaSource(Protocol):
-    """Where a session's replicated generation comes from (``bus.Replicas``)."""
+    """Where a session's replicated generation comes from (``replicate.Replicas``):
+    read and verified by every reader check, in memory that only it can change."""
 
-    async def fetch(self, session_id: str, directory: str) -> StoredCheckpoint: ...
+    async def fetch(self, session_id: str) -> StoredCheckpoint: ...
 
 
 class Resumed(msgspec.Struct, frozen=True, kw_only=True):
@@ -574,23 +575,25 @@ class Coordinator:
     async def _adopt(self, source: ReplicaSource) -> None:
         """Bring the session's replicated generation into the local store, which has
         none of it: fetched and verified by every reader check, then committed here
-        under its own epoch (recorded in this store, as used)."""
-        with await source.fetch(self.session_id, str(self.store.path)) as stored:
-            # One copy, off the loop, into bytes (owned); fetch verified every digest
-            # against these very bytes, so the commit does not hash them again.
-            payloads = await anyio.to_thread.run_sync(
-                lambda: [(name, bytes(stored.payload(name))) for name in stored.envelope.names]
-            )
+        under its own epoch (recorded in this store, as used). The fetched file is
+        sealed memory: its payloads are committed as they are, with no copy and no
+        second hash (fetch checked every digest over these very bytes)."""
+        with await source.fetch(self.session_id) as stored:
             manifest = stored.manifest
-        await self.store.open_epoch(self.session_id, manifest.source_scope.epoch)
-        await self.store.commit(manifest, payloads, payloads_verified=True)
+            payloads = [(name, stored.payload(name)) for name in stored.envelope.names]
+            await self.store.open_epoch(self.session_id, manifest.source_scope.epoch)
+            try:
+                await self.store.commit(manifest, payloads, payloads_verified=True)
+            finally:
+                for _, view in payloads:
+                    view.release()
 
     async def resume(self, *, source: ReplicaSource | None = None) -> Resumed:
         """Continue the session after a restart: restore its newest compatible
         checkpoint into a fresh epoch (``fresh_epoch``). ``Resumed.step`` is the
         boundary the state is at, so the host's next step is ``step + 1``; it is
         ``None`` when the session has no checkpoint (start from the beginning).
-        With ``source`` (``Replicas``) and no checkpoint of the session on the local
+        With ``source`` (``replicate.Replicas``) and no checkpoint of the session on the local
         disk, the replicated generation is fetched, verified and committed locally
         first: a host with an empty disk goes on from another host's checkpoint.
         An incompatible newest generation is passed over for an older compatible

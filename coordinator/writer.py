@@ -58,7 +58,19 @@ import anyio.to_thread
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
-from ._errors import (
+from .artifacts import (
+    RELEASE_IN_THREAD_BYTES,
+    ArtifactHandle,
+    ArtifactLedger,
+    MemoryArtifact,
+    handle_size,
+    is_verified,
+    release_all,
+    release_copies,
+    release_off_loop,
+)
+from .bus import Bus
+from .errors import (
     ArtifactCorruptError,
     ArtifactUnavailableError,
     CommitError,
@@ -73,18 +85,6 @@ from ._errors import (
     WriterClosedError,
     release_frames,
 )
-from .artifacts import (
-    RELEASE_IN_THREAD_BYTES,
-    ArtifactHandle,
-    ArtifactLedger,
-    MemoryArtifact,
-    handle_size,
-    is_verified,
-    release_all,
-    release_copies,
-    release_off_loop,
-)
-from .bus import Bus
 from .events import (
     Captured,
     Committed,

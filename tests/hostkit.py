@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 from fsmodel import RecordingFS
 
-from coordinator._sample import sample_body
+from coordinator.sample import sample_body
 from coordinator.bus import MemoryBus
 from coordinator.events import Captured, Committed, Event, Failed, Superseded
 from coordinator.manifest import ManifestBody

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from coordinator._sample import sample_body, sample_payload_names
+from coordinator.sample import sample_body, sample_payload_names
 from coordinator.manifest import CheckpointManifest, build_manifest
 
 

@@ -26,7 +26,7 @@ from coordinator import (
     StorePoisonedError,
     UsageError,
 )
-from coordinator._sample import sample_body
+from coordinator.sample import sample_body
 from coordinator.artifacts import ArtifactLedger, BaseHandle, capture
 from coordinator.canonical import canonical_bytes, parse_canonical
 from coordinator.events import Committed, Failed, Superseded

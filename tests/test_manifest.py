@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from coordinator import ManifestError, envelope
-from coordinator._sample import sample_body, sample_payload_names
+from coordinator.sample import sample_body, sample_payload_names
 from coordinator.manifest import (
     CheckpointManifest,
     build_manifest,

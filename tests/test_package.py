@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import coordinator
-from coordinator import _errors
+from coordinator import errors
 
 
 def test_all_matches_the_public_namespace() -> None:
@@ -27,8 +27,8 @@ def test_every_error_has_a_distinct_stable_code() -> None:
     """Each class of the error tree carries its own code, rooted at CoordinatorError."""
     classes = [
         value
-        for value in vars(_errors).values()
-        if inspect.isclass(value) and issubclass(value, _errors.CoordinatorError)
+        for value in vars(errors).values()
+        if inspect.isclass(value) and issubclass(value, errors.CoordinatorError)
     ]
     codes = [cls.code for cls in classes]
     assert len(codes) == len(set(codes))
@@ -37,5 +37,5 @@ def test_every_error_has_a_distinct_stable_code() -> None:
 
 def test_corrupt_input_errors_are_value_errors() -> None:
     """Callers who already catch ValueError catch corrupt input too."""
-    for cls in (_errors.CorruptEnvelopeError, _errors.JsonError, _errors.ManifestError):
+    for cls in (errors.CorruptEnvelopeError, errors.JsonError, errors.ManifestError):
         assert issubclass(cls, ValueError)

@@ -30,7 +30,7 @@ from coordinator import (
     RemoteWorkerError,
     RestoreFailedError,
 )
-from coordinator._sample import sample_body
+from coordinator.sample import sample_body
 from coordinator.artifacts import ArtifactLedger, capture
 from coordinator.bus import NatsBus
 from coordinator.events import Committed, Failed

@@ -30,7 +30,7 @@ from coordinator import (
     RestoreFailedError,
     StaleEpochError,
 )
-from coordinator._sample import sample_body
+from coordinator.sample import sample_body
 from coordinator.bus import MemoryBus, NatsBus
 from coordinator.events import Captured, Committed, Restored, decode_event
 from coordinator.identity import IdentityDifference, compatibility_digest, identity_of

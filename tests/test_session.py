@@ -18,7 +18,7 @@ from coordinator import (
     StaleEpochError,
     UsageError,
 )
-from coordinator._sample import sample_body
+from coordinator.sample import sample_body
 from coordinator.bus import MemoryBus
 from coordinator.events import Committed
 from coordinator.session import CaptureScope, Coordinator, RestoreScope

@@ -15,7 +15,7 @@ from fsmodel import RecordingFS, fail_nth
 from hostkit import GateFS
 
 from coordinator import SaveFailedError, WriterBusyError
-from coordinator._sample import sample_body, sample_payload_names
+from coordinator.sample import sample_body, sample_payload_names
 from coordinator.artifacts import ArtifactLedger, MemoryArtifact, capture
 from coordinator.bus import MemoryBus
 from coordinator.events import Committed, Failed, Superseded

@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from .._stats import percentile
+from ..stats import percentile
 from .progress import NO_PROGRESS, Progress
 
 __all__ = [

@@ -25,8 +25,7 @@ import nats
 from nats.aio.client import Client
 
 from ..artifacts import ArtifactLedger
-from ..bus import MemoryBus
-from ..bus._nats import PUBLISH_WINDOW, NatsBus
+from ..bus import PUBLISH_WINDOW, MemoryBus, NatsBus
 from ..events import (
     Committed,
     Event,

@@ -104,7 +104,7 @@ def _free_port() -> int:
 async def _latency(folder: Path, runs: int, progress: Progress) -> Result:
     from playwright.async_api import async_playwright
 
-    from ..bus._nats import NatsBus
+    from ..bus import NatsBus
     from ..dashboard import serve
     from ..server import EmbeddedServer
 

@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .. import envelope
-from .._errors import CorruptEnvelopeError
-from .._sample import sample_body, sample_payload_names
 from ..canonical import canonical_bytes, count_values
+from ..errors import CorruptEnvelopeError
 from ..manifest import build_manifest, manifest_to_builtins
+from ..sample import sample_body, sample_payload_names
 from . import Result, median, result, status_kib
 from .progress import NO_PROGRESS, Progress
 

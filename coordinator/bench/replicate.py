@@ -1,86 +1,247 @@
-"""``coordinator bench replicate``: the replicated tier's upload, beside a bare
-nats-py object put of the same file on the same server, in the same run.
+"""``coordinator bench replicate``: the replicated tier beside its baselines, in one run.
 
-``replicate.upload_mib_s`` times ``Replicas.upload`` of one committed generation
-(``--size``, at most 256 MiB): the file mapped, its chunks sent with the
-digest computed alongside, the digest checked, the pointer moved. The baseline
-is nats-py's ``ObjectStore.put`` of the same file's bytes into the same bucket.
+- ``replicate.upload_bytes_ratio``: a generation of 8 payloads is replicated,
+  then the next commit changes one payload; the bytes the content and pointer
+  streams grew by (what the server stored: chunks, metas, the pointer) over the
+  generation's size.
+- ``replicate.upload_mib_s``: a new generation (``--size``, at most 256 MiB;
+  every payload new) from commit to pointer moved, beside nats-py's own
+  ``ObjectStore.put`` of the same file's bytes on the same server.
+- ``replicate.restore_remote_s``: ``Replicas.fetch`` (the objects fetched, the
+  envelope rebuilt, every reader check) and the payloads written out, over a
+  local restore of the same generation (``SyncStore.read`` and the same export);
+  alternating, medians.
+- ``replicate.restore_peak_rss_over_generation_mib``: a fresh process restores
+  from the bucket; its peak RSS above its start, minus the generation's size.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 
-from ..bus._nats import NatsBus
-from ..bus._replica import GENERATIONS_BUCKET, Replicas
+from ..bus import NatsBus
+from ..manifest import build_manifest
+from ..participant import CaptureScope
+from ..replicate import CONTENT_BUCKET, POINTERS_BUCKET, Replicas, Replicator
+from ..sample import sample_body, sample_payload_names
 from ..server import EmbeddedServer
-from ..store import FileStore, GenerationRecord
+from ..store import FileStore, SyncStore, export_payloads
 from . import NO_PROGRESS, Progress, Result, median, result
-from .runtime import small_describe
 
 __all__ = ["run"]
 
 UPLOAD_BYTES = 256 << 20
+AGENTS = ("fly-a", "fly-b")  # with the admission payload: 8 payloads
+RATIO_PAYLOAD = 4 << 20  # 8 x 4 MiB: the issue's 32 MiB generation
 
 
-async def _generation(folder: Path, size: int) -> tuple[str, GenerationRecord]:
-    """One committed generation of ``size`` payload bytes, in a store of its own."""
-    from .._sample import sample_payload_names
-    from ..manifest import build_manifest
-    from ..participant import CaptureScope
-
-    names = sample_payload_names(["fly-a"])
-    part = max(1, size // len(names))
+def _payloads(total: int, seed: int) -> list[tuple[str, bytes]]:
+    """8 payloads of ``total`` bytes in all; ``seed`` makes every one of them new."""
+    names = sample_payload_names(AGENTS, admission=True)
+    part = max(1, total // len(names))
     block = os.urandom(1 << 20)
-    payloads = [(name, (block * (part // len(block) + 1))[:part]) for name in names]
-    scope = CaptureScope(session_id="bench", epoch="e1", step=1, checkpoint_id="e1-1")
-    manifest = build_manifest(small_describe(scope), payloads)
-    async with FileStore(folder / "store") as store:
-        await store.open_epoch("bench", "e1")
-        receipt = await store.commit(manifest, payloads)
-    return str(folder / "store" / receipt.record.file), receipt.record
+    filler = (block * (part // len(block) + 1))[:part]
+    return [(name, (f"{seed}:{name}:".encode() + filler)[:part]) for name in names]
 
 
-async def _measure(folder: Path, size: int, runs: int, progress: Progress) -> list[Result]:
-    path, record = await _generation(folder, size)
-    size = os.path.getsize(path)
+def _describe(scope: CaptureScope) -> Any:
+    return sample_body(scope.checkpoint_id, agent_ids=AGENTS, admission=True, step=scope.step,
+                       epoch=scope.epoch, session_id=scope.session_id)  # fmt: skip
+
+
+async def _commit(store: FileStore, session: str, step: int, payloads: Any) -> Any:
+    scope = CaptureScope(session_id=session, epoch=f"{session}-e1", step=step,
+                         checkpoint_id=f"{session}-e1-{step}")  # fmt: skip
+    if step == 1:
+        await store.open_epoch(session, scope.epoch)
+    return (await store.commit(build_manifest(_describe(scope), payloads), payloads)).record
+
+
+async def _stored_bytes(bus: NatsBus) -> int:
+    js = bus.client.jetstream()
+    streams = (f"OBJ_{CONTENT_BUCKET}", f"KV_{POINTERS_BUCKET}")
+    return sum([(await js.stream_info(name)).state.bytes for name in streams])
+
+
+async def _until_caught_up(replicator: Replicator) -> None:
+    with anyio.fail_after(300):
+        await replicator.wait_caught_up()
+
+
+async def _ratio(bus: NatsBus, store: FileStore, runs: int, progress: Progress) -> Result:
+    ratios: list[float] = []
+    async with Replicator(bus, store, sweep_every=None) as replicator:
+        with progress.phase("replicate.upload_bytes_ratio", runs):
+            for run_index in range(runs):
+                session = f"ratio-{run_index}"
+                payloads = _payloads(8 * RATIO_PAYLOAD, run_index)
+                await _commit(store, session, 1, payloads)
+                await _until_caught_up(replicator)
+                before = await _stored_bytes(bus)
+                changed = [(payloads[0][0], os.urandom(len(payloads[0][1]))), *payloads[1:]]
+                record = await _commit(store, session, 2, changed)
+                await _until_caught_up(replicator)
+                grown = await _stored_bytes(bus) - before
+                ratios.append(grown / int(record.byte_length))
+                progress.advance()
+        sent = replicator.statistics()
+    ratio = median(ratios)
+    return result(
+        "replicate.upload_bytes_ratio", ours=ratio, baseline=None, baseline_name=None,
+        better="lower", target=0.2,
+        detail={"generation_bytes": 8 * RATIO_PAYLOAD, "payloads": 8, "changed": 1,
+                "runs": runs, "ratios": [round(r, 4) for r in ratios],
+                "measured_as": "growth of the content and pointer streams' stored bytes "
+                "(chunks, metas, pointer) for the second commit, over its envelope bytes",
+                "reused_objects": sent.reused_objects,
+                "uploaded_objects": sent.uploaded_objects},
+    )  # fmt: skip
+
+
+async def _upload(bus: NatsBus, store: FileStore, size: int, runs: int, progress: Progress) -> Any:
     ours: list[float] = []
     bare: list[float] = []
-    async with EmbeddedServer(folder / "nats") as server, NatsBus(server.url) as bus:
-        replicas = await Replicas(bus).open()
-        store = await bus.client.jetstream().object_store(GENERATIONS_BUCKET)
-        data = Path(path).read_bytes()
-        with progress.phase("replicate.upload_mib_s", runs):
-            for run_index in range(runs):
-                pair = [(ours, "ours"), (bare, "bare")]
-                for times, which in pair if run_index % 2 == 0 else reversed(pair):
-                    started = time.perf_counter()
-                    if which == "ours":
-                        await replicas.upload(path, record)
-                    else:
-                        await store.put(f"bare-{run_index}", data)
-                    times.append(time.perf_counter() - started)
-                    if which == "bare":
-                        await store.delete(f"bare-{run_index}")
-                progress.advance()
-    mib = size / (1 << 20)
+    bare_store = await bus.client.jetstream().create_object_store(bucket="BENCH_BARE")
+    last: Any = None
+    with progress.phase("replicate.upload_mib_s", runs):
+        for run_index in range(runs):
+            session = f"upload-{run_index}"
+            record = await _commit(store, session, 1, _payloads(size, 100 + run_index))
+            data = (Path(store.path) / record.file).read_bytes()
+            pair = ["ours", "bare"] if run_index % 2 == 0 else ["bare", "ours"]
+            for which in pair:
+                started = time.perf_counter()
+                if which == "ours":  # a replicator started now finds the new generation
+                    async with Replicator(bus, store, sweep_every=None) as replicator:
+                        await _until_caught_up(replicator)
+                    ours.append(time.perf_counter() - started)
+                else:
+                    await bare_store.put(f"bare-{run_index}", data)
+                    bare.append(time.perf_counter() - started)
+                    await bare_store.delete(f"bare-{run_index}")
+            del data
+            last = (session, record)
+            progress.advance()
+    mib = int(last[1].byte_length) / (1 << 20)
     upload = result(
         "replicate.upload_mib_s", unit="MiB/s", ours=mib / median(ours),
         baseline=mib / median(bare),
-        baseline_name="nats-py ObjectStore.put of the same file, same server, same run",
-        better="higher", target=0.9,
-        detail={"bytes": size, "runs": runs, "ours_s": [round(t, 3) for t in ours],
-                "bare_s": [round(t, 3) for t in bare],
-                "ours_includes": "map the file, send the chunks with the digest computed "
-                "alongside, check it, move the pointer (revision-checked)"},
+        baseline_name="nats-py ObjectStore.put of the same file's bytes, same server, same run",
+        better="higher", target=2.0,
+        detail={"bytes": int(last[1].byte_length), "runs": runs,
+                "ours_s": [round(t, 3) for t in ours], "bare_s": [round(t, 3) for t in bare],
+                "ours_includes": "a replicator's start, the generation read and verified, "
+                "8 payloads and the manifest made as objects (4 at a time), the pointer "
+                "moved, the event queued"},
     )  # fmt: skip
-    return [upload]
+    return upload, last
+
+
+async def _restore(
+    bus: NatsBus, store: FileStore, folder: Path, last: Any, *, runs: int, progress: Progress
+) -> Result:
+    session, record = last
+    replicas = await Replicas(bus).open()
+    remote: list[float] = []
+    local: list[float] = []
+    with progress.phase("replicate.restore_remote_s", runs):
+        for run_index in range(runs):
+            pair = ["remote", "local"] if run_index % 2 == 0 else ["local", "remote"]
+            for which in pair:
+                target = folder / f"restored-{which}-{run_index}"
+                started = time.perf_counter()
+                if which == "remote":
+                    with await replicas.fetch(session) as stored:
+                        await anyio.to_thread.run_sync(export_payloads, stored, str(target))
+                    remote.append(time.perf_counter() - started)
+                else:
+
+                    def read_and_export(target: Path = target) -> None:
+                        with (
+                            SyncStore(store.path, read_only=True) as reader,
+                            reader.read(reader.select(record.checkpoint_id)) as stored,
+                        ):
+                            export_payloads(stored, str(target))
+
+                    await anyio.to_thread.run_sync(read_and_export)
+                    local.append(time.perf_counter() - started)
+                await anyio.to_thread.run_sync(shutil.rmtree, target)
+            progress.advance()
+    return result(
+        "replicate.restore_remote_s", unit="s", ours=median(remote), baseline=median(local),
+        baseline_name="local restore of the same generation (read, verify, export), same run",
+        better="lower", target=1.5,
+        detail={"bytes": int(record.byte_length), "runs": runs,
+                "remote_s": [round(t, 3) for t in remote],
+                "local_s": [round(t, 3) for t in local]},
+    )  # fmt: skip
+
+
+_RSS_PROBE = """
+import anyio, json, resource, sys
+from coordinator.bus import connect
+from coordinator.replicate import Replicas
+from coordinator.store import export_payloads
+
+def rss_mib():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+
+async def main(url, session, target):
+    client = await connect([url], 5.0, error_cb=None)
+    start = rss_mib()
+    with await (await Replicas(client).open()).fetch(session) as stored:
+        await anyio.to_thread.run_sync(export_payloads, stored, target)
+    await client.close()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"start_mib": start, "peak_mib": peak}))
+
+anyio.run(main, *sys.argv[1:])
+"""
+
+
+def _restore_rss(url: str, folder: Path, last: Any) -> Result:
+    session, record = last
+    done = subprocess.run(
+        [sys.executable, "-c", _RSS_PROBE, url, session, str(folder / "rss-restored")],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    figures = json.loads(done.stdout)
+    generation = int(record.byte_length) / (1 << 20)
+    over = figures["peak_mib"] - figures["start_mib"] - generation
+    return result(
+        "replicate.restore_peak_rss_over_generation_mib", unit="MiB", ours=over, baseline=None,
+        baseline_name=None, better="lower", target=64.0,
+        detail={"generation_mib": round(generation, 1), **figures,
+                "measured_as": "a fresh process: peak RSS (ru_maxrss) minus its RSS once "
+                "connected, minus the generation's size"},
+    )  # fmt: skip
+
+
+async def _measure(folder: Path, size: int, runs: int, progress: Progress) -> list[Result]:
+    async with (
+        EmbeddedServer(folder / "nats") as server,
+        NatsBus(server.url) as bus,
+        FileStore(folder / "store", keep=1) as store,
+    ):
+        ratio = await _ratio(bus, store, runs, progress)
+        upload, last = await _upload(bus, store, size, runs, progress)
+        restore = await _restore(bus, store, folder, last, runs=runs, progress=progress)
+        rss = await anyio.to_thread.run_sync(_restore_rss, server.url, folder, last)
+    return [ratio, upload, restore, rss]
 
 
 def run(*, size: int, runs: int, progress: Progress = NO_PROGRESS) -> list[Result]:

@@ -31,11 +31,11 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from .._errors import WriterBusyError
-from .._sample import sample_body, sample_payload_names
 from ..bus import MemoryBus
+from ..errors import WriterBusyError
 from ..events import Committed
 from ..manifest import ManifestBody, build_manifest
+from ..sample import sample_body, sample_payload_names
 from ..session import CaptureScope, Coordinator
 from ..store import FileStore
 from ..writer import WriterLimits

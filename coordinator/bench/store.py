@@ -23,8 +23,8 @@ import anyio
 import anyio.to_thread
 
 from .. import envelope
-from .._sample import sample_body, sample_payload_names
 from ..manifest import CheckpointManifest, build_manifest, manifest_to_builtins
+from ..sample import sample_body, sample_payload_names
 from ..store import FileStore, SyncStore
 from . import Result, median, result
 from .progress import NO_PROGRESS, Progress

@@ -7,22 +7,27 @@ truth for durability: the store manifest is.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from ..events import Event, Restored
 from .memory import MemoryBus, Subscription
 
+if TYPE_CHECKING:
+    from ._nats import PUBLISH_WINDOW, TRANSIENT, Backlog, NatsBus, connect, server_address
+
 __all__ = [
+    "PUBLISH_WINDOW",
+    "TRANSIENT",
+    "Backlog",
     "Bus",
     "BusStatistics",
     "MemoryBus",
     "NatsBus",
-    "Replicas",
-    "Replicator",
-    "SessionLease",
     "Subscription",
+    "connect",
+    "server_address",
 ]
 
 
@@ -59,18 +64,16 @@ class Bus(Protocol):
     async def aclose(self) -> None: ...
 
 
-_NEEDS_NATS = {
-    "NatsBus": "._nats",
-    "Replicas": "._replica",
-    "Replicator": "._replica",
-    "SessionLease": "._lease",
-}
+# What needs nats (the connection and the events on it) is loaded only when asked for.
+_NEEDS_NATS = frozenset(
+    {"PUBLISH_WINDOW", "TRANSIENT", "Backlog", "NatsBus", "connect", "server_address"}
+)
 
 
 def __getattr__(name: str) -> object:
     """What needs nats is loaded only when asked for."""
     if name in _NEEDS_NATS:
-        import importlib
+        from . import _nats
 
-        return getattr(importlib.import_module(_NEEDS_NATS[name], __name__), name)
+        return getattr(_nats, name)
     raise AttributeError(name)

@@ -57,7 +57,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from .._errors import BusConfigError, BusUnavailableError, InvalidScalarError, UsageError
+from ..errors import BusConfigError, BusUnavailableError, InvalidScalarError, UsageError
 from ..events import (
     DEFAULT_PREFIX,
     EVENT_NAMES,
@@ -75,7 +75,7 @@ from ..ids import check_id, is_id
 from . import BusStatistics
 from .memory import Subscription
 
-__all__ = ["TRANSIENT", "Backlog", "NatsBus", "connect"]
+__all__ = ["PUBLISH_WINDOW", "TRANSIENT", "Backlog", "NatsBus", "connect", "server_address"]
 
 T = TypeVar("T")
 # Events published with their acks awaited together: one at a time caps the bus at
@@ -561,15 +561,20 @@ class NatsBus:
         return event if isinstance(event, Committed) else None
 
     async def latest_restored(self, session_id: str) -> Restored | None:
-        """The last ``restored`` event of a session in this bus's outbox, else on the
-        stream (its subject's last message); ``None`` if there is none, or it is not one.
-        ``BusUnavailableError`` if the server cannot tell now: announcing again
+        """The last ``restored`` event of a session (see ``latest_event``)."""
+        event = await self.latest_event(session_id, "restored")
+        return event if isinstance(event, Restored) else None
+
+    async def latest_event(self, session_id: str, kind: str) -> Event | None:
+        """The last event of ``kind`` of a session in this bus's outbox, else on the
+        stream (its subject's last message); ``None`` if there is none, or it is not
+        one. ``BusUnavailableError`` if the server cannot tell now: announcing again
         then would spend a ``seq`` on a copy the stream drops (a gap that never
-        fills), so the caller leaves it for a later entry or ``reconcile()``."""
+        fills), so the caller leaves it for later."""
         assert self._js is not None
-        name = subject(check_id(session_id), "restored", prefix=self.prefix)
+        name = subject(check_id(session_id), kind, prefix=self.prefix)
         for event in reversed(self._outbox.items):  # on its way: the stream has it soon
-            if isinstance(event, Restored) and event.session_id == session_id:
+            if event_name(event) == kind and event.session_id == session_id:
                 return event
         try:
             with anyio.fail_after(self.publish_timeout):
@@ -577,16 +582,16 @@ class NatsBus:
         except NotFoundError:
             return None
         except (*TRANSIENT, APIError) as error:
-            self._counts["restored_unknown"] += 1
+            self._counts[f"{kind}_unknown"] += 1
             raise BusUnavailableError(
-                f"cannot read the latest restored event now ({type(error).__name__})"
+                f"cannot read the latest {kind} event now ({type(error).__name__})"
             ) from None
         try:
             event = decode_event(message.data or b"")
         except msgspec.MsgspecError:
             self._counts["invalid"] += 1
             return None
-        return event if isinstance(event, Restored) else None
+        return event if event_name(event) == kind else None
 
     async def last_seq(self, session_id: str) -> int:
         """The highest ``seq`` the bus holds for a session. 0 if none, or if the

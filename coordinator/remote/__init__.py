@@ -4,7 +4,14 @@ A remote participant is a participant that happens to use NATS: the runtime
 sees only the participant contract and the artifact handles."""
 
 from ._companion import DEFAULT_OBJECT_TTL, RemoteObjects, remote_objects
-from ._objects import DEFAULT_OBJECT_BUCKET, ObjectArtifact, ObjectBucket
+from ._objects import (
+    DEFAULT_OBJECT_BUCKET,
+    MetaChangedError,
+    ObjectArtifact,
+    ObjectBucket,
+    StoredObject,
+    object_digest,
+)
 from ._participant import (
     DEFAULT_LEASE_BUCKET,
     DEFAULT_LEASE_TTL,
@@ -21,10 +28,13 @@ __all__ = [
     "DEFAULT_OBJECT_BUCKET",
     "DEFAULT_OBJECT_TTL",
     "DEFAULT_RPC_PREFIX",
+    "MetaChangedError",
     "ObjectArtifact",
     "ObjectBucket",
     "RemoteObjects",
     "RemoteParticipant",
+    "StoredObject",
+    "object_digest",
     "remote_objects",
     "serve_participant",
 ]

@@ -13,8 +13,8 @@ import weakref
 import anyio
 import anyio.to_thread
 
-from .._errors import UsageError
-from ..bus._nats import TRANSIENT, Backlog, NatsBus
+from ..bus import TRANSIENT, Backlog, NatsBus
+from ..errors import UsageError
 from ._objects import DEFAULT_OBJECT_BUCKET, ObjectBucket
 
 __all__ = ["RemoteObjects", "remote_objects", "unmap"]

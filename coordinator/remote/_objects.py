@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import datetime
 import errno
 import hashlib
@@ -45,17 +46,24 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
-from .._errors import (
+from ..artifacts import ArtifactLedger, BaseHandle, mark_verified, sha256_hex
+from ..errors import (
     ArtifactCorruptError,
     ArtifactReleasedError,
     ArtifactUnavailableError,
     BusConfigError,
     CoordinatorError,
 )
-from ..artifacts import ArtifactLedger, BaseHandle, mark_verified, sha256_hex
 from ..sealed import seal_fd, sealable_fd
 
-__all__ = ["DEFAULT_OBJECT_BUCKET", "ObjectArtifact", "ObjectBucket"]
+__all__ = [
+    "DEFAULT_OBJECT_BUCKET",
+    "MetaChangedError",
+    "ObjectArtifact",
+    "ObjectBucket",
+    "StoredObject",
+    "object_digest",
+]
 
 DEFAULT_OBJECT_BUCKET = "CKPT_OBJECTS"
 _CHUNK = 512 << 10  # bigger chunks read ~1.6x faster than nats-py's 128 KiB here
@@ -63,6 +71,45 @@ _WINDOW = 16  # chunk publishes in flight
 _HASH_STEP = 16 << 20  # received bytes handed to the hashing thread at a time
 _STALL_TIMEOUT = 10.0  # seconds without a chunk (read) or an ack (put) before giving up
 _GROW_STEP = 16 << 20  # a read allocates its pages this far ahead of the chunks, no further
+_WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code for a failed expected-sequence check
+
+
+class MetaChangedError(Exception):
+    """An object's meta was not at the stream sequence a conditional write
+    expected: another writer made, touched or deleted the object meanwhile."""
+
+    def __init__(self, name: str, expected: int | None) -> None:
+        self.name = name
+        self.expected = expected
+        super().__init__(f"object {name!r}: its meta is no longer at sequence {expected}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredObject:
+    """An object's meta as the stream holds it: ``meta_seq`` is its stream
+    sequence (what a conditional write names), ``stored_at`` the server's time."""
+
+    info: api.ObjectInfo
+    meta_seq: int
+    stored_at: datetime.datetime
+
+    @property
+    def live(self) -> bool:
+        return not self.info.deleted
+
+
+def _stored_object(
+    data: bytes | None, seq: int | None, time: datetime.datetime | None
+) -> StoredObject | None:
+    """A meta message as a ``StoredObject``; ``None`` for one no writer of the
+    object-store layout made (it names no object)."""
+    try:
+        info = api.ObjectInfo.from_response(json.loads(data or b""))
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not isinstance(info.name, str) or seq is None or time is None:
+        return None
+    return StoredObject(info, int(seq), time)
 
 
 def object_digest(digest_hex: str) -> str:
@@ -124,24 +171,35 @@ class ObjectBucket:
                 )
         return cls(js, store, name)
 
-    async def put(self, name: str, data: memoryview) -> str:
+    async def put(
+        self,
+        name: str,
+        data: memoryview,
+        *,
+        digest: str | None = None,
+        expected_meta_seq: int | None = None,
+    ) -> str:
         """Store ``data`` as object ``name``; returns its SHA-256 (hex), computed in
-        a worker thread while the chunks go out. ``ArtifactUnavailableError`` if
-        the server stops acknowledging for ``_STALL_TIMEOUT`` (nats-py's own acks
-        would wait forever)."""
+        a worker thread while the chunks go out, unless the caller knows it
+        (``digest``: the bytes are verified already). ``ArtifactUnavailableError``
+        if the server stops acknowledging for ``_STALL_TIMEOUT`` (nats-py's own
+        acks would wait forever). With ``expected_meta_seq`` the object is made
+        only if its meta is still at that stream sequence (0: no object of this
+        name was ever made); else ``MetaChangedError``, and nothing is left."""
         nuid = self._js._nc._nuid.next().decode()
         chunks_subject = f"$O.{self.name}.C.{nuid}"
         chunk = max(1, min(_CHUNK, self._js._nc.max_payload - 1024))
-        digest: list[str] = []
+        digests: list[str] = [digest] if digest is not None else []
 
         async def hash_all() -> None:
             with data[:] as whole:  # released here, wherever the thread keeps it
-                digest.append(await anyio.to_thread.run_sync(sha256_hex, whole))
+                digests.append(await anyio.to_thread.run_sync(sha256_hex, whole))
 
         try:
             with _host_error():
                 async with anyio.create_task_group() as group:
-                    group.start_soon(hash_all)
+                    if digest is None:
+                        group.start_soon(hash_all)
                     sent = await self._send(chunks_subject, data, chunk)
             info = api.ObjectInfo(
                 name=name,
@@ -149,29 +207,109 @@ class ObjectBucket:
                 nuid=nuid,
                 size=len(data),
                 chunks=sent,
-                digest=object_digest(digest[0]),
+                digest=object_digest(digests[0]),
                 mtime=datetime.datetime.now(datetime.UTC).isoformat(),
                 options=api.ObjectMetaOptions(max_chunk_size=chunk),
             )
-            await self._js.publish(
-                self._meta_subject(name),
-                json.dumps(info.as_dict()).encode(),
-                headers={api.Header.ROLLUP: "sub"},
-            )
+            await self.write_meta(info, expected_meta_seq=expected_meta_seq)
         except BaseException as error:
-            # Shielded, bounded, best effort: the bucket's TTL removes them otherwise.
+            # Shielded, bounded, best effort: a sweep (or the bucket's TTL) removes them otherwise.
             with (
                 anyio.CancelScope(shield=True),
                 anyio.move_on_after(5),
                 contextlib.suppress(Exception),
             ):
-                await self._js.purge_stream(self._store._stream, subject=chunks_subject)
-            if isinstance(error, Exception) and not isinstance(error, CoordinatorError):
+                await self.purge_chunks(nuid)
+            if isinstance(error, Exception) and not isinstance(
+                error, CoordinatorError | MetaChangedError
+            ):
                 raise ArtifactUnavailableError(
                     f"cannot put object {name!r} ({type(error).__name__}: {error})"
                 ) from None
             raise
-        return digest[0]
+        return digests[0]
+
+    async def write_meta(self, info: api.ObjectInfo, *, expected_meta_seq: int | None) -> int:
+        """Publish ``info`` as the object's meta (it replaces the one before: a
+        roll-up), conditional on the meta's stream sequence when given
+        (``MetaChangedError`` otherwise). Returns the new meta's sequence."""
+        headers: dict[str, Any] = {api.Header.ROLLUP: "sub"}
+        if expected_meta_seq is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_meta_seq)
+        try:
+            ack = await self._js.publish(
+                self._meta_subject(info.name), json.dumps(info.as_dict()).encode(), headers=headers
+            )
+        except nats.js.errors.BadRequestError as error:
+            if error.err_code == _WRONG_LAST_SEQUENCE:
+                raise MetaChangedError(info.name, expected_meta_seq) from None
+            raise
+        return int(ack.seq)
+
+    async def purge_chunks(self, nuid: str) -> None:
+        """Remove the chunks of ``nuid`` (an object's, or an upload's that never got a meta)."""
+        await self._js.purge_stream(self._store._stream, subject=f"$O.{self.name}.C.{nuid}")
+
+    async def stored(self, name: str) -> StoredObject | None:
+        """Object ``name``'s meta as the stream leader holds it now (a deleted
+        object's included), with its stream sequence and the server's time of it;
+        ``None`` if no object of this name was ever made."""
+        try:
+            message = await self._js.get_last_msg(self._store._stream, self._meta_subject(name))
+        except nats.js.errors.NotFoundError:
+            return None
+        return _stored_object(message.data, message.seq, message.time)
+
+    async def metas(self) -> list[StoredObject]:
+        """Every object's meta (deleted ones included), read from the stream leader
+        through an ordered consumer, each with its sequence and server time."""
+        found: list[StoredObject] = []
+        subject = f"$O.{self.name}.M.>"
+        try:
+            await self._js.get_last_msg(self._store._stream, subject)
+        except nats.js.errors.NotFoundError:
+            return found
+        subscription = await self._js.subscribe(
+            subject,
+            stream=self._store._stream,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+        )
+        try:
+            while True:
+                message = await subscription.next_msg(timeout=self.stall_timeout)
+                meta = message.metadata
+                stored = _stored_object(message.data, meta.sequence.stream, meta.timestamp)
+                if stored is not None:
+                    found.append(stored)
+                if not meta.num_pending:
+                    return found
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+
+    async def chunk_subjects(self) -> dict[str, int]:
+        """Every chunks subject the stream holds messages on, with their count."""
+        info = await self._js.stream_info(
+            self._store._stream, subjects_filter=f"$O.{self.name}.C.>"
+        )
+        return dict(info.state.subjects or {})
+
+    async def chunk_count(self, nuid: str) -> int:
+        """How many chunks of ``nuid`` the stream holds."""
+        subject = f"$O.{self.name}.C.{nuid}"
+        info = await self._js.stream_info(self._store._stream, subjects_filter=subject)
+        return int((info.state.subjects or {}).get(subject, 0))
+
+    async def first_chunk_time(self, nuid: str) -> datetime.datetime | None:
+        """When the server stored the first chunk of ``nuid`` (``None``: it holds none)."""
+        try:
+            message = await self._js.get_msg(
+                self._store._stream, seq=1, subject=f"$O.{self.name}.C.{nuid}", next=True
+            )
+        except nats.js.errors.NotFoundError:
+            return None
+        return message.time
 
     async def _send(self, subject: str, data: memoryview, chunk: int) -> int:
         """The chunks, ``_WINDOW`` of them awaiting their acks at a time."""
@@ -228,7 +366,7 @@ class ObjectBucket:
             try:
                 await anyio.lowlevel.checkpoint_if_cancelled()
                 with mmap.mmap(fd, byte_length) as writable, memoryview(writable) as view:
-                    actual = await self._receive(info.nuid, view, name, fd)
+                    actual = await self.receive(info.nuid, view, name, fd)
                 if actual != digest_hex:
                     raise ArtifactCorruptError(f"object {name!r} fails its digest ({actual})")
                 return seal_fd(fd)  # the writable map is gone: sealed, nobody can write
@@ -239,8 +377,13 @@ class ObjectBucket:
                 f"cannot read object {name!r} ({type(error).__name__}: {error})"
             ) from None
 
-    async def _receive(self, nuid: str, view: memoryview, name: str, fd: int) -> str:
-        """Chunks into ``view`` in order; a second task hashes what has arrived."""
+    async def receive(
+        self, nuid: str, view: memoryview, name: str, fd: int, *, base: int = 0
+    ) -> str:
+        """The chunks of ``nuid`` into ``view`` (a writable map of ``fd`` from offset
+        ``base``), in order, while a second task hashes what has arrived; returns
+        the SHA-256 (hex) of exactly ``len(view)`` bytes received (more or fewer is
+        ``ArtifactCorruptError``)."""
         hasher = hashlib.sha256()
         send, ready = anyio.create_memory_object_stream[int](math.inf)
 
@@ -258,14 +401,17 @@ class ObjectBucket:
                 group.start_soon(hash_behind)
                 async with send:
                     if len(view):
-                        received = await self._pull(nuid, view, send, name, fd)
+                        received = await self._pull(nuid, view, send, name, (fd, base))
         if received != len(view):
             raise ArtifactCorruptError(f"object {name!r} ended after {received} bytes")
         return hasher.hexdigest()
 
-    async def _pull(self, nuid: str, view: memoryview, progress: Any, name: str, fd: int) -> int:
-        """The chunks into ``view`` (a map of ``fd``), allocating its pages a step
-        ahead of them: what is held is what arrived, plus at most one step."""
+    async def _pull(
+        self, nuid: str, view: memoryview, progress: Any, name: str, file: tuple[int, int]
+    ) -> int:
+        """The chunks into ``view`` (a map of ``file``: fd, offset), allocating its
+        pages a step ahead of them: what is held is what arrived, plus at most one step."""
+        fd, base = file
         subscription = await self._js.subscribe(
             f"$O.{self.name}.C.{nuid}", stream=self._store._stream, ordered_consumer=True
         )
@@ -283,7 +429,9 @@ class ObjectBucket:
                     raise ArtifactCorruptError(f"object {name!r} is longer than declared")
                 if received + len(data) > allocated:
                     upto = min(len(view), max(received + len(data), allocated + _GROW_STEP))
-                    await anyio.to_thread.run_sync(_allocate, fd, allocated, upto - allocated)
+                    await anyio.to_thread.run_sync(
+                        _allocate, fd, base + allocated, upto - allocated
+                    )
                     allocated = upto
                 view[received : received + len(data)] = data
                 received += len(data)

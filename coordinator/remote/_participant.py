@@ -64,9 +64,9 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from .._errors import BusConfigError, CoordinatorError, RemoteWorkerError, UsageError
 from ..artifacts import ArtifactHandle, ArtifactLedger, owned_bytes
-from ..bus._nats import NatsBus, connect
+from ..bus import NatsBus, connect
+from ..errors import BusConfigError, CoordinatorError, RemoteWorkerError, UsageError
 from ..events import subject_token
 from ..ids import U64_MAX, check_id, is_digest, is_id
 from ..participant import CaptureReply, CaptureScope, Participant, RestoreScope, check_reply

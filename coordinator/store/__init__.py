@@ -25,10 +25,11 @@ One concept a module:
 from ._commit import UnlinkFailure
 from ._export import export_payloads
 from ._facade import FileStore
+from ._lineage import established_in, on_timeline
 from ._manifest import EpochRecord, Fork, GenerationRecord, SessionRecord, StoreManifest
 from ._sync import DEFAULT_KEEP, CommitReceipt, StoreStatistics, SyncStore
 from ._threads import lower_thread_priority, run_in_bulk_thread
-from ._verify import StoredCheckpoint, VerifyReport
+from ._verify import StoredCheckpoint, VerifyReport, checked_generation, read_generation
 
 __all__ = [
     "DEFAULT_KEEP",
@@ -44,7 +45,11 @@ __all__ = [
     "SyncStore",
     "UnlinkFailure",
     "VerifyReport",
+    "checked_generation",
+    "established_in",
     "export_payloads",
     "lower_thread_priority",
+    "on_timeline",
+    "read_generation",
     "run_in_bulk_thread",
 ]

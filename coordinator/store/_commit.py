@@ -31,7 +31,8 @@ from collections.abc import Generator, Iterable, Sequence
 
 import msgspec
 
-from .._errors import (
+from ..buffers import BytesLike
+from ..errors import (
     CommitError,
     DurabilityUnknownError,
     ManifestFullError,
@@ -41,7 +42,6 @@ from .._errors import (
     StorePoisonedError,
     SyncError,
 )
-from .._types import BytesLike
 from ..fs import FileSystem
 from ._manifest import (
     LOCK,

@@ -15,8 +15,8 @@ import errno
 import os
 import secrets
 
-from .._errors import SyncError
 from ..canonical import canonical_bytes
+from ..errors import SyncError
 from ..fs import FileSystem
 from ._commit import CommitSequence
 from ._verify import StoredCheckpoint

@@ -12,8 +12,8 @@ from typing import Any, Literal, Self
 import anyio
 import anyio.to_thread
 
-from .._errors import DuplicateCheckpointError, StaleEpochError, StoreClosedError, UsageError
-from .._types import BytesLike
+from ..buffers import BytesLike
+from ..errors import DuplicateCheckpointError, StaleEpochError, StoreClosedError, UsageError
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest
 from ._manifest import GenerationRecord, SessionRecord
@@ -72,6 +72,8 @@ class FileStore:
         self._claimed: set[str] = set()
         self._waiting: list[_Waiting] = []  # commits not yet taken into a group
         self._capturing: set[str] = set()  # checkpoint ids being captured
+        self._version = 0  # bumped by every change of the manifest (wait_changed)
+        self._changed = anyio.Event()
 
     @property
     def core(self) -> SyncStore:
@@ -134,6 +136,11 @@ class FileStore:
     def session(self, session_id: str) -> SessionRecord | None:
         return self.core.session(session_id)
 
+    @property
+    def sessions(self) -> tuple[SessionRecord, ...]:
+        """Every session of the store, by id."""
+        return self.core.sessions
+
     def pin(self, checkpoint_id: str) -> None:
         """Rotation keeps ``checkpoint_id`` until ``unpin``."""
         self.core.pin(checkpoint_id)
@@ -161,10 +168,32 @@ class FileStore:
         self._refuse_squatted(epoch)
         self.core.check_new_epoch(epoch)
 
+    @property
+    def version(self) -> int:
+        """How many times the manifest changed since the store was opened (commits,
+        epochs opened, forks): what ``wait_changed`` waits to move."""
+        return self._version
+
+    async def wait_changed(self, seen: int) -> int:
+        """Wait until ``version`` is no longer ``seen``; returns it. A follower of
+        the store (the replicator) reads the store after each change, and never
+        needs an event of the bus to learn of one."""
+        while self._version == seen:
+            await self._changed.wait()
+        return self._version
+
+    def _bump(self) -> None:
+        self._version += 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
     async def open_epoch(self, session_id: str, epoch: str) -> SessionRecord:
         self._refuse_squatted(epoch)
         async with self._lock:
-            record: SessionRecord = await self._run(self.core.open_epoch, session_id, epoch)
+            try:
+                record: SessionRecord = await self._run(self.core.open_epoch, session_id, epoch)
+            finally:
+                self._bump()
             return record
 
     async def fork_epoch(
@@ -185,7 +214,10 @@ class FileStore:
             allowed_incompatible=allowed_incompatible,
         )
         async with self._lock:
-            record: SessionRecord = await self._run(fork, session_id, epoch, restored)
+            try:
+                record: SessionRecord = await self._run(fork, session_id, epoch, restored)
+            finally:
+                self._bump()
             return record
 
     # --- commits -------------------------------------------------------------------
@@ -256,6 +288,7 @@ class FileStore:
             for waiting, outcome in zip(group, outcomes, strict=True):
                 waiting.outcome = outcome
                 waiting.done.set()
+            self._bump()
 
     @property
     def poisoned(self) -> str | None:

@@ -28,7 +28,7 @@ from typing import Literal
 
 import msgspec
 
-from .._errors import DuplicateCheckpointError, EpochFencedError, StaleEpochError
+from ..errors import DuplicateCheckpointError, EpochFencedError, StaleEpochError
 from ._manifest import (
     EpochRecord,
     Fork,
@@ -42,6 +42,7 @@ __all__ = [
     "check_commit",
     "check_consistent",
     "check_epoch_unused",
+    "established_in",
     "high_water_of",
     "on_timeline",
     "with_forked_epoch",
@@ -70,6 +71,20 @@ def high_water_of(
     for record in reversed(generations):
         if record.session_id == session.session_id and on_timeline(session, record):
             return record
+    return None
+
+
+def established_in(session: SessionRecord, record: GenerationRecord) -> EpochRecord | None:
+    """The epoch in which ``record``, the session's high water, became its state:
+    the epoch that committed it, or a later one whose restore (a fork) installed
+    it again. Epochs that merely continued their parent (a host that reopened)
+    change nothing. ``None`` if ``record`` is not on the current timeline."""
+    epochs = {e.epoch: e for e in session.epochs}
+    at = epochs.get(session.current)
+    while at is not None:
+        if record.epoch == at.epoch or at.fork is not None:
+            return at if on_timeline(session, record) else None
+        at = epochs.get(at.parent) if at.parent is not None else None
     return None
 
 

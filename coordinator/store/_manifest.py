@@ -28,8 +28,8 @@ from typing import Literal
 
 import msgspec
 
-from .._errors import JsonError, StoreManifestError
 from ..canonical import canonical_bytes, parse_canonical
+from ..errors import JsonError, StoreManifestError
 from ..ids import U64, Digest, Id
 
 __all__ = [

@@ -14,7 +14,9 @@ from typing import Literal, Self
 
 import msgspec
 
-from .._errors import (
+from ..buffers import BytesLike
+from ..envelope import plan
+from ..errors import (
     CommitError,
     CoordinatorError,
     GenerationCorruptError,
@@ -26,8 +28,6 @@ from .._errors import (
     StoreReadOnlyError,
     UsageError,
 )
-from .._types import BytesLike
-from ..envelope import plan
 from ..fs import FileSystem
 from ..identity import compatibility_digest
 from ..ids import U64_MAX, check_id

@@ -12,19 +12,25 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import mmap
 from collections.abc import Callable, Sequence
 from typing import Self
 
 import msgspec
 
-from .._errors import CorruptEnvelopeError, GenerationCorruptError, ManifestError
+from ..buffers import BytesLike
 from ..envelope import FOOTER_BYTES, HEADER_BYTES, Envelope, decode
+from ..errors import CorruptEnvelopeError, GenerationCorruptError, ManifestError
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest, manifest_from_builtins
 from ._manifest import LEGACY_TMP_PREFIX, SUFFIX, TMP_PREFIX, GenerationRecord
 
-__all__ = ["StoredCheckpoint", "VerifyReport", "read_generation", "verify_generations"]
+__all__ = [
+    "StoredCheckpoint",
+    "VerifyReport",
+    "checked_generation",
+    "read_generation",
+    "verify_generations",
+]
 
 
 class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,33 +102,46 @@ def read_generation(fs: FileSystem, path: str, record: GenerationRecord) -> Stor
     finally:
         fs.close(fd)  # the map keeps the file; no descriptor outlives the read
     try:
-        envelope = _decode(record, path, mapped)
-        try:
-            manifest = manifest_from_builtins(envelope.manifest)
-        except ManifestError as error:
-            envelope.release()
-            raise GenerationCorruptError(
-                record.checkpoint_id, path, "manifest", str(error)
-            ) from None
-        scope = manifest.source_scope
-        held = (manifest.checkpoint_id, scope.session_id, scope.epoch, scope.step,
-                manifest.episode_id)  # fmt: skip
-        listed = (record.checkpoint_id, record.session_id, record.epoch, record.boundary,
-                  record.episode_id)  # fmt: skip
-        if held != listed:
-            envelope.release()
-            raise GenerationCorruptError(
-                record.checkpoint_id, path, "identity",
-                f"the envelope holds (checkpoint, session, epoch, step, episode) {held}, "
-                f"the store manifest lists {listed}",
-            )  # fmt: skip
+        return checked_generation(record, path, mapped, mapped.close)
     except BaseException:
         mapped.close()
         raise
-    return StoredCheckpoint(record, manifest, envelope, mapped.close)
 
 
-def _decode(record: GenerationRecord, path: str, mapped: mmap.mmap) -> Envelope:
+def checked_generation(
+    record: GenerationRecord, where: str, data: BytesLike, closer: Callable[[], None]
+) -> StoredCheckpoint:
+    """``data`` (a whole generation file's bytes, as ``record`` lists it) through
+    every check after the length: whole-file digest, envelope, typed manifest,
+    identity. ``where`` names it in errors; ``closer`` releases ``data`` when the
+    checkpoint is closed (the caller releases it if this raises)."""
+    if len(data) != int(record.byte_length) or len(data) < HEADER_BYTES + FOOTER_BYTES:
+        raise GenerationCorruptError(
+            record.checkpoint_id, where, "length",
+            f"{len(data)} bytes, the manifest records {record.byte_length}",
+        )  # fmt: skip
+    envelope = _decode(record, where, data)
+    try:
+        manifest = manifest_from_builtins(envelope.manifest)
+    except ManifestError as error:
+        envelope.release()
+        raise GenerationCorruptError(record.checkpoint_id, where, "manifest", str(error)) from None
+    scope = manifest.source_scope
+    held = (manifest.checkpoint_id, scope.session_id, scope.epoch, scope.step,
+            manifest.episode_id)  # fmt: skip
+    listed = (record.checkpoint_id, record.session_id, record.epoch, record.boundary,
+              record.episode_id)  # fmt: skip
+    if held != listed:
+        envelope.release()
+        raise GenerationCorruptError(
+            record.checkpoint_id, where, "identity",
+            f"the envelope holds (checkpoint, session, epoch, step, episode) {held}, "
+            f"the store manifest lists {listed}",
+        )  # fmt: skip
+    return StoredCheckpoint(record, manifest, envelope, closer)
+
+
+def _decode(record: GenerationRecord, path: str, mapped: BytesLike) -> Envelope:
     try:
         envelope = decode(mapped)
     except CorruptEnvelopeError as error:

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from coordinator import envelope
-from coordinator._sample import sample_body
+from coordinator.sample import sample_body
 from coordinator.manifest import build_manifest, manifest_to_builtins
 
 HERE = Path(__file__).parent

@@ -22,7 +22,7 @@ import math
 import secrets
 import socket
 import time
-from typing import Any, ClassVar, Self
+from typing import Any, Self
 
 import anyio
 import msgspec
@@ -33,28 +33,15 @@ from nats.js.errors import (
     KeyWrongLastSequenceError,
 )
 
-from .._errors import CoordinatorError
+from ..bus import NatsBus
+from ..errors import LeaseLostError, SessionLeasedError
 from ..events import subject_token
 from ..ids import check_id
-from ._nats import NatsBus
 
-__all__ = ["LEASES_BUCKET", "LeaseLostError", "SessionLease", "SessionLeasedError"]
+__all__ = ["LEASES_BUCKET", "SessionLease"]
 
 LEASES_BUCKET = "CKPT_LEASES"
 MAX_TTL_S = 24 * 3600.0
-
-
-class SessionLeasedError(CoordinatorError):
-    """Another host holds the session's lease, and it has not expired."""
-
-    code: ClassVar[str] = "session.leased"
-
-
-class LeaseLostError(CoordinatorError):
-    """This host's lease was taken over (or expired and was taken): it no longer
-    owns the session, and may not move its replicated pointer."""
-
-    code: ClassVar[str] = "session.lease_lost"
 
 
 class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -33,6 +33,12 @@ into typed attributes; the message is built once, here.
     ├── ArtifactUnavailableError          artifact.unavailable  a remote object could not be read
     ├── ArtifactCorruptError (ValueError) artifact.corrupt  bytes differ from their length/digest
     ├── RemoteWorkerError                 remote.worker    a remote participant did not do its part
+    ├── ReplicaError                      replica          the replicated tier
+    │   ├── SessionLeasedError            session.leased   another host holds the session's lease
+    │   ├── LeaseLostError                session.lease_lost  this host's lease was taken over
+    │   ├── ReplicaFencedError            replica.fenced   the pointer moved under a newer owner
+    │   ├── ReplicaPointerError (ValueError)  replica.pointer  a pointer no replicator wrote
+    │   └── ReplicaBucketMissingError (LookupError)  replica.no_bucket  nothing was replicated here
     └── StoreError                        store
         ├── StoreLockedError              store.locked     another writer holds the store
         ├── StoreReadOnlyError            store.read_only  commit on a read-only store
@@ -87,6 +93,7 @@ __all__ = [
     "InvalidScalarError",
     "JsonError",
     "JsonValueError",
+    "LeaseLostError",
     "ManifestError",
     "ManifestFullError",
     "NoSpaceError",
@@ -94,9 +101,14 @@ __all__ = [
     "NotCanonicalError",
     "RemoteWorkerError",
     "RenameError",
+    "ReplicaBucketMissingError",
+    "ReplicaError",
+    "ReplicaFencedError",
+    "ReplicaPointerError",
     "RestoreFailedError",
     "SaveFailedError",
     "ServerError",
+    "SessionLeasedError",
     "StaleEpochError",
     "StoreClosedError",
     "StoreDirectoryError",
@@ -392,6 +404,52 @@ class RemoteWorkerError(CoordinatorError):
         self.remote_code = remote_code
         self.reason = reason
         super().__init__(f"remote participant {participant!r} [{remote_code}]: {reason}")
+
+
+class ReplicaError(CoordinatorError):
+    """Anything the replicated tier refuses or cannot do."""
+
+    code: ClassVar[str] = "replica"
+
+
+class SessionLeasedError(ReplicaError):
+    """Another host holds the session's lease, and it has not expired."""
+
+    code: ClassVar[str] = "session.leased"
+
+
+class LeaseLostError(ReplicaError):
+    """This host's lease was taken over (or expired and was taken): it no longer
+    owns the session, and may not move its replicated pointer."""
+
+    code: ClassVar[str] = "session.lease_lost"
+
+
+class ReplicaFencedError(ReplicaError):
+    """The session's pointer moved under a newer owner's lease: not overwritten."""
+
+    code: ClassVar[str] = "replica.fenced"
+
+
+class ReplicaPointerError(ReplicaError, ValueError):
+    """A session's pointer (or the generation it names) is not one a replicator
+    wrote: malformed, of another session, or disagreeing with its own manifest."""
+
+    code: ClassVar[str] = "replica.pointer"
+
+
+class ReplicaBucketMissingError(ReplicaError, LookupError):
+    """A bucket of the replicated tier does not exist: nothing was replicated to
+    this cluster (under these names). A read never creates it."""
+
+    code: ClassVar[str] = "replica.no_bucket"
+
+    def __init__(self, bucket: str, detail: str = "") -> None:
+        self.bucket = bucket
+        super().__init__(
+            f"bucket {bucket} does not exist: nothing was replicated here{detail} "
+            "(a read never creates it)"
+        )
 
 
 class StoreError(CoordinatorError):

@@ -1,0 +1,198 @@
+"""The content bucket ``CKPT_CONTENT``: every payload and every checkpoint
+manifest once, as an immutable object named by the SHA-256 of its bytes, shared
+by every generation and session that holds the same bytes.
+
+Immutable by construction: an object's name is its content's digest, so whoever
+writes it writes the same bytes, and the server refuses a second writer of a live
+name (the meta is published only if its subject is still at the sequence read:
+``Nats-Expected-Last-Subject-Sequence``).
+
+Retention is mark and sweep with a grace period, and no delete can take an object
+that an upload is about to reference:
+
+- an object is swept only if no pointer references it *and* its meta is older
+  than the grace period (the server's time of it);
+- an upload that finds the object it needs already there re-stamps its meta
+  (``touch``), conditional on the meta's sequence, so the object is young again;
+- a sweep's delete is conditional on the meta's sequence it read, so it fails
+  if anyone touched (or re-made) the object since.
+
+So a delete and a reuse of the same object race on one subject, and the server
+orders them: if the touch comes first, the delete is refused; if the delete
+comes first, the touch is refused and the upload writes the object again. Chunks
+no meta names (an upload killed before its meta) are purged once the first of
+them is older than the grace period; an upload that took longer than half of it
+is not trusted and is made again under a new set of chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from typing import Any
+
+import msgspec
+from nats.js import api
+
+from ..errors import ArtifactCorruptError, ArtifactUnavailableError
+from ..remote import MetaChangedError, ObjectBucket, StoredObject, object_digest
+
+__all__ = ["CONTENT_BUCKET", "ContentBucket", "SweepReport"]
+
+CONTENT_BUCKET = "CKPT_CONTENT"
+_ATTEMPTS = 4  # a touch or a make refused this often in a row: someone else keeps racing
+
+
+class SweepReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What one sweep saw and did."""
+
+    objects: int  # live objects seen
+    referenced: int  # of those, referenced by a pointer
+    young: int  # unreferenced, within the grace period: kept
+    deleted: int
+    raced: int  # a delete refused: the object was touched or made again meanwhile
+    orphan_chunks: int  # chunk subjects of uploads that never got a meta, purged
+    refused: str | None = None  # why nothing was deleted (a pointer it cannot read...)
+
+
+class ContentBucket:
+    """Objects named by their SHA-256: made once, touched when reused, swept."""
+
+    def __init__(self, objects: ObjectBucket, *, grace: float) -> None:
+        self.objects = objects
+        self.grace = grace
+
+    async def ensure(self, digest: str, data: memoryview) -> int:
+        """Make sure the bucket holds ``data`` (whose SHA-256 is ``digest``, verified
+        by the caller) as a whole, young object: touched if it is there, else made.
+        Returns the bytes sent (0 when it was there)."""
+        for _ in range(_ATTEMPTS):
+            stored = await self.objects.stored(digest)
+            if stored is not None and stored.live:
+                if self._holds(stored, digest, len(data)) and await self._whole(stored):
+                    try:
+                        await self.objects.write_meta(
+                            _touched(stored.info), expected_meta_seq=stored.meta_seq
+                        )
+                        return 0
+                    except MetaChangedError:
+                        continue  # deleted (or touched) meanwhile: look again
+                await self._delete(stored)  # other bytes, or chunks lost: made again
+                continue
+            started = time.monotonic()
+            try:
+                await self.objects.put(
+                    digest,
+                    data,
+                    digest=digest,
+                    expected_meta_seq=stored.meta_seq if stored is not None else 0,
+                )
+            except MetaChangedError:
+                continue  # another host made it at the same moment: touch theirs
+            if time.monotonic() - started <= self.grace / 2:
+                return len(data)
+            # Too slow to trust: a sweep may have taken its chunks for a dead upload's.
+        raise ArtifactUnavailableError(
+            f"object {digest} could not be made or touched in {_ATTEMPTS} attempts (it kept "
+            f"changing, or each upload took longer than half the {self.grace:g} s grace period)"
+        )
+
+    async def _whole(self, stored: StoredObject) -> bool:
+        """Whether every chunk its meta counts is in the stream."""
+        if not stored.info.chunks:
+            return True
+        return await self.objects.chunk_count(stored.info.nuid) == stored.info.chunks
+
+    @staticmethod
+    def _holds(stored: StoredObject, digest: str, size: int) -> bool:
+        return stored.info.size == size and stored.info.digest == object_digest(digest)
+
+    async def live(self, digest: str, size: int) -> bool:
+        """Whether the bucket holds ``digest``'s object now, whole."""
+        stored = await self.objects.stored(digest)
+        return stored is not None and stored.live and self._holds(stored, digest, size)
+
+    async def read_into(
+        self, digest: str, size: int, view: memoryview, fd: int, *, base: int
+    ) -> None:
+        """Object ``digest`` (``size`` bytes) into ``view`` (a writable map of ``fd``
+        at offset ``base``), its SHA-256 checked as it arrives.
+        ``ArtifactUnavailableError`` if it is not there (swept, or never made),
+        ``ArtifactCorruptError`` if its bytes are not the ones named."""
+        stored = await self.objects.stored(digest)
+        if stored is None or not stored.live:
+            raise ArtifactUnavailableError(f"object {digest} is not in bucket {CONTENT_BUCKET}")
+        if not self._holds(stored, digest, size) or (size and not stored.info.nuid):
+            raise ArtifactCorruptError(
+                f"object {digest} holds {stored.info.size} bytes ({stored.info.digest}), "
+                f"not the {size} its name says"
+            )
+        if size == 0:
+            return
+        actual = await self.objects.receive(stored.info.nuid, view, digest, fd, base=base)
+        if actual != digest:
+            raise ArtifactCorruptError(f"object {digest} fails its digest ({actual})")
+
+    async def sweep(self, referenced: set[str], *, marked_at: float) -> SweepReport:
+        """Delete every object no pointer references (``referenced``: read at
+        ``marked_at``, ``time.monotonic()``, before this listing) whose meta is
+        older than the grace period, each delete conditional on the meta it saw;
+        purge chunks no meta names once they are that old. A mark older than a
+        quarter of the grace period when a delete is due is not acted on: the
+        sweep stops there (a pointer moved since may reference the object, and
+        its upload touched it at most half the grace period before the move)."""
+        grace = self.grace
+        listed_at = marked_at
+        metas = await self.objects.metas()
+        now = datetime.datetime.now(datetime.UTC)
+        live = [m for m in metas if m.live]
+        counts: dict[str, Any] = dict(referenced=0, young=0, deleted=0, raced=0, orphan_chunks=0)
+        for stored in live:
+            if stored.info.name in referenced:
+                counts["referenced"] += 1
+                continue
+            if (now - stored.stored_at).total_seconds() <= grace:
+                counts["young"] += 1
+                continue
+            if time.monotonic() - listed_at > grace / 4:
+                return SweepReport(objects=len(live), **counts, refused="the mark went stale")
+            if await self._delete(stored):
+                counts["deleted"] += 1
+            else:
+                counts["raced"] += 1
+        named = {m.info.nuid for m in live if m.info.nuid}
+        for subject in await self.objects.chunk_subjects():
+            nuid = subject.rsplit(".", 1)[-1]
+            if nuid in named:
+                continue
+            first = await self.objects.first_chunk_time(nuid)
+            old = first is not None and (now - first).total_seconds() > grace
+            if old and time.monotonic() - listed_at <= grace / 4:
+                await self.objects.purge_chunks(nuid)
+                counts["orphan_chunks"] += 1
+        return SweepReport(objects=len(live), **counts)
+
+    async def _delete(self, stored: StoredObject) -> bool:
+        """Delete the object as ``stored`` saw it: its meta replaced by a deleted
+        marker only if still at that sequence, then its chunks purged. False if
+        the meta moved (touched or made again): it stays."""
+        try:
+            await self.objects.write_meta(_deleted(stored.info), expected_meta_seq=stored.meta_seq)
+        except MetaChangedError:
+            return False
+        if stored.info.nuid:
+            await self.objects.purge_chunks(stored.info.nuid)
+        return True
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat()
+
+
+def _touched(info: api.ObjectInfo) -> api.ObjectInfo:
+    return dataclasses.replace(info, mtime=_now())
+
+
+def _deleted(info: api.ObjectInfo) -> api.ObjectInfo:
+    return dataclasses.replace(info, deleted=True, size=0, chunks=0, digest="", mtime=_now())

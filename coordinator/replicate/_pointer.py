@@ -1,0 +1,209 @@
+"""A session's pointer: which generation the replicated tier holds for it, in the
+KV bucket ``CKPT_REPLICAS`` (key: the session's subject token).
+
+The pointer names a generation by content: its checkpoint manifest's object and
+its payloads' objects (each named by its SHA-256), plus the envelope digest the
+rebuilt file must have. It also records the epoch in which that state became
+the session's (``epoch``: the epoch that committed it, or the later one whose
+restore installed it again) and why (``cause``), and the lease revision it was
+moved under. Every move is a revision-checked create or update: the replicated
+tier's commit point. A value that is not a pointer this version writes is
+``ReplicaPointerError``, never read as something else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Annotated, Any, Final, Literal
+
+import anyio
+import msgspec
+from nats.aio.client import Client
+from nats.js import api
+from nats.js.errors import (
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
+
+from ..errors import ReplicaFencedError, ReplicaPointerError
+from ..events import subject_token
+from ..ids import U64, Digest, Id
+from ..store import GenerationRecord
+
+__all__ = [
+    "POINTERS_BUCKET",
+    "POINTER_VERSION",
+    "Pointers",
+    "ReplicaPointer",
+    "ReplicatedGeneration",
+    "parse_pointer",
+]
+
+POINTERS_BUCKET = "CKPT_REPLICAS"
+POINTER_VERSION: Final = 2
+MAX_POINTER_BYTES = 64 << 10  # 64 payload digests and a few ids: a bigger value is hostile
+
+
+class ReplicatedGeneration(
+    msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True
+):
+    """One generation as the replicated tier holds it: its identity, the envelope
+    it rebuilds to, and its objects (``manifest`` and ``payloads``, in table order)."""
+
+    checkpoint_id: Id
+    epoch: Id  # the epoch that committed it
+    episode_id: Id
+    boundary: U64
+    compatibility_digest: Digest
+    envelope_digest: Digest
+    envelope_bytes: U64
+    manifest: Digest
+    manifest_bytes: U64
+    payloads: tuple[Digest, ...]
+    payload_bytes: U64  # their sum (events carry it as byteLength)
+
+    @property
+    def objects(self) -> tuple[str, ...]:
+        """Every object it references: what retention must keep."""
+        return (self.manifest, *self.payloads)
+
+    def record(self, session_id: str) -> GenerationRecord:
+        """The record a rebuilt file is read against (every reader check, and the
+        identity: checkpoint, session, epoch, step, episode)."""
+        return GenerationRecord(
+            checkpoint_id=self.checkpoint_id,
+            file=f"{self.checkpoint_id}.flysess",
+            session_id=session_id,
+            epoch=self.epoch,
+            episode_id=self.episode_id,
+            boundary=self.boundary,
+            compatibility_digest=self.compatibility_digest,
+            envelope_digest=self.envelope_digest,
+            byte_length=self.envelope_bytes,
+            sequence="0",
+        )
+
+
+class ReplicaPointer(
+    msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True
+):
+    """A session's replicated state: ``generation``, which became the session's
+    state in ``epoch`` (by a commit, or by a restore: ``cause``), moved under
+    lease revision ``lease_revision`` (0: no lease) at ``moved_at`` (the host's
+    clock, RFC 3339)."""
+
+    version: Literal[2]
+    session_id: Id
+    epoch: Id
+    cause: Literal["commit", "rollback", "recovery"]
+    generation: ReplicatedGeneration
+    lease_revision: Annotated[int, msgspec.Meta(ge=0, le=2**63)]
+    moved_at: str
+
+    def names(self, checkpoint_id: str, envelope_digest: str, epoch: str) -> bool:
+        """Whether this pointer already holds that state."""
+        return (
+            self.epoch == epoch
+            and self.generation.checkpoint_id == checkpoint_id
+            and self.generation.envelope_digest == envelope_digest
+        )
+
+
+_DECODER = msgspec.json.Decoder(ReplicaPointer)
+
+
+def parse_pointer(value: bytes | None, session_id: str) -> ReplicaPointer:
+    """The pointer ``value`` holds for ``session_id``, or ``ReplicaPointerError``:
+    malformed, too large, of an older layout, or of another session."""
+    data = value or b""
+    if len(data) > MAX_POINTER_BYTES:
+        raise ReplicaPointerError(
+            f"the replicated pointer of session {session_id} is {len(data)} bytes: "
+            "no replicator writes one this large"
+        )
+    try:
+        pointer = _DECODER.decode(data)
+    except msgspec.MsgspecError as error:
+        raise ReplicaPointerError(
+            f"the replicated pointer of session {session_id} is not one this version "
+            f"writes ({error}); a replicator of this version replaces it at its next move"
+        ) from None
+    if pointer.session_id != session_id:
+        raise ReplicaPointerError(
+            f"the replicated pointer of session {session_id} names session "
+            f"{pointer.session_id}: not its own"
+        )
+    return pointer
+
+
+class Pointers:
+    """The pointers bucket: read one, move one (revision-checked), read them all."""
+
+    def __init__(self, client: Client, kv: Any, stream: str) -> None:
+        self._js = client.jetstream()
+        self._kv = kv
+        self._stream = stream
+
+    async def get(self, session_id: str) -> tuple[ReplicaPointer, int] | None:
+        """The session's pointer and its KV revision, or ``None`` (never moved, or
+        deleted). Read from the stream's leader."""
+        try:
+            entry = await self._kv.get(subject_token(session_id))
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+        if entry.value is None:
+            return None
+        return parse_pointer(entry.value, session_id), int(entry.revision)
+
+    async def move(self, pointer: ReplicaPointer, last: int | None) -> int:
+        """Write ``pointer``: created if ``last`` is ``None``, else only if the
+        revision is still ``last`` (``ReplicaFencedError`` if it moved meanwhile).
+        Returns the new revision."""
+        key = subject_token(pointer.session_id)
+        value = msgspec.json.encode(pointer)
+        try:
+            if last is None:
+                return int(await self._kv.create(key, value))
+            return int(await self._kv.update(key, value, last=last))
+        except KeyWrongLastSequenceError as error:
+            raise ReplicaFencedError(
+                f"the pointer of session {pointer.session_id} moved meanwhile (another "
+                f"host writes it): {pointer.generation.checkpoint_id} was not made the "
+                "replicated one"
+            ) from error
+
+    async def every(self) -> tuple[dict[str, ReplicaPointer], list[str]]:
+        """Every session's pointer (from the stream's leader, through an ordered
+        consumer), and the keys whose value is no pointer (a sweep must not guess
+        what those reference)."""
+        found: dict[str, ReplicaPointer] = {}
+        unreadable: list[str] = []
+        subject = f"$KV.{POINTERS_BUCKET}.>"
+        try:
+            await self._js.get_last_msg(self._stream, subject)
+        except NotFoundError:
+            return found, unreadable
+        subscription = await self._js.subscribe(
+            subject,
+            stream=self._stream,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+        )
+        try:
+            while True:
+                message = await subscription.next_msg(timeout=10)
+                key = message.subject.removeprefix(f"$KV.{POINTERS_BUCKET}.")
+                operation = (message.headers or {}).get("KV-Operation")
+                if operation not in ("DEL", "PURGE"):
+                    session_id = key.replace("=2E", ".")
+                    try:
+                        found[session_id] = parse_pointer(message.data, session_id)
+                    except ReplicaPointerError:
+                        unreadable.append(key)
+                if not message.metadata.num_pending:
+                    return found, unreadable
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await subscription.unsubscribe()

@@ -1,0 +1,425 @@
+"""``Replicator``: makes each session's pointer follow the session's truth in its
+own store, and keeps the content bucket swept.
+
+It follows the store, not the bus: after every change of the store's manifest
+(a commit, an epoch opened, a restore's fork) it compares, for each session of
+the store, the session's high water and the epoch in which that became the
+session's state (``store.established_in``) with what the pointer names. Where
+they differ it uploads the objects the bucket lacks (touching the ones it has),
+moves the pointer (revision-checked, under the session's lease when it has
+one: the commit point), and only then publishes ``replicated``. Nothing on the
+bus decides what it replicates, so only its own store's commits and restores
+ever move a pointer: a rollback moves it back to the restored checkpoint, with
+an event of its own (its epoch is the restore's, so its ``eventId`` is new).
+
+Only the newest state is worth replicating: commits that came and went while an
+upload ran are passed over (named in the next ``replicated``). Local commits
+never wait for it; a cluster that cannot take an upload is retried.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Self
+
+import anyio
+import msgspec
+from nats.errors import Error as NatsError
+
+from ..bus import NatsBus
+from ..canonical import canonical_bytes
+from ..errors import (
+    BusUnavailableError,
+    CoordinatorError,
+    LeaseLostError,
+    ReplicaFencedError,
+)
+from ..events import Replicated, Timings, event_id, rfc3339_now
+from ..store import FileStore, GenerationRecord, SessionRecord, StoredCheckpoint, established_in
+from ._content import SweepReport
+from ._lease import SessionLease
+from ._pointer import POINTER_VERSION, ReplicaPointer, ReplicatedGeneration
+from ._source import DEFAULT_GRACE_S, Replicas
+
+__all__ = ["Replicator", "ReplicatorStatistics"]
+
+_RETRY_S = 1.0  # between attempts while the cluster cannot take an upload
+_PARALLEL_OBJECTS = 4  # objects of one generation made or touched at once
+_MAX_PASSED = 64  # passed-over ids named in one event (the rest are counted)
+
+Cause = Literal["commit", "rollback", "recovery"]
+
+
+class ReplicatorStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    replicated: int  # pointer moves, each followed by its ``replicated``
+    announced_again: int  # a move whose event may have been lost, announced again
+    uploaded_bytes: int
+    uploaded_objects: int
+    reused_objects: int  # already in the bucket: touched, not sent
+    passed_over: int
+    retried: int  # attempts the cluster could not take
+    failed: int  # attempts refused for a reason retrying cannot fix at once
+    fenced: tuple[str, ...]  # sessions another host owns now: never moved again here
+    pending: int  # sessions whose pointer does not name their state yet
+    sweeps: int
+    swept_objects: int
+    last_sweep: SweepReport | None
+    last_error: str | None
+
+
+class _Target(msgspec.Struct, frozen=True):
+    record: GenerationRecord
+    epoch: str
+    cause: Cause
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.record.checkpoint_id, self.record.envelope_digest, self.epoch)
+
+
+class Replicator:
+    """``async with Replicator(bus, store, leases=[lease]):`` beside the
+    coordinators of ``store``. ``grace``: how long an object no pointer
+    references is kept (it must exceed the longest upload); a sweep of the
+    content bucket runs every ``sweep_every`` seconds (default: a quarter of
+    ``grace``; ``None`` for never)."""
+
+    def __init__(
+        self,
+        bus: NatsBus,
+        store: FileStore,
+        *,
+        leases: Sequence[SessionLease] = (),
+        grace: float = DEFAULT_GRACE_S,
+        sweep_every: float | Literal["auto"] | None = "auto",
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if not grace > 0:
+            raise ValueError("the grace period is a positive number of seconds")
+        self.bus = bus
+        self.store = store
+        self.replicas = Replicas(bus, grace=grace)
+        self.grace = grace
+        self.sweep_every = grace / 4 if sweep_every == "auto" else sweep_every
+        self.leases = {lease.session_id: lease for lease in leases}
+        self.fenced: dict[str, CoordinatorError] = {}  # sessions this host lost
+        self.errors: collections.deque[Exception] = collections.deque(maxlen=8)
+        self._clock = clock
+        self._counts = collections.Counter[str]()
+        self._wanted: dict[str, tuple[str, str, str]] = {}  # session -> its state now
+        self._held: dict[str, tuple[str, str, str]] = {}  # session -> what its pointer names
+        self._last_sequence: dict[str, int] = {}  # session -> store sequence replicated last
+        self._last_sweep: SweepReport | None = None
+        self._group: Any = None
+
+    async def __aenter__(self) -> Self:
+        await self.replicas.open(create=True)
+        for lease in self.leases.values():  # a new owner fences the pointer at once
+            await self._fence(lease)
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        self._group.start_soon(self._run)
+        if self.sweep_every is not None:
+            self._group.start_soon(self._sweep_now_and_then, self.sweep_every)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._group.cancel_scope.cancel()
+        await self._group.__aexit__(None, None, None)
+
+    # --- what each session should be ----------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Sessions whose pointer does not name their state yet (fenced ones excluded)."""
+        return sum(
+            1
+            for session_id, wanted in self._wanted.items()
+            if session_id not in self.fenced and self._held.get(session_id) != wanted
+        )
+
+    async def wait_caught_up(self) -> None:
+        """Return once every session's pointer names its state as it is now."""
+        while self.pending or self._stale():
+            await anyio.sleep(0.02)
+
+    def _stale(self) -> bool:
+        """Whether the store holds a state not yet looked at."""
+        return any(
+            target is not None and self._wanted.get(session.session_id) != target.key
+            for session in self.store.sessions
+            for target in [self._target(session)]
+        )
+
+    def _target(self, session: SessionRecord) -> _Target | None:
+        record = self.store.lookup(session.high_water) if session.high_water else None
+        if record is None:
+            return None
+        established = established_in(session, record)
+        if established is None:  # (the high water is on its timeline by definition)
+            return None
+        fork = established.fork
+        cause: Cause = "commit" if fork is None else fork.reason
+        return _Target(record, established.epoch, cause)
+
+    # --- following the store -------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            seen = self.store.version
+            again = await self._converge_all()
+            with anyio.move_on_after(_RETRY_S if again else math.inf):
+                await self.store.wait_changed(seen)
+
+    async def _converge_all(self) -> bool:
+        """One pass over the store's sessions; whether one needs another try."""
+        again = False
+        for session in self.store.sessions:
+            session_id = session.session_id
+            target = self._target(session)
+            if target is None or session_id in self.fenced:
+                continue
+            self._wanted[session_id] = target.key
+            if self._held.get(session_id) == target.key:
+                continue
+            try:
+                await self._converge(session_id, target)
+            except (LeaseLostError, ReplicaFencedError) as error:  # another host owns it
+                self._counts["fenced"] += 1
+                self.fenced[session_id] = error
+            except (CoordinatorError, NatsError, OSError, TimeoutError) as error:
+                self._counts["retried"] += 1  # the cluster, or the disk: try again
+                self.errors.append(error)
+                again = True
+            except Exception as error:  # a bug: kept for statistics, tried again
+                self._counts["failed"] += 1
+                self.errors.append(error)
+                again = True
+        return again
+
+    async def _converge(self, session_id: str, target: _Target) -> None:
+        lease = self.leases.get(session_id)
+        found = await self.replicas.pointer(session_id)
+        current, revision = found if found is not None else (None, None)
+        if current is not None and current.names(*target.key):
+            await self._announce_again(current, revision, target)
+            self._held[session_id] = target.key
+            return
+        fence = lease.revision if lease is not None else 0
+        if current is not None and current.lease_revision > fence:
+            raise ReplicaFencedError(
+                f"the pointer of session {session_id} was moved under a newer lease "
+                f"({current.lease_revision} > {fence}): {target.record.checkpoint_id} is "
+                "not made the replicated one"
+            )
+        if lease is not None:
+            await lease.check()
+        started = self._clock()
+        with await self.store.read(target.record.checkpoint_id, session_id=session_id) as stored:
+            generation, sent = await self._upload(stored)
+        pointer = ReplicaPointer(
+            version=POINTER_VERSION,
+            session_id=session_id,
+            epoch=target.epoch,
+            cause=target.cause,
+            generation=generation,
+            lease_revision=fence,
+            moved_at=rfc3339_now(),
+        )
+        if lease is not None:
+            await lease.check()
+        moved = await self.replicas.pointers.move(pointer, revision)
+        if self._clock() - started > self.grace / 2:
+            await self._check_objects(generation)  # a sweep may have judged it by then
+        self._held[session_id] = target.key
+        await self._announce(pointer, moved, target, sent, (self._clock() - started) * 1000)
+
+    async def _upload(self, stored: StoredCheckpoint) -> tuple[ReplicatedGeneration, int]:
+        """Every object of ``stored`` (verified as it was read) made or touched in
+        the bucket; the generation as a pointer names it, and the bytes sent."""
+        manifest = canonical_bytes(stored.envelope.manifest)
+        manifest_digest = hashlib.sha256(manifest).hexdigest()
+        views = {manifest_digest: memoryview(manifest)}
+        for entry in stored.envelope.layout.entries:
+            views.setdefault(entry.digest, stored.payload(entry.name))
+        sent = [0]
+        limit = anyio.Semaphore(_PARALLEL_OBJECTS)
+
+        async def ensure(digest: str, view: memoryview) -> None:
+            async with limit:
+                size = await self.replicas.content.ensure(digest, view)
+            self._counts["uploaded_objects" if size else "reused_objects"] += 1
+            self._counts["uploaded_bytes"] += size
+            sent[0] += size
+
+        try:
+            async with anyio.create_task_group() as group:
+                for digest, view in views.items():
+                    group.start_soon(ensure, digest, view)
+        except BaseExceptionGroup as errors:  # one failure is the reason: the first
+            raise errors.exceptions[0] from None
+        finally:
+            for view in views.values():
+                view.release()
+        record = stored.record
+        generation = ReplicatedGeneration(
+            checkpoint_id=record.checkpoint_id,
+            epoch=record.epoch,
+            episode_id=record.episode_id,
+            boundary=record.boundary,
+            compatibility_digest=record.compatibility_digest,
+            envelope_digest=record.envelope_digest,
+            envelope_bytes=record.byte_length,
+            manifest=manifest_digest,
+            manifest_bytes=str(len(manifest)),
+            payloads=tuple(entry.digest for entry in stored.envelope.layout.entries),
+            payload_bytes=str(sum(e.byte_length for e in stored.envelope.layout.entries)),
+        )
+        return generation, sent[0]
+
+    async def _check_objects(self, generation: ReplicatedGeneration) -> None:
+        """After a move that took longer than half the grace period (a paused
+        host): every object it names must still be whole, or the move is not
+        announced (``ArtifactUnavailableError``: the next pass makes them again)."""
+        from ..errors import ArtifactUnavailableError
+
+        content = self.replicas.content
+        for digest in generation.objects:
+            stored = await content.objects.stored(digest)
+            if stored is None or not stored.live:
+                self._counts["lost_objects"] += 1
+                raise ArtifactUnavailableError(
+                    f"object {digest} of {generation.checkpoint_id} was swept during a "
+                    "long upload: it is made again"
+                )
+
+    # --- announcing ---------------------------------------------------------------
+
+    def _passed_over(self, session_id: str, record: GenerationRecord) -> tuple[str, ...]:
+        """The session's commits since the one replicated last, before ``record``."""
+        last = self._last_sequence.get(session_id)
+        self._last_sequence[session_id] = int(record.sequence)
+        if last is None:
+            return ()
+        passed = [
+            g.checkpoint_id
+            for g in reversed(self.store.timeline(session_id))
+            if last < int(g.sequence) < int(record.sequence)
+        ]
+        self._counts["passed_over"] += len(passed)
+        return tuple(passed[-_MAX_PASSED:])
+
+    def _event(
+        self, pointer: ReplicaPointer, revision: int, target: _Target, sent: int, ms: float | None
+    ) -> Replicated:
+        record = target.record
+        return Replicated(
+            seq=0,  # the bus gives it the session's next seq
+            event_id=event_id(pointer.session_id, target.epoch, record.checkpoint_id, "replicated"),
+            time=rfc3339_now(),
+            checkpoint_id=record.checkpoint_id,
+            session_id=pointer.session_id,
+            epoch=target.epoch,
+            episode_id=record.episode_id,
+            boundary=record.boundary,
+            byte_length=pointer.generation.payload_bytes,
+            timings=Timings(upload_ms=round(ms, 3)) if ms is not None else Timings(),
+            generation=record.file,
+            envelope_digest=record.envelope_digest,
+            envelope_bytes=record.byte_length,
+            object=pointer.generation.manifest,
+            pointer_revision=revision,
+            cause=target.cause,
+            uploaded_bytes=str(sent),
+            passed_over=self._passed_over(pointer.session_id, record),
+        )
+
+    async def _announce(
+        self, pointer: ReplicaPointer, revision: int, target: _Target, sent: int, ms: float
+    ) -> None:
+        self._counts["replicated"] += 1
+        await self.bus.publish(self._event(pointer, revision, target, sent, ms))
+
+    async def _announce_again(
+        self, pointer: ReplicaPointer, revision: int | None, target: _Target
+    ) -> None:
+        """The pointer names the state already (this host moved it before it went
+        down): its ``replicated`` goes out again unless the bus holds it (the
+        same eventId; a copy the stream drops would spend a seq for nothing)."""
+        wanted = event_id(pointer.session_id, target.epoch, target.record.checkpoint_id,
+                          "replicated")  # fmt: skip
+        with contextlib.suppress(BusUnavailableError):
+            latest = await self.bus.latest_event(pointer.session_id, "replicated")
+            if latest is None or latest.event_id != wanted:
+                self._counts["announced_again"] += 1
+                await self.bus.publish(self._event(pointer, revision or 0, target, 0, None))
+
+    # --- fencing and sweeping ------------------------------------------------------
+
+    async def _fence(self, lease: SessionLease) -> None:
+        """Stamp the session's pointer with ``lease``'s revision (a new owner does it
+        at once): from then on a move under an older lease is refused."""
+        while True:
+            found = await self.replicas.pointer(lease.session_id)
+            if found is None or found[0].lease_revision >= lease.revision:
+                return
+            stamped = msgspec.structs.replace(found[0], lease_revision=lease.revision)
+            try:
+                await self.replicas.pointers.move(stamped, found[1])
+                return
+            except ReplicaFencedError:
+                continue  # it moved meanwhile: stamp what is there now
+
+    async def sweep(self) -> SweepReport:
+        """Mark every object a pointer of any session references, then sweep the
+        content bucket (see ``ContentBucket.sweep``). A pointer that cannot be
+        read stops the sweep: nobody knows what it references."""
+        content = self.replicas.content
+        marked_at = time.monotonic()
+        pointers, unreadable = await self.replicas.pointers.every()
+        if unreadable:
+            report = SweepReport(
+                objects=0, referenced=0, young=0, deleted=0, raced=0, orphan_chunks=0,
+                refused=f"pointers it cannot read: {', '.join(sorted(unreadable)[:5])}",
+            )  # fmt: skip
+        else:
+            referenced = {d for p in pointers.values() for d in p.generation.objects}
+            report = await content.sweep(referenced, marked_at=marked_at)
+        self._counts["sweeps"] += 1
+        self._counts["swept_objects"] += report.deleted
+        self._last_sweep = report
+        return report
+
+    async def _sweep_now_and_then(self, every: float) -> None:
+        while True:
+            await anyio.sleep(every * random.uniform(0.8, 1.2))  # hosts do not sweep in step
+            try:
+                await self.sweep()
+            except (CoordinatorError, NatsError, OSError, TimeoutError) as error:
+                self.errors.append(error)
+
+    def statistics(self) -> ReplicatorStatistics:
+        counts = self._counts
+        last = self.errors[-1] if self.errors else None
+        return ReplicatorStatistics(
+            replicated=counts["replicated"],
+            announced_again=counts["announced_again"],
+            uploaded_bytes=counts["uploaded_bytes"],
+            uploaded_objects=counts["uploaded_objects"],
+            reused_objects=counts["reused_objects"],
+            passed_over=counts["passed_over"],
+            retried=counts["retried"],
+            failed=counts["failed"],
+            fenced=tuple(sorted(self.fenced)),
+            pending=self.pending,
+            sweeps=counts["sweeps"],
+            swept_objects=counts["swept_objects"],
+            last_sweep=self._last_sweep,
+            last_error=f"{type(last).__name__}: {last}" if last is not None else None,
+        )

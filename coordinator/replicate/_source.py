@@ -1,0 +1,201 @@
+"""Reading the replicated tier: a session's pointer, and its generation rebuilt
+byte for byte from the content bucket, on any host, with read-only credentials.
+
+``Replicas.fetch`` reads the pointer, fetches the checkpoint manifest (checked
+against its digest), lays the envelope out from it with our own writer
+(``envelope.layout_of``, then ``envelope.plan`` over the fetched payloads),
+receives every payload into its place (each checked against its digest as it
+arrives), seals the footer, and refuses the file unless its SHA-256 is the
+envelope digest the pointer names. Then every reader check runs over it, as for
+a local generation. The file is a sealed anonymous memfd: nothing is left on any
+disk if the process dies, and its pages are the only copy (peak memory: the
+generation, plus the receive window). A pointer that moves meanwhile (its old
+objects may be swept) is read again.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any, Self
+
+import anyio
+import anyio.to_thread
+from nats.aio.client import Client
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
+from ..bus import NatsBus
+from ..canonical import parse_canonical
+from ..envelope import (
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_REFERENCE_VALUES,
+    MAX_MANIFEST_VALUES,
+    layout_of,
+    plan,
+)
+from ..errors import (
+    ArtifactUnavailableError,
+    EnvelopeInputError,
+    GenerationNotFoundError,
+    JsonError,
+    ReplicaBucketMissingError,
+    ReplicaPointerError,
+)
+from ..remote import ObjectBucket
+from ..sealed import seal_fd, sealable_fd
+from ..store import StoredCheckpoint, checked_generation
+from ._content import CONTENT_BUCKET, ContentBucket
+from ._pointer import POINTERS_BUCKET, Pointers, ReplicaPointer, ReplicatedGeneration
+
+__all__ = ["DEFAULT_GRACE_S", "Replicas"]
+
+DEFAULT_GRACE_S = 3600.0  # unreferenced objects younger than this are kept
+_REREADS = 3  # the pointer moved under a fetch this often in a row: give up
+
+
+class Replicas:
+    """The replicated tier on a NATS connection (a ``NatsBus`` or a nats-py
+    ``Client``). ``await Replicas(bus).open()`` reads it and creates nothing (a
+    missing bucket is ``ReplicaBucketMissingError``); a replicator opens it with
+    ``create=True``."""
+
+    def __init__(
+        self, connection: NatsBus | Client, *, grace: float = DEFAULT_GRACE_S,
+        replicas: int | None = None,
+    ) -> None:  # fmt: skip
+        self.client: Client = connection.client if isinstance(connection, NatsBus) else connection
+        self.grace = grace
+        default = connection.replicas if isinstance(connection, NatsBus) else 1
+        self.replicas = replicas if replicas is not None else default
+        self._content: ContentBucket | None = None
+        self._pointers: Pointers | None = None
+
+    async def open(self, *, create: bool = False) -> Self:
+        js = self.client.jetstream()
+        try:
+            store = await js.object_store(CONTENT_BUCKET)
+        except (BucketNotFoundError, NotFoundError):
+            if not create:
+                raise ReplicaBucketMissingError(CONTENT_BUCKET) from None
+            store = await js.create_object_store(bucket=CONTENT_BUCKET, replicas=self.replicas)
+        self._content = ContentBucket(ObjectBucket(js, store, CONTENT_BUCKET), grace=self.grace)
+        try:
+            kv = await js.key_value(POINTERS_BUCKET)
+        except (BucketNotFoundError, NotFoundError):
+            if not create:
+                raise ReplicaBucketMissingError(POINTERS_BUCKET) from None
+            kv = await js.create_key_value(
+                bucket=POINTERS_BUCKET, history=1, replicas=self.replicas
+            )
+        self._pointers = Pointers(self.client, kv, f"KV_{POINTERS_BUCKET}")
+        return self
+
+    @property
+    def content(self) -> ContentBucket:
+        if self._content is None:
+            raise RuntimeError("open() the replicas first")
+        return self._content
+
+    @property
+    def pointers(self) -> Pointers:
+        if self._pointers is None:
+            raise RuntimeError("open() the replicas first")
+        return self._pointers
+
+    async def pointer(self, session_id: str) -> tuple[ReplicaPointer, int] | None:
+        """The session's pointer and its KV revision, or ``None``."""
+        return await self.pointers.get(session_id)
+
+    async def fetch(self, session_id: str) -> StoredCheckpoint:
+        """The session's pointed generation, rebuilt and verified (see the module
+        docstring). ``GenerationNotFoundError`` if the session has none."""
+        for _ in range(_REREADS):
+            found = await self.pointer(session_id)
+            if found is None:
+                raise GenerationNotFoundError(f"no replicated generation of session {session_id}")
+            pointer, revision = found
+            try:
+                return await self._rebuild(session_id, pointer.generation)
+            except ArtifactUnavailableError:
+                again = await self.pointer(session_id)
+                if again is None or again[1] == revision:
+                    raise  # the pointer names an object the bucket lacks
+        raise ArtifactUnavailableError(
+            f"the pointer of session {session_id} kept moving while it was fetched"
+        )
+
+    async def _rebuild(self, session_id: str, generation: ReplicatedGeneration) -> StoredCheckpoint:
+        content = self.content
+        if int(generation.manifest_bytes) > MAX_MANIFEST_BYTES:
+            raise ReplicaPointerError(
+                f"session {session_id}: the pointer names a manifest of "
+                f"{generation.manifest_bytes} bytes; no reader accepts one over "
+                f"{MAX_MANIFEST_BYTES}"
+            )
+        manifest_bytes = await content.objects.read(
+            generation.manifest, int(generation.manifest_bytes), generation.manifest
+        )
+        try:
+            manifest = parse_canonical(
+                manifest_bytes,
+                max_values=MAX_MANIFEST_VALUES,
+                max_reference_values=MAX_MANIFEST_REFERENCE_VALUES,
+            )
+            prefix, layout = layout_of(manifest)
+        except (JsonError, EnvelopeInputError) as error:
+            raise ReplicaPointerError(
+                f"session {session_id}: manifest object {generation.manifest} is no "
+                f"checkpoint manifest ({error})"
+            ) from None
+        finally:
+            if isinstance(manifest_bytes, mmap.mmap):
+                manifest_bytes.close()
+        named = tuple(entry.digest for entry in layout.entries)
+        if named != generation.payloads or layout.file_bytes != int(generation.envelope_bytes):
+            raise ReplicaPointerError(
+                f"session {session_id}: the pointer's payloads and length do not match "
+                f"the manifest of {generation.checkpoint_id}"
+            )
+        record = generation.record(session_id)
+        with anyio.CancelScope(shield=True):  # an fd must not be lost to a cancel
+            fd = await anyio.to_thread.run_sync(sealable_fd, layout.file_bytes, "replica")
+        try:
+            with mmap.mmap(fd, layout.file_bytes) as writable, memoryview(writable) as view:
+                view[: len(prefix)] = prefix
+                for entry in layout.entries:
+                    with view[entry.offset : entry.end] as place:
+                        await content.read_into(
+                            entry.digest, entry.byte_length, place, fd, base=entry.offset
+                        )
+                digest = await anyio.to_thread.run_sync(_seal_footer, manifest, layout, view)
+            if digest != generation.envelope_digest:
+                raise ReplicaPointerError(
+                    f"session {session_id}: {generation.checkpoint_id} rebuilt from its "
+                    f"objects hashes to {digest}, not the committed envelope digest "
+                    f"{generation.envelope_digest}"
+                )
+            sealed = seal_fd(fd)
+        finally:
+            os.close(fd)
+        where = f"replica of {generation.checkpoint_id}"
+        try:
+            return await anyio.to_thread.run_sync(
+                checked_generation, record, where, sealed, sealed.close
+            )
+        except BaseException:
+            sealed.close()
+            raise
+
+
+def _seal_footer(manifest: Any, layout: Any, view: memoryview) -> str:
+    """Blocking (it hashes the whole file): our writer's plan over the payloads in
+    place, its footer written after them; returns the file's SHA-256."""
+    payloads = [(entry.name, view[entry.offset : entry.end]) for entry in layout.entries]
+    try:
+        envelope_plan = plan(manifest, payloads, payloads_verified=True)
+        seal = envelope_plan.seal()
+        view[layout.footer_offset :] = seal.footer
+        return seal.envelope_digest
+    finally:
+        for _, payload in payloads:
+            payload.release()
