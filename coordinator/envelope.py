@@ -61,11 +61,13 @@ __all__ = [
     "VERSION",
     "Envelope",
     "EnvelopePlan",
+    "KnownDigests",
     "Layout",
     "PayloadEntry",
     "Seal",
     "decode",
     "encode",
+    "footer_bytes",
     "layout_of",
     "plan",
 ]
@@ -373,7 +375,7 @@ class EnvelopePlan:
                     f"payload {entry.name!r} does not match its manifest digest "
                     f"{entry.digest}: its bytes hash to {digest.hex()}"
                 )
-        footer = _FOOTER.pack(self.layout.file_bytes, body_hash.copy().digest(), FOOTER_MAGIC)
+        footer = footer_bytes(self.layout, body_hash.copy().digest())
         body_hash.update(footer)
         return Seal(footer=footer, envelope_digest=body_hash.hexdigest())
 
@@ -410,6 +412,12 @@ class EnvelopePlan:
             raise result
         self.sealed = result
         yield memoryview(result.footer)
+
+
+def footer_bytes(layout: Layout, prefix_digest: bytes) -> bytes:
+    """The footer of the envelope ``layout`` describes, whose bytes before the
+    footer hash to ``prefix_digest`` (raw SHA-256)."""
+    return _FOOTER.pack(layout.file_bytes, prefix_digest, FOOTER_MAGIC)
 
 
 def plan(
@@ -734,16 +742,30 @@ def _parse_manifest(view: memoryview, manifest_bytes: int) -> Any:
         raise CorruptEnvelopeError(3, check, error.reason, offset=position) from None
 
 
-def decode(data: BytesLike) -> Envelope:
+class KnownDigests(msgspec.Struct, frozen=True, kw_only=True):
+    """SHA-256s (raw) a caller took over the very bytes it hands ``decode``, as it
+    filled them, in memory nobody else can change: ``prefix`` of every byte before
+    the footer, ``file`` of the whole file, and ``payloads`` as ``(offset,
+    length, digest)`` in table order. ``decode`` checks them where it would
+    check its own; if the spans are not the table's, it hashes after all."""
+
+    prefix: bytes
+    file: bytes
+    payloads: tuple[tuple[int, int, bytes], ...]
+
+
+def decode(data: BytesLike, *, known: KnownDigests | None = None) -> Envelope:
     """Verify ``data`` as a FLYSESS1 envelope and return its values.
 
     ``data`` may be bytes, a memoryview or an mmap; payloads come back as
     views of it. Corrupt or foreign input raises ``CorruptEnvelopeError``
     naming the first of the spec's reader checks that fails, and nothing else.
+    ``known``: digests the caller took as it filled ``data`` (see
+    ``KnownDigests``), so that every check runs without another pass.
     """
     view = _byte_view(data)
     try:
-        return _decode(view, _page_dropper(data))
+        return _decode(view, _page_dropper(data), known)
     except BaseException as error:
         # The traceback's frames hold views of ``data``; clear them so the
         # caller can close its mmap while handling the error.
@@ -752,7 +774,9 @@ def decode(data: BytesLike) -> Envelope:
         raise
 
 
-def _decode(view: memoryview, release: Callable[[int, int], None] | None) -> Envelope:
+def _decode(
+    view: memoryview, release: Callable[[int, int], None] | None, known: KnownDigests | None
+) -> Envelope:
     size = len(view)
     # 1. the header
     if size < HEADER_BYTES + FOOTER_BYTES:
@@ -794,11 +818,18 @@ def _decode(view: memoryview, release: Callable[[int, int], None] | None) -> Env
         )  # fmt: skip
     table = _read_table(view, manifest_bytes, count, table_offset, footer_offset)
     spans = [(entry.offset, view[entry.offset : entry.end]) for entry in table.entries]
-    body_hash, actual_payloads = _hash_streams(
-        [(0, view[:footer_offset])], spans, footer_offset, release
-    )
-    actual_prefix = body_hash.copy().digest()
-    body_hash.update(view[footer_offset:])
+    if known is not None and [p[:2] for p in known.payloads] == [
+        (entry.offset, entry.byte_length) for entry in table.entries
+    ]:
+        actual_prefix, file_digest = known.prefix, known.file.hex()
+        actual_payloads = [digest for _, _, digest in known.payloads]
+    else:
+        body_hash, actual_payloads = _hash_streams(
+            [(0, view[:footer_offset])], spans, footer_offset, release
+        )
+        actual_prefix = body_hash.copy().digest()
+        body_hash.update(view[footer_offset:])
+        file_digest = body_hash.hexdigest()
     if actual_prefix != prefix_digest:
         raise CorruptEnvelopeError(
             2, "prefix-digest", "the bytes before the footer do not match the footer digest",
@@ -841,4 +872,4 @@ def _decode(view: memoryview, release: Callable[[int, int], None] | None) -> Env
         footer_offset=footer_offset,
         file_bytes=size,
     )
-    return Envelope(manifest, layout, prefix_digest.hex(), body_hash.hexdigest(), view)
+    return Envelope(manifest, layout, prefix_digest.hex(), file_digest, view)

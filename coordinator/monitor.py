@@ -196,7 +196,8 @@ def _fold(
     changes.update(missing=missing, lost=lost, gaps=len(missing) + lost)
     if event is None:  # rule 4: a kind this version does not know
         return msgspec.structs.replace(state, **changes)
-    if not late and seq > 0:
+    kind = _kind(event)
+    if not late and seq > 0 and kind != "replicated":  # the host's epoch, not the replica's
         changes["epoch"] = event.epoch
     open_ids = set(state.in_flight)
     # The high water moves to what a committed or restored event names only if it
@@ -204,7 +205,6 @@ def _fold(
     # re-announcement (outside the sequence), never moves it back. One stored
     # late behind other kinds of event still does.
     newest = state.high_water is None or (seq > 0 and seq >= state.high_water_seq)
-    kind = _kind(event)
     if isinstance(event, Restored | _ReadRestored):
         changes.update(restores=state.restores + 1, last_restore=_restore_text(event))
         if newest:  # the store's high water is the checkpoint restored now

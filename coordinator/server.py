@@ -89,6 +89,8 @@ class EmbeddedServer:
 
     ``stop()`` and ``start()`` keep the same port and store directory, so a test
     can take the server away and bring it back with its JetStream state.
+    ``config`` is appended to the server's configuration file (an
+    ``authorization`` block with users and their permissions, say).
     """
 
     def __init__(
@@ -97,7 +99,9 @@ class EmbeddedServer:
         *,
         port: int | None = None,
         ready_timeout: float = 10.0,
+        config: str = "",
     ) -> None:
+        self.config = config  # more of the server's configuration (users, permissions...)
         self._owned_dir = None if store_dir is not None else tempfile.mkdtemp(prefix="nats-")
         self.store_dir = os.fspath(store_dir) if store_dir is not None else self._owned_dir
         self.port = port or _free_port()
@@ -122,7 +126,7 @@ class EmbeddedServer:
                 "jetstream {\n"
                 f"  store_dir: {json.dumps(str(self.store_dir))}\n"
                 "  sync_interval: always\n"
-                "}\n"
+                "}\n" + self.config
             )
         command = [
             binary, "-c", config, "-a", "127.0.0.1", "-p", str(self.port),

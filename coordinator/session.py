@@ -575,14 +575,14 @@ class Coordinator:
     async def _adopt(self, source: ReplicaSource) -> None:
         """Bring the session's replicated generation into the local store, which has
         none of it: fetched and verified by every reader check, then committed here
-        under its own epoch (recorded in this store, as used). The fetched file is
+        under its own epoch, which the commit records in this store as used (one
+        manifest write: a host killed midway leaves nothing half done). The fetched file is
         sealed memory: its payloads are committed as they are, with no copy and no
         second hash (fetch checked every digest over these very bytes)."""
         with await source.fetch(self.session_id) as stored:
             manifest = stored.manifest
             payloads = [(name, stored.payload(name)) for name in stored.envelope.names]
-            await self.store.open_epoch(self.session_id, manifest.source_scope.epoch)
-            try:
+            try:  # (the commit opens the generation's epoch in the same manifest: one step)
                 await self.store.commit(manifest, payloads, payloads_verified=True)
             finally:
                 for _, view in payloads:

@@ -7,12 +7,11 @@ import os
 import sys
 
 import anyio
-from test_replication import Part  # (this script's directory is on sys.path)
+from test_replication import DESCRIBE, Part  # (this script's directory is on sys.path)
 
-from coordinator import Coordinator, FileStore, HostDescription
+from coordinator import Coordinator, FileStore
 from coordinator.bus import NatsBus
-from coordinator.bus._lease import SessionLease
-from coordinator.bus._replica import Replicator
+from coordinator.replicate import Replicator, SessionLease
 
 
 async def main(url: str, store_dir: str) -> None:
@@ -21,11 +20,10 @@ async def main(url: str, store_dir: str) -> None:
         NatsBus(url) as bus,
         SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
         FileStore(store_dir) as store,
-        Replicator(bus, store, keep=1, leases=[lease]) as replicator,
-        Coordinator(store, bus, parts, session_id="s1",
-                    describe=HostDescription(agents=["a"])) as host,
-    ):  # fmt: skip
-        print(f"ready swept={replicator.counts['swept']}", flush=True)
+        Replicator(bus, store, leases=[lease], sweep_every=None),
+        Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE) as host,
+    ):
+        print("ready", flush=True)
         step = 0
         while True:
             step += 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -42,6 +43,7 @@ __all__ = ["CONTENT_BUCKET", "ContentBucket", "SweepReport"]
 
 CONTENT_BUCKET = "CKPT_CONTENT"
 _ATTEMPTS = 4  # a touch or a make refused this often in a row: someone else keeps racing
+_ROUNDS = 64  # marks a sweep takes at most (each good for a quarter of the grace period)
 
 
 class SweepReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,13 +115,11 @@ class ContentBucket:
         stored = await self.objects.stored(digest)
         return stored is not None and stored.live and self._holds(stored, digest, size)
 
-    async def read_into(
-        self, digest: str, size: int, view: memoryview, fd: int, *, base: int
-    ) -> None:
-        """Object ``digest`` (``size`` bytes) into ``view`` (a writable map of ``fd``
-        at offset ``base``), its SHA-256 checked as it arrives.
+    async def readable(self, digest: str, size: int) -> api.ObjectInfo:
+        """Object ``digest``'s meta, if it names ``size`` bytes of that digest:
         ``ArtifactUnavailableError`` if it is not there (swept, or never made),
-        ``ArtifactCorruptError`` if its bytes are not the ones named."""
+        ``ArtifactCorruptError`` if its meta names other bytes. (The bytes
+        themselves are checked by whoever hashes them as they arrive.)"""
         stored = await self.objects.stored(digest)
         if stored is None or not stored.live:
             raise ArtifactUnavailableError(f"object {digest} is not in bucket {CONTENT_BUCKET}")
@@ -128,50 +128,51 @@ class ContentBucket:
                 f"object {digest} holds {stored.info.size} bytes ({stored.info.digest}), "
                 f"not the {size} its name says"
             )
-        if size == 0:
-            return
-        actual = await self.objects.receive(stored.info.nuid, view, digest, fd, base=base)
-        if actual != digest:
-            raise ArtifactCorruptError(f"object {digest} fails its digest ({actual})")
+        return stored.info
 
-    async def sweep(self, referenced: set[str], *, marked_at: float) -> SweepReport:
-        """Delete every object no pointer references (``referenced``: read at
-        ``marked_at``, ``time.monotonic()``, before this listing) whose meta is
-        older than the grace period, each delete conditional on the meta it saw;
-        purge chunks no meta names once they are that old. A mark older than a
-        quarter of the grace period when a delete is due is not acted on: the
-        sweep stops there (a pointer moved since may reference the object, and
-        its upload touched it at most half the grace period before the move)."""
+    async def sweep(self, mark: Callable[[], Awaitable[set[str]]]) -> SweepReport:
+        """Delete every object no pointer references (``mark()``: the objects the
+        pointers reference now, read before each listing) whose meta is older than
+        the grace period, each delete conditional on the meta it saw; purge chunks
+        no meta names once they are that old. A mark older than a quarter of the
+        grace period is not acted on (a pointer moved since may reference an
+        object, and its upload touched it at most half the grace period before
+        the move): the sweep marks and lists again, and goes on from there."""
         grace = self.grace
-        listed_at = marked_at
-        metas = await self.objects.metas()
-        now = datetime.datetime.now(datetime.UTC)
-        live = [m for m in metas if m.live]
-        counts: dict[str, Any] = dict(referenced=0, young=0, deleted=0, raced=0, orphan_chunks=0)
-        for stored in live:
-            if stored.info.name in referenced:
-                counts["referenced"] += 1
+        done: dict[str, Any] = dict(deleted=0, raced=0, orphan_chunks=0)
+        seen: dict[str, Any] = dict(objects=0, referenced=0, young=0)
+        for _ in range(_ROUNDS):
+            marked_at = time.monotonic()
+            referenced = await mark()
+            metas = await self.objects.metas()
+            now = datetime.datetime.now(datetime.UTC)
+            live = [m for m in metas if m.live]
+            seen = dict(objects=len(live), referenced=0, young=0)
+            stale = False
+            for stored in live:
+                if stored.info.name in referenced:
+                    seen["referenced"] += 1
+                elif (now - stored.stored_at).total_seconds() <= grace:
+                    seen["young"] += 1
+                elif time.monotonic() - marked_at > grace / 4:
+                    stale = True
+                    break
+                else:
+                    done["deleted" if await self._delete(stored) else "raced"] += 1
+            if stale:
                 continue
-            if (now - stored.stored_at).total_seconds() <= grace:
-                counts["young"] += 1
-                continue
-            if time.monotonic() - listed_at > grace / 4:
-                return SweepReport(objects=len(live), **counts, refused="the mark went stale")
-            if await self._delete(stored):
-                counts["deleted"] += 1
-            else:
-                counts["raced"] += 1
-        named = {m.info.nuid for m in live if m.info.nuid}
-        for subject in await self.objects.chunk_subjects():
-            nuid = subject.rsplit(".", 1)[-1]
-            if nuid in named:
-                continue
-            first = await self.objects.first_chunk_time(nuid)
-            old = first is not None and (now - first).total_seconds() > grace
-            if old and time.monotonic() - listed_at <= grace / 4:
-                await self.objects.purge_chunks(nuid)
-                counts["orphan_chunks"] += 1
-        return SweepReport(objects=len(live), **counts)
+            named = {m.info.nuid for m in live if m.info.nuid}
+            for subject in await self.objects.chunk_subjects():
+                nuid = subject.rsplit(".", 1)[-1]
+                if nuid in named:
+                    continue
+                first = await self.objects.first_chunk_time(nuid)
+                old = first is not None and (now - first).total_seconds() > grace
+                if old and time.monotonic() - marked_at <= grace / 4:
+                    await self.objects.purge_chunks(nuid)
+                    done["orphan_chunks"] += 1
+            return SweepReport(**seen, **done)
+        return SweepReport(**seen, **done, refused="the mark kept going stale: a longer grace")
 
     async def _delete(self, stored: StoredObject) -> bool:
         """Delete the object as ``stored`` saw it: its meta replaced by a deleted

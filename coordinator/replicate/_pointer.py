@@ -99,7 +99,7 @@ class ReplicaPointer(
     epoch: Id
     cause: Literal["commit", "rollback", "recovery"]
     generation: ReplicatedGeneration
-    lease_revision: Annotated[int, msgspec.Meta(ge=0, le=2**63)]
+    lease_revision: Annotated[int, msgspec.Meta(ge=0)]
     moved_at: str
 
     def names(self, checkpoint_id: str, envelope_digest: str, epoch: str) -> bool:

@@ -73,6 +73,10 @@ class ReplicatorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     last_error: str | None
 
 
+class _UnmarkableError(Exception):
+    """A pointer no replicator wrote: what it references is unknown."""
+
+
 class _Target(msgspec.Struct, frozen=True):
     record: GenerationRecord
     epoch: str
@@ -380,17 +384,20 @@ class Replicator:
         """Mark every object a pointer of any session references, then sweep the
         content bucket (see ``ContentBucket.sweep``). A pointer that cannot be
         read stops the sweep: nobody knows what it references."""
-        content = self.replicas.content
-        marked_at = time.monotonic()
-        pointers, unreadable = await self.replicas.pointers.every()
-        if unreadable:
+
+        async def mark() -> set[str]:
+            pointers, unreadable = await self.replicas.pointers.every()
+            if unreadable:
+                raise _UnmarkableError(", ".join(sorted(unreadable)[:5]))
+            return {d for pointer in pointers.values() for d in pointer.generation.objects}
+
+        try:
+            report = await self.replicas.content.sweep(mark)
+        except _UnmarkableError as error:
             report = SweepReport(
                 objects=0, referenced=0, young=0, deleted=0, raced=0, orphan_chunks=0,
-                refused=f"pointers it cannot read: {', '.join(sorted(unreadable)[:5])}",
+                refused=f"pointers it cannot read: {error}",
             )  # fmt: skip
-        else:
-            referenced = {d for p in pointers.values() for d in p.generation.objects}
-            report = await content.sweep(referenced, marked_at=marked_at)
         self._counts["sweeps"] += 1
         self._counts["swept_objects"] += report.deleted
         self._last_sweep = report

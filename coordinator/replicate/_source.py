@@ -15,6 +15,9 @@ objects may be swept) is read again.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import math
 import mmap
 import os
 from typing import Any, Self
@@ -30,8 +33,10 @@ from ..envelope import (
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_REFERENCE_VALUES,
     MAX_MANIFEST_VALUES,
+    KnownDigests,
+    Layout,
+    footer_bytes,
     layout_of,
-    plan,
 )
 from ..errors import (
     ArtifactUnavailableError,
@@ -162,40 +167,94 @@ class Replicas:
         try:
             with mmap.mmap(fd, layout.file_bytes) as writable, memoryview(writable) as view:
                 view[: len(prefix)] = prefix
-                for entry in layout.entries:
-                    with view[entry.offset : entry.end] as place:
-                        await content.read_into(
-                            entry.digest, entry.byte_length, place, fd, base=entry.offset
-                        )
-                digest = await anyio.to_thread.run_sync(_seal_footer, manifest, layout, view)
-            if digest != generation.envelope_digest:
-                raise ReplicaPointerError(
-                    f"session {session_id}: {generation.checkpoint_id} rebuilt from its "
-                    f"objects hashes to {digest}, not the committed envelope digest "
-                    f"{generation.envelope_digest}"
-                )
-            sealed = seal_fd(fd)
+                known = await self._receive_all(view, fd, layout)
+            sealed = seal_fd(fd)  # the writable map is gone: nobody can change it now
         finally:
             os.close(fd)
-        where = f"replica of {generation.checkpoint_id}"
+        # Every reader check, in the spec's order, over the digests taken as the bytes
+        # arrived: a payload whose bytes are not its digest is named; a file that is
+        # not the committed one (its SHA-256, the pointer's envelope digest) refused.
+        check = functools.partial(
+            checked_generation, record, f"replica of {generation.checkpoint_id}", sealed,
+            sealed.close, known=known,
+        )  # fmt: skip
         try:
-            return await anyio.to_thread.run_sync(
-                checked_generation, record, where, sealed, sealed.close
-            )
+            return await anyio.to_thread.run_sync(check)
         except BaseException:
             sealed.close()
             raise
 
+    async def _receive_all(self, view: memoryview, fd: int, layout: Layout) -> KnownDigests:
+        """Every payload into its place in ``view`` (a writable map of ``fd``, the
+        prefix written), hashed behind the chunks as they arrive, on two threads:
+        the whole file's stream and each payload's. Then the footer our writer
+        makes for it. Returns the digests taken over these very bytes."""
+        hashes = _Behind(view, layout)
+        send, ready = anyio.create_memory_object_stream[int](math.inf)
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(hashes.follow, ready)
+                async with send:
+                    for entry in layout.entries:
+                        info = await self.content.readable(entry.digest, entry.byte_length)
+                        with view[entry.offset : entry.end] as place:
+                            await self.content.objects.receive_into(
+                                info, place, (fd, entry.offset), _Shifted(send, entry.offset)
+                            )
+                    await send.send(layout.footer_offset)
+        except BaseExceptionGroup as errors:  # the hashing task cannot fail: the receive's
+            raise errors.exceptions[0] from None
+        prefix_digest = hashes.body.copy().digest()
+        footer = footer_bytes(layout, prefix_digest)
+        view[layout.footer_offset :] = footer
+        hashes.body.update(footer)
+        return KnownDigests(
+            prefix=prefix_digest,
+            file=hashes.body.digest(),
+            payloads=tuple(
+                (entry.offset, entry.byte_length, hasher.digest())
+                for entry, hasher in zip(layout.entries, hashes.payloads, strict=True)
+            ),
+        )
 
-def _seal_footer(manifest: Any, layout: Any, view: memoryview) -> str:
-    """Blocking (it hashes the whole file): our writer's plan over the payloads in
-    place, its footer written after them; returns the file's SHA-256."""
-    payloads = [(entry.name, view[entry.offset : entry.end]) for entry in layout.entries]
-    try:
-        envelope_plan = plan(manifest, payloads, payloads_verified=True)
-        seal = envelope_plan.seal()
-        view[layout.footer_offset :] = seal.footer
-        return seal.envelope_digest
-    finally:
-        for _, payload in payloads:
-            payload.release()
+
+class _Shifted:
+    """A progress sink for one payload: its offsets as file offsets."""
+
+    def __init__(self, send: Any, base: int) -> None:
+        self._send = send
+        self._base = base
+
+    async def send(self, received: int) -> None:
+        await self._send.send(self._base + received)
+
+
+class _Behind:
+    """SHA-256 of a file being filled in order, behind the filling: the whole
+    file's stream and each payload's, each on a worker thread of its own."""
+
+    def __init__(self, view: memoryview, layout: Layout) -> None:
+        self.view = view
+        self.entries = layout.entries
+        self.body = hashlib.sha256()
+        self.payloads = [hashlib.sha256() for _ in layout.entries]
+
+    async def follow(self, ready: Any) -> None:
+        done = 0
+        async with ready:
+            async for upto in ready:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(anyio.to_thread.run_sync, self._body, done, upto)
+                    group.start_soon(anyio.to_thread.run_sync, self._each, done, upto)
+                done = upto
+
+    def _body(self, low: int, high: int) -> None:
+        with self.view[low:high] as piece:
+            self.body.update(piece)
+
+    def _each(self, low: int, high: int) -> None:
+        for entry, hasher in zip(self.entries, self.payloads, strict=True):
+            start, stop = max(low, entry.offset), min(high, entry.end)
+            if start < stop:
+                with self.view[start:stop] as piece:
+                    hasher.update(piece)

@@ -1,6 +1,8 @@
 """Writing a verified generation's payloads out as files, all or none, durably.
 
-The files go into a new staging directory beside the target: each is written
+The files go into a new staging directory beside the target (named after it and
+after this process: a restore killed midway leaves one, which the next restore to
+the same target removes once its process is gone): each is written
 and fsynced, then the staging directory itself is fsynced, renamed to the
 target only if the target does not exist (``renameat2(RENAME_NOREPLACE)``: a
 target that appeared in the meantime is never replaced), and the parent is
@@ -36,7 +38,10 @@ def export_payloads(stored: StoredCheckpoint, target: str, *, fs: FileSystem | N
     parent = os.path.dirname(target)
     if os.path.lexists(target):
         raise FileExistsError(errno.EEXIST, "exists; restore writes a new directory", target)
-    staging = os.path.join(parent, f".{os.path.basename(target)}.staging-{secrets.token_hex(4)}")
+    _remove_abandoned_stagings(fs, parent, os.path.basename(target))
+    staging = os.path.join(
+        parent, f".{os.path.basename(target)}.staging-{os.getpid()}-{secrets.token_hex(4)}"
+    )
     fs.make_dir(staging)
     io = CommitSequence(fs, staging, None)
     checkpoint_id = stored.record.checkpoint_id
@@ -57,6 +62,28 @@ def export_payloads(stored: StoredCheckpoint, target: str, *, fs: FileSystem | N
         _remove(fs, target)
         raise SyncError(checkpoint_id, "fsync_dir", parent, error) from None
     return len(names)
+
+
+def _remove_abandoned_stagings(fs: FileSystem, parent: str, name: str) -> None:
+    """Staging directories of earlier restores to the same target whose process is
+    gone (killed mid-restore): removed, so a kill leaves nothing for long. One of
+    a live process (a restore running beside us) is left alone."""
+    prefix = f".{name}.staging-"
+    with contextlib.suppress(OSError):
+        for entry in fs.list(parent):
+            pid = entry.removeprefix(prefix).split("-", 1)[0]
+            if entry.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+                _remove(fs, os.path.join(parent, entry))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
 
 
 def _remove(fs: FileSystem, directory: str) -> None:

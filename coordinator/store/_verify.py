@@ -18,7 +18,7 @@ from typing import Self
 import msgspec
 
 from ..buffers import BytesLike
-from ..envelope import FOOTER_BYTES, HEADER_BYTES, Envelope, decode
+from ..envelope import FOOTER_BYTES, HEADER_BYTES, Envelope, KnownDigests, decode
 from ..errors import CorruptEnvelopeError, GenerationCorruptError, ManifestError
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest, manifest_from_builtins
@@ -109,18 +109,24 @@ def read_generation(fs: FileSystem, path: str, record: GenerationRecord) -> Stor
 
 
 def checked_generation(
-    record: GenerationRecord, where: str, data: BytesLike, closer: Callable[[], None]
+    record: GenerationRecord,
+    where: str,
+    data: BytesLike,
+    closer: Callable[[], None],
+    *,
+    known: KnownDigests | None = None,
 ) -> StoredCheckpoint:
     """``data`` (a whole generation file's bytes, as ``record`` lists it) through
     every check after the length: whole-file digest, envelope, typed manifest,
     identity. ``where`` names it in errors; ``closer`` releases ``data`` when the
-    checkpoint is closed (the caller releases it if this raises)."""
+    checkpoint is closed (the caller releases it if this raises). ``known``: the
+    digests the caller took as it filled ``data`` (``envelope.KnownDigests``)."""
     if len(data) != int(record.byte_length) or len(data) < HEADER_BYTES + FOOTER_BYTES:
         raise GenerationCorruptError(
             record.checkpoint_id, where, "length",
             f"{len(data)} bytes, the manifest records {record.byte_length}",
         )  # fmt: skip
-    envelope = _decode(record, where, data)
+    envelope = _decode(record, where, data, known)
     try:
         manifest = manifest_from_builtins(envelope.manifest)
     except ManifestError as error:
@@ -141,9 +147,11 @@ def checked_generation(
     return StoredCheckpoint(record, manifest, envelope, closer)
 
 
-def _decode(record: GenerationRecord, path: str, mapped: BytesLike) -> Envelope:
+def _decode(
+    record: GenerationRecord, path: str, mapped: BytesLike, known: KnownDigests | None = None
+) -> Envelope:
     try:
-        envelope = decode(mapped)
+        envelope = decode(mapped, known=known)
     except CorruptEnvelopeError as error:
         # The spec orders the whole-file digest before the envelope checks;
         # decode gets it for free, so only a refused file pays another pass.
