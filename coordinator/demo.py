@@ -228,7 +228,7 @@ async def serve_agent(
     url: str, *, session: str, name: str, size: int, seed: int, ready: Callable[[], None]
 ) -> None:
     """Serve the demo's remote agent until cancelled (``coordinator demo-agent``,
-    in the process ``_remote_agent`` starts); ``ready()`` once it answers."""
+    in the process ``remote_agent`` starts); ``ready()`` once it answers."""
     from .remote import serve_participant
 
     async with anyio.create_task_group() as group:
@@ -241,7 +241,7 @@ async def serve_agent(
 
 
 @contextlib.asynccontextmanager
-async def _remote_agent(
+async def remote_agent(
     url: str, name: str, size: int, seed: int, *, session: str = "demo"
 ) -> AsyncIterator[None]:
     """The demo's remote agent in a process of its own, ready before we go on and
@@ -332,7 +332,7 @@ async def _host(
 
     remote = RemoteParticipant(bus, REMOTE_AGENT)
     async with (
-        _remote_agent(url, REMOTE_AGENT, AGENT_BYTES, 4),
+        remote_agent(url, REMOTE_AGENT, AGENT_BYTES, 4),
         FileStore(store_dir, fs=disk) as store,
         Replicator(bus, store) as replicator,  # each commit also to the cluster
         anyio.create_task_group() as group,

@@ -527,7 +527,7 @@ async def test_replication_survives_the_object_streams_leader_killed(
     from test_replication import Part
 
     from coordinator import Coordinator, HostDescription
-    from coordinator.bus._replica import GENERATIONS_BUCKET, Replicas, Replicator
+    from coordinator.replicate import CONTENT_BUCKET, Replicas, Replicator
 
     parts = [Part("world", b"w" * 200_000), Part("agent-a", b"a")]
     async with admin(cluster.urls) as js:
@@ -543,7 +543,7 @@ async def test_replication_survives_the_object_streams_leader_killed(
             async def pointed() -> str | None:
                 with contextlib.suppress(Exception):
                     found = await replicator.replicas.pointer(SESSION)
-                    return None if found is None else found[0].record.checkpoint_id
+                    return None if found is None else found[0].generation.checkpoint_id
                 return None
 
             for step in (1, 2, 3):
@@ -551,7 +551,7 @@ async def test_replication_survives_the_object_streams_leader_killed(
             third = f"{host.epoch}-3"
             await poll(lambda: _named(pointed, third), timeout=DRAIN_TIMEOUT,
                        what="the third generation replicated", cluster=cluster)  # fmt: skip
-            stream = f"OBJ_{GENERATIONS_BUCKET}"
+            stream = f"OBJ_{CONTENT_BUCKET}"
             assert (await settled(js, stream, cluster)).config.num_replicas == 3
             victim = await leader_of(js, stream, cluster)
             await anyio.to_thread.run_sync(cluster.node(victim).kill)
@@ -563,7 +563,7 @@ async def test_replication_survives_the_object_streams_leader_killed(
                        what="the newest generation replicated", cluster=cluster)  # fmt: skip
         async with NatsBus(cluster.urls, replicas=3) as reader:
             replicas = await Replicas(reader).open()
-            with await replicas.fetch(SESSION, str(tmp_path)) as stored:
+            with await replicas.fetch(SESSION) as stored:
                 assert bytes(stored.payload("world")) == bytes([8]) * 200_000
 
 

@@ -401,7 +401,7 @@ async def object_transfer(
     of its own, until the writer holds it verified: the worker's put (hashed as it
     goes) and our read. Baseline: nats-py's own put and get (``writeinto``, its
     fast path) of the same number of bytes, same run."""
-    from ..demo import _remote_agent
+    from ..demo import remote_agent
     from ..remote import RemoteParticipant
 
     mib = size / (1 << 20)
@@ -411,7 +411,7 @@ async def object_transfer(
     bare_gets: list[float] = []
     data = os.urandom(size)
     async with (
-        _remote_agent(url, "agent-bench", size, 1, session="bench-objects"),
+        remote_agent(url, "agent-bench", size, 1, session="bench-objects"),
         NatsBus(url) as bus,
         _client(url) as client,
     ):

@@ -76,6 +76,10 @@ _BATCH = 8  # chunks a read asks for at a time (two batches in flight: 16 MiB)
 _WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code for a failed expected-sequence check
 
 
+class _StalledError(Exception):
+    """No chunk arrived for ``stall_timeout``."""
+
+
 class MetaChangedError(Exception):
     """An object's meta was not at the stream sequence a conditional write
     expected: another writer made, touched or deleted the object meanwhile."""
@@ -418,30 +422,35 @@ class ObjectBucket:
         fd, base = file
         name = info.name
         received = handed = allocated = 0
-        async for data in self._chunks(info):
-            if received + len(data) > len(view):
-                raise ArtifactCorruptError(f"object {name!r} is longer than declared")
-            if received + len(data) > allocated:
-                upto = min(len(view), max(received + len(data), allocated + _GROW_STEP))
-                await anyio.to_thread.run_sync(_allocate, fd, base + allocated, upto - allocated)
-                allocated = upto
-            view[received : received + len(data)] = data
-            received += len(data)
-            if received - handed >= _HASH_STEP or received == len(view):
-                await progress.send(received)
-                handed = received
-        if received != len(view):
-            raise ArtifactCorruptError(f"object {name!r} ended after {received} bytes")
+        try:
+            async for data in self._chunks(info, len(view)):
+                if received + len(data) > len(view):
+                    raise ArtifactCorruptError(f"object {name!r} is longer than declared")
+                if received + len(data) > allocated:
+                    upto = min(len(view), max(received + len(data), allocated + _GROW_STEP))
+                    await anyio.to_thread.run_sync(
+                        _allocate, fd, base + allocated, upto - allocated
+                    )
+                    allocated = upto
+                view[received : received + len(data)] = data
+                received += len(data)
+                if received - handed >= _HASH_STEP or received == len(view):
+                    await progress.send(received)
+                    handed = received
+        except _StalledError:
+            raise ArtifactUnavailableError(
+                f"object {name!r} stopped arriving after {received} bytes"
+            ) from None
 
-    async def _chunks(self, info: api.ObjectInfo) -> AsyncIterator[bytes]:
-        """The object's chunks in order, through a pull consumer of its own
-        (ephemeral, no acks, gone soon after we are): ``_BATCH`` chunks asked for
-        at a time, the next batch asked for while this one is copied. Memory in
-        flight is two batches, whatever the server could send."""
-        subject = f"$O.{self.name}.C.{info.nuid}"
-        name = info.name
+    async def _chunks(self, info: api.ObjectInfo, size: int) -> AsyncIterator[bytes]:
+        """The object's chunks in order, ``size`` bytes of them (or one more, that
+        the caller refuses), through a pull consumer of its own (ephemeral, no
+        acks, gone soon after we are): ``_BATCH`` chunks asked for at a time, the
+        next batch asked for while this one is copied. Memory in flight is two
+        batches, whatever the server could send. ``_StalledError`` after
+        ``stall_timeout`` without a chunk."""
         consumer = await self._js.pull_subscribe(
-            subject,
+            f"$O.{self.name}.C.{info.nuid}",
             stream=self._store._stream,
             config=api.ConsumerConfig(
                 ack_policy=api.AckPolicy.NONE,
@@ -450,31 +459,31 @@ class ObjectBucket:
                 num_replicas=1,
             ),
         )
-        left = info.chunks or 0  # chunks still to ask for, as the meta counts them
 
-        async def batch(count: int) -> list[Any]:
-            try:
-                return list(await consumer.fetch(count, timeout=self.stall_timeout))
-            except (nats.errors.TimeoutError, TimeoutError):
-                return []
+        async def batch() -> list[Any]:
+            deadline = anyio.current_time() + self.stall_timeout
+            while True:  # (no chunk now: a leader being elected, say; ask again)
+                with contextlib.suppress(nats.errors.TimeoutError, TimeoutError):
+                    messages = await consumer.fetch(_BATCH, timeout=self.stall_timeout)
+                    if messages:
+                        return list(messages)
+                if anyio.current_time() > deadline:
+                    raise _StalledError
+                await anyio.sleep(0.05)
 
+        yielded = 0
+        ahead: asyncio.Task[list[Any]] | None = None
         try:
-            ahead: asyncio.Task[list[Any]] | None = None
+            messages = await batch()
             while True:
-                if ahead is None:
-                    messages = await batch(max(1, min(_BATCH, left)))
-                else:
-                    messages = await ahead
-                    ahead = None
-                if not messages:
-                    raise ArtifactUnavailableError(f"object {name!r} stopped arriving")
-                left -= len(messages)
-                if left > 0:
-                    ahead = asyncio.ensure_future(batch(min(_BATCH, left)))
+                yielded += sum(len(message.data) for message in messages)
+                if yielded < size:
+                    ahead = asyncio.ensure_future(batch())
                 for message in messages:
                     yield message.data
-                if left <= 0:
+                if ahead is None:
                     return
+                messages, ahead = await ahead, None
         finally:
             if ahead is not None:
                 ahead.cancel()

@@ -41,7 +41,14 @@ from ..errors import (
     ReplicaFencedError,
 )
 from ..events import Replicated, Timings, event_id, rfc3339_now
-from ..store import FileStore, GenerationRecord, SessionRecord, StoredCheckpoint, established_in
+from ..store import (
+    FileStore,
+    GenerationRecord,
+    SessionRecord,
+    StoredCheckpoint,
+    established_in,
+    on_timeline,
+)
 from ._content import SweepReport
 from ._lease import SessionLease
 from ._pointer import POINTER_VERSION, ReplicaPointer, ReplicatedGeneration
@@ -227,6 +234,11 @@ class Replicator:
         started = self._clock()
         with await self.store.read(target.record.checkpoint_id, session_id=session_id) as stored:
             generation, sent = await self._upload(stored)
+        if lease is not None:
+            await lease.check()
+        if not self._on_timeline(session_id, target.record):  # a fork abandoned it meanwhile:
+            self._counts["overtaken"] += 1  # never named; the next pass moves to the fork
+            return
         pointer = ReplicaPointer(
             version=POINTER_VERSION,
             session_id=session_id,
@@ -234,15 +246,23 @@ class Replicator:
             cause=target.cause,
             generation=generation,
             lease_revision=fence,
-            moved_at=rfc3339_now(),
+            moved_at=rfc3339_now(),  # after the last look at the store: when it was decided
         )
-        if lease is not None:
-            await lease.check()
         moved = await self.replicas.pointers.move(pointer, revision)
         if self._clock() - started > self.grace / 2:
             await self._check_objects(generation)  # a sweep may have judged it by then
         self._held[session_id] = target.key
         await self._announce(pointer, moved, target, sent, (self._clock() - started) * 1000)
+
+    def _on_timeline(self, session_id: str, record: GenerationRecord) -> bool:
+        """Whether ``record`` is still on the session's current timeline, with these
+        bytes (a newer commit, or its rotation, leaves it there; a fork past it, or
+        a commit of its id with other bytes, does not)."""
+        session = self.store.session(session_id)
+        listed = self.store.lookup(record.checkpoint_id, session_id=session_id)
+        if listed is not None and listed.envelope_digest != record.envelope_digest:
+            return False
+        return session is not None and on_timeline(session, record)
 
     async def _upload(self, stored: StoredCheckpoint) -> tuple[ReplicatedGeneration, int]:
         """Every object of ``stored`` (verified as it was read) made or touched in

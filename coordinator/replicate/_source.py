@@ -120,7 +120,7 @@ class Replicas:
                 raise GenerationNotFoundError(f"no replicated generation of session {session_id}")
             pointer, revision = found
             try:
-                return await self._rebuild(session_id, pointer.generation)
+                return await self.rebuild(session_id, pointer.generation)
             except ArtifactUnavailableError:
                 again = await self.pointer(session_id)
                 if again is None or again[1] == revision:
@@ -129,7 +129,9 @@ class Replicas:
             f"the pointer of session {session_id} kept moving while it was fetched"
         )
 
-    async def _rebuild(self, session_id: str, generation: ReplicatedGeneration) -> StoredCheckpoint:
+    async def rebuild(self, session_id: str, generation: ReplicatedGeneration) -> StoredCheckpoint:
+        """``generation`` of ``session_id`` rebuilt from its objects and verified by
+        every reader check (what ``fetch`` does with the pointed one)."""
         content = self.content
         if int(generation.manifest_bytes) > MAX_MANIFEST_BYTES:
             raise ReplicaPointerError(

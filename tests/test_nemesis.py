@@ -1,0 +1,438 @@
+"""The replicated tier under a nemesis, in the spirit of Jepsen.
+
+A 3-node R3 JetStream cluster on loopback; three host processes
+(``nemesis_host.py``) share three sessions and take them over from one another,
+each resuming onto an empty disk from the replicated tier, committing, and now
+and then rolling back. Every host reaches the servers through TCP proxies of its
+own. For a set time a seeded schedule injects, one at a time with healing
+between: a partition of a host (its proxies black-hole traffic), a server
+SIGKILLed and restarted, a host SIGKILLed and started again, a host SIGSTOPped
+past its lease TTL and then SIGCONTed.
+
+The checker reads what the hosts did (their history files), and what the
+cluster holds: every pointer move as it is stored (an ordered consumer on the
+pointer bucket), every ``replicated`` event. It judges invariants, never timings:
+
+- every ``replicated`` names a pointer move, and that generation rebuilds and
+  verifies (checked as it appears, within the grace period);
+- after a fork returned, no pointer move decided later names a checkpoint it
+  abandoned (moves decided before it returned are concurrent with it);
+- after a take-over (the new owner stamped the pointer), no move is made under
+  an older lease: a zombie never moves a pointer;
+- at the end, after a sweep, the bucket holds only referenced objects and
+  objects within the grace period, and no chunk without a meta older than it;
+- at the end, every session restores on a fresh host (`coordinator restore`).
+
+It prints the seed, the faults injected, the operations by outcome, the checks
+run and every violation with the piece of history that shows it. The default
+suite runs a short schedule; a long one is opt-in::
+
+    pytest -m slow tests/test_nemesis.py            # NEMESIS_SECONDS=300 by default
+    NEMESIS_SEED=42 NEMESIS_SECONDS=600 pytest -m slow tests/test_nemesis.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import nats
+import pytest
+from nats.js import api
+from test_cluster import Cluster, Node, free_ports, quiet, wait_ready
+
+from coordinator.bus import NatsBus
+from coordinator.events import Replicated, decode_event
+from coordinator.replicate import (
+    LEASES_BUCKET,
+    POINTERS_BUCKET,
+    ReplicaPointer,
+    Replicas,
+    Replicator,
+)
+from coordinator.replicate._pointer import parse_pointer
+from coordinator.store import FileStore
+
+HERE = Path(__file__).parent
+HOSTS = ("h1", "h2", "h3")
+SESSIONS = ("s0", "s1", "s2")
+GRACE = 12.0  # the hosts' grace period (NEMESIS_GRACE in nemesis_host.py)
+LEASE_TTL = 3.0
+
+
+# --- the network between hosts and servers -----------------------------------------------
+
+
+class Proxy:
+    """A TCP proxy in front of one server for one host. ``blocked``: traffic in
+    both directions is read and dropped (a partition: connections stay open,
+    nothing arrives), until ``heal``."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.blocked = False
+        self.port = 0
+        self._server: asyncio.base_events.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in self._writers:
+            writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
+        except OSError:
+            writer.close()
+            return
+        self._writers += [writer, up_writer]
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(1 << 16):
+                    if not self.blocked:
+                        sink.write(data)
+                        await sink.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+# --- the processes --------------------------------------------------------------------
+
+
+@dataclass
+class Host:
+    name: str
+    root: Path
+    history: Path
+    proxies: list[Proxy]
+    seed: int
+    process: subprocess.Popen[bytes] | None = None
+    paused: bool = False
+
+    def start(self) -> None:
+        urls = [f"nats://127.0.0.1:{proxy.port}" for proxy in self.proxies]
+        env = {**os.environ, "NEMESIS_GRACE": str(GRACE), "PYTHONPATH": str(HERE)}
+        self.process = subprocess.Popen(
+            [sys.executable, str(HERE / "nemesis_host.py"), self.name, str(self.seed),
+             str(self.history), str(self.root), ",".join(SESSIONS), *urls],
+            stdout=subprocess.DEVNULL, stderr=open(self.root.parent / f"{self.name}.err", "ab"),
+            env=env,
+        )  # fmt: skip
+
+    def signal(self, number: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(number)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait(timeout=10)
+        self.process, self.paused = None, False
+
+
+# --- the checker ----------------------------------------------------------------------
+
+
+@dataclass
+class Checker:
+    """Follows the cluster while the nemesis runs; judges at the end."""
+
+    urls: list[str]
+    moves: dict[int, tuple[float, ReplicaPointer]] = field(default_factory=dict)  # revision
+    events: list[Replicated] = field(default_factory=list)
+    checks: collections.Counter[str] = field(default_factory=collections.Counter)
+    violations: list[str] = field(default_factory=list)
+    rebuilt: dict[int, str] = field(default_factory=dict)  # revision -> "ok" or why not
+
+    async def follow(self) -> None:
+        client = await nats.connect(self.urls, max_reconnect_attempts=-1,
+                                    reconnect_time_wait=0.1, error_cb=quiet)  # fmt: skip
+        js = client.jetstream(timeout=5)
+        replicas: Replicas | None = None
+        queue: asyncio.Queue[int] = asyncio.Queue()
+
+        async def on_pointer(message: Any) -> None:
+            revision = message.metadata.sequence.stream
+            key = message.subject.removeprefix(f"$KV.{POINTERS_BUCKET}.")
+            if (message.headers or {}).get("KV-Operation"):
+                return
+            try:
+                pointer = parse_pointer(message.data, key.replace("=2E", "."))
+            except Exception as error:  # a pointer no replicator wrote: a violation
+                self.violations.append(f"unreadable pointer at revision {revision}: {error}")
+                return
+            self.moves[revision] = (message.metadata.timestamp.timestamp(), pointer)
+            queue.put_nowait(revision)
+
+        async def on_event(message: Any) -> None:
+            with contextlib.suppress(Exception):
+                event = decode_event(message.data)
+                if isinstance(event, Replicated):
+                    self.events.append(event)
+
+        subscriptions = []
+        while not subscriptions:
+            try:
+                subscriptions.append(await js.subscribe(
+                    f"$KV.{POINTERS_BUCKET}.>", stream=f"KV_{POINTERS_BUCKET}", cb=on_pointer,
+                    ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL,
+                ))  # fmt: skip
+                subscriptions.append(await js.subscribe(
+                    "ckpt.*.replicated", stream="CKPT", cb=on_event, ordered_consumer=True,
+                ))  # fmt: skip
+                replicas = await Replicas(client).open()
+            except Exception:
+                for subscription in subscriptions:
+                    with contextlib.suppress(Exception):
+                        await subscription.unsubscribe()
+                subscriptions = []
+                await anyio.sleep(0.5)
+        assert replicas is not None
+        try:
+            while True:
+                revision = await queue.get()
+                session, pointer = self.moves[revision][1].session_id, self.moves[revision][1]
+                for attempt in range(20):  # the cluster may be electing a leader
+                    try:
+                        with await replicas.rebuild(session, pointer.generation) as stored:
+                            assert stored.record.envelope_digest == pointer.generation.envelope_digest
+                        self.rebuilt[revision] = "ok"
+                        break
+                    except Exception as error:
+                        self.rebuilt[revision] = f"{type(error).__name__}: {error}"
+                        await anyio.sleep(0.25 * (attempt + 1))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await client.close()
+
+    def judge(self, history: list[dict[str, Any]]) -> None:
+        # 1. every replicated names a move, and that generation rebuilt and verified
+        for event in self.events:
+            self.checks["replicated names a move that rebuilds"] += 1
+            move = self.moves.get(event.pointer_revision)
+            if move is None or move[1].generation.checkpoint_id != event.checkpoint_id:
+                self.violations.append(f"replicated {event.event_id} names revision "
+                                       f"{event.pointer_revision}, not a move to it")  # fmt: skip
+            elif self.rebuilt.get(event.pointer_revision) != "ok":
+                self.violations.append(
+                    f"replicated {event.event_id} (revision {event.pointer_revision}) does "
+                    f"not rebuild: {self.rebuilt.get(event.pointer_revision)}"
+                )
+        # 2. no move decided after a fork returned names a checkpoint it abandoned
+        forks = [h for h in history if h["op"] == "fork" and h["type"] == "ok"]
+        for revision, (_, pointer) in sorted(self.moves.items()):
+            decided = datetime.fromisoformat(pointer.moved_at.replace("Z", "+00:00")).timestamp()
+            for fork in forks:
+                if fork["session"] != pointer.session_id:
+                    continue
+                self.checks["no move after a fork names what it abandoned"] += 1
+                if decided > fork["time"] and pointer.generation.checkpoint_id in fork["abandoned"]:
+                    self.violations.append(
+                        f"revision {revision} ({pointer.moved_at}) names "
+                        f"{pointer.generation.checkpoint_id}, abandoned by {fork}"
+                    )
+        # 3. after a take-over's stamp, no move under an older lease
+        highest: dict[str, tuple[int, int]] = {}
+        for revision, (_, pointer) in sorted(self.moves.items()):
+            self.checks["no zombie move after a take-over"] += 1
+            seen = highest.get(pointer.session_id)
+            if seen is not None and pointer.lease_revision < seen[0]:
+                self.violations.append(
+                    f"revision {revision}: a move under lease {pointer.lease_revision} after "
+                    f"revision {seen[1]} was made under lease {seen[0]} (a zombie's move)"
+                )
+            if seen is None or pointer.lease_revision > seen[0]:
+                highest[pointer.session_id] = (pointer.lease_revision, revision)
+
+
+async def nemesis(cluster: Cluster, hosts: list[Host], seconds: float, chooser: random.Random,
+                  faults: collections.Counter[str]) -> None:  # fmt: skip
+    """One fault at a time, healed before the next."""
+    deadline = time.monotonic() + seconds
+    await anyio.sleep(3)  # the hosts take their first sessions
+    while time.monotonic() < deadline:
+        kind = chooser.choice(["partition", "kill-server", "kill-host", "pause-host"])
+        faults[kind] += 1
+        host = chooser.choice(hosts)
+        if kind == "partition":
+            for proxy in host.proxies:
+                proxy.blocked = True
+            await anyio.sleep(chooser.uniform(1, 2 * LEASE_TTL))
+            for proxy in host.proxies:
+                proxy.blocked = False
+        elif kind == "kill-server":
+            node = chooser.choice(cluster.nodes)
+            await anyio.to_thread.run_sync(node.kill)
+            await anyio.sleep(chooser.uniform(1, 4))
+            node.start()
+        elif kind == "kill-host":
+            await anyio.to_thread.run_sync(host.kill)
+            await anyio.sleep(chooser.uniform(0.2, 2))
+            host.start()
+        else:
+            host.signal(signal.SIGSTOP)
+            await anyio.sleep(LEASE_TTL + chooser.uniform(0.5, 2))
+            host.signal(signal.SIGCONT)
+        await anyio.sleep(chooser.uniform(1, 3))  # healed: the system settles
+
+
+def read_history(hosts: list[Host]) -> list[dict[str, Any]]:
+    lines = []
+    for host in hosts:
+        if host.history.exists():
+            for line in host.history.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    lines.append(json.loads(line))
+    return sorted(lines, key=lambda entry: entry["time"])
+
+
+async def run_nemesis(tmp_path: Path, seconds: float, seed: int) -> None:
+    ports = free_ports(6)
+    nodes = [Node(f"n{i + 1}", ports[2 * i], ports[2 * i + 1], tmp_path / f"n{i + 1}")
+             for i in range(3)]  # fmt: skip
+    for node in nodes:
+        node.write_config([peer for peer in nodes if peer is not node])
+    cluster = Cluster(nodes)
+    hosts: list[Host] = []
+    proxies: list[Proxy] = []
+    chooser = random.Random(seed)
+    faults: collections.Counter[str] = collections.Counter()
+    try:
+        for node in nodes:
+            node.start()
+        await wait_ready(cluster)
+        async with NatsBus(cluster.urls, replicas=3) as bus:  # the R3 stream, KV, buckets
+            await Replicas(bus).open(create=True)
+            await bus.client.jetstream().create_key_value(
+                bucket=LEASES_BUCKET, history=1, replicas=3
+            )
+        for index, name in enumerate(HOSTS):
+            mine = [Proxy(node.port) for node in nodes]
+            for proxy in mine:
+                await proxy.start()
+            proxies += mine
+            root = tmp_path / "hosts" / name
+            root.mkdir(parents=True)
+            hosts.append(Host(name, root, tmp_path / f"{name}.history", mine, seed * 10 + index))
+        checker = Checker(cluster.urls)
+        async with anyio.create_task_group() as group:
+            group.start_soon(checker.follow)
+            for host in hosts:
+                host.start()
+            await nemesis(cluster, hosts, seconds, chooser, faults)
+            for host in hosts:  # quiesce: every host stops where it is
+                await anyio.to_thread.run_sync(host.kill)
+            for node in nodes:
+                if node.process is None:
+                    node.start()
+            await wait_ready(cluster)
+            await anyio.sleep(3)  # the checker catches up with the last moves
+            group.cancel_scope.cancel()
+        history = read_history(hosts)
+        checker.judge(history)
+        await final_checks(cluster, checker, tmp_path)
+    finally:
+        for host in hosts:
+            with contextlib.suppress(Exception):
+                host.kill()
+        for proxy in proxies:
+            await proxy.close()
+        for node in nodes:
+            node.stop()
+    outcomes = collections.Counter(f"{h['op']}:{h['type']}" for h in read_history(hosts))
+    report = {
+        "seed": seed, "seconds": seconds, "faults": dict(faults),
+        "operations": dict(sorted(outcomes.items())),
+        "pointer moves": len(checker.moves), "replicated events": len(checker.events),
+        "checks": dict(checker.checks), "violations": len(checker.violations),
+    }  # fmt: skip
+    print("\nnemesis report:", json.dumps(report, indent=1))
+    for violation in checker.violations:
+        print("VIOLATION:", violation)
+    assert sum(faults.values()) > 0 and checker.events, report
+    assert checker.violations == [], checker.violations[:10]
+
+
+async def final_checks(cluster: Cluster, checker: Checker, tmp_path: Path) -> None:
+    """After a sweep: only referenced objects, or ones within the grace period; no
+    meta-less chunk older than it; every session restores on a fresh host."""
+    async with NatsBus(cluster.urls, replicas=3) as bus, FileStore(tmp_path / "sweeper") as empty:
+        async with Replicator(bus, empty, grace=GRACE, sweep_every=None) as sweeper:
+            report = await sweeper.sweep()
+        checker.checks["a final sweep"] += 1
+        if report.refused is not None:
+            checker.violations.append(f"the final sweep was refused: {report.refused}")
+        replicas = await Replicas(bus).open()
+        pointers, unreadable = await replicas.pointers.every()
+        referenced = {d for p in pointers.values() for d in p.generation.objects}
+        now = time.time()
+        metas = await replicas.content.objects.metas()
+        for meta in metas:
+            checker.checks["only referenced objects, or young ones"] += 1
+            age = now - meta.stored_at.timestamp()
+            if meta.live and meta.info.name not in referenced and age > GRACE + 5:
+                checker.violations.append(f"object {meta.info.name} unreferenced for {age:.0f} s")
+        live = {m.info.nuid for m in metas if m.live}
+        for subject in await replicas.content.objects.chunk_subjects():
+            nuid = subject.rsplit(".", 1)[-1]
+            first = await replicas.content.objects.first_chunk_time(nuid)
+            checker.checks["no old chunks without a meta"] += 1
+            if nuid not in live and first is not None and now - first.timestamp() > GRACE + 5:
+                checker.violations.append(f"chunks {nuid} have no meta for {now - first.timestamp():.0f} s")
+        for session, pointer in sorted(pointers.items()):
+            checker.checks["every session restores on a fresh host"] += 1
+            target = tmp_path / "fresh" / session
+            done = subprocess.run(
+                [sys.executable, "-m", "coordinator", "restore", cluster.urls[0], "--session",
+                 session, "--to", str(target)], capture_output=True, text=True, timeout=120,
+                check=False,
+            )  # fmt: skip
+            if done.returncode != 0:
+                checker.violations.append(f"session {session} does not restore: {done.stderr}")
+            elif not (target / "world").read_bytes().startswith(f"{session}:".encode()):
+                checker.violations.append(f"session {session} restored another's world")
+        del unreadable
+
+
+@pytest.mark.asyncio
+async def test_the_replicated_tier_keeps_its_promises_under_a_short_nemesis(
+    tmp_path: Path,
+) -> None:
+    """A short seeded schedule (about 40 s of faults): every invariant holds."""
+    seed = int(os.environ.get("NEMESIS_SEED", "1"))
+    await run_nemesis(tmp_path, float(os.environ.get("NEMESIS_SHORT_SECONDS", "40")), seed)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_the_replicated_tier_keeps_its_promises_under_a_long_nemesis(
+    tmp_path: Path,
+) -> None:
+    """The long run (opt-in): ``NEMESIS_SECONDS`` (300) of faults, ``NEMESIS_SEED``."""
+    seed = int(os.environ.get("NEMESIS_SEED", str(random.randrange(1 << 16))))
+    await run_nemesis(tmp_path, float(os.environ.get("NEMESIS_SECONDS", "300")), seed)
