@@ -530,7 +530,10 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     async def follow() -> None:
         state = SaveState()
         sessions = args.session or [None]
-        async with NatsBus(args.nats) as bus, contextlib.AsyncExitStack() as showing:
+        async with (
+            NatsBus(args.nats, read_only=True) as bus,
+            contextlib.AsyncExitStack() as showing,
+        ):
             if not args.json:  # the table appears once the server answers, not before
                 showing.enter_context(display)
             live = [await bus.subscribe(s) for s in sessions] if not args.replay_only else []

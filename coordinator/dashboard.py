@@ -210,7 +210,7 @@ async def follow(dashboard: Dashboard, url: str, *, retry_s: float = 1.0) -> Non
 
     while True:
         try:
-            async with NatsBus(url, connect_timeout=2) as bus:
+            async with NatsBus(url, connect_timeout=2, read_only=True) as bus:
                 subscription = await bus.subscribe(buffer=16384)
                 fresh = Dashboard()
                 for event in await bus.history():

@@ -68,55 +68,55 @@ async def own(
     empty disk, commit a while, perhaps roll back, then let it go."""
     take_over = chooser.random() < 0.6
     history.record("takeover", "invoke", session=session, take_over=take_over)
+    taken = False
     try:
-        lease_cm = SessionLease(bus, session, ttl=LEASE_TTL, take_over=take_over)
-        lease = await lease_cm.__aenter__()
+        async with SessionLease(bus, session, ttl=LEASE_TTL, take_over=take_over) as lease:
+            taken = True
+            await work(bus, session, lease, root / f"{session}-{lease.revision}", history,
+                       chooser)  # fmt: skip
     except SessionLeasedError:
         history.record("takeover", "fail", session=session)
         return
-    store_dir = root / f"{session}-{lease.revision}"
-    parts = [Part("world", b""), Part("agent-a", b"")]
-    describe = HostDescription(agents=["a"])
-    try:
-        async with (
-            FileStore(store_dir) as store,
-            Replicator(bus, store, leases=[lease], grace=GRACE, sweep_every=GRACE / 4) as rep,
-            Coordinator(store, bus, parts, session_id=session, describe=describe) as host,
-        ):
-            history.record("takeover", "ok", session=session, lease=lease.revision)
-            resumed = await host.resume(source=rep.replicas)
-            step = resumed.step or 0
-            history.record("resume", "ok", session=session, step=step, epoch=host.epoch)
-            for _ in range(chooser.randint(5, 25)):
-                if lease.lost is not None:
-                    break
-                step += 1
-                parts[0].data = f"{session}:{step}:".encode() + os.urandom(chooser.randint(64, 4096))
-                parts[1].data = b"agent-" + str(step).encode()
-                outcome = await host.checkpoint(step)
-                history.record("commit", "ok", session=session, checkpoint=outcome.checkpoint_id,
-                               epoch=host.epoch, step=step)  # fmt: skip
-                if chooser.random() < 0.15 and len(store.timeline(session)) >= 2:
-                    timeline = store.timeline(session)
-                    back = timeline[chooser.randrange(1, len(timeline))]
-                    abandoned = [g.checkpoint_id for g in timeline[: timeline.index(back)]]
-                    history.record("fork", "invoke", session=session, restored=back.checkpoint_id)
-                    report = await host.restore(back.checkpoint_id, new_epoch=host.fresh_epoch())
-                    step = int(report.record.boundary)
-                    history.record("fork", "ok", session=session, restored=back.checkpoint_id,
-                                   epoch=report.epoch, abandoned=abandoned)  # fmt: skip
-                await anyio.sleep(chooser.uniform(0.02, 0.15))
-            with anyio.move_on_after(5):
-                await rep.wait_caught_up()
     except (LeaseLostError, CoordinatorError, OSError, TimeoutError) as error:
         history.record("own", "info", session=session, error=f"{type(error).__name__}: {error}")
-    finally:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-            try:
-                await lease_cm.__aexit__(None, None, None)
-            except Exception as error:  # the bus is away: the lease expires on its own
-                history.record("release", "info", session=session, error=repr(error))
+    if taken:
         history.record("release", "ok", session=session)
+
+
+async def work(bus: NatsBus, session: str, lease: SessionLease, store_dir: Path,
+               history: History, chooser: random.Random) -> None:  # fmt: skip
+    parts = [Part("world", b""), Part("agent-a", b"")]
+    describe = HostDescription(agents=["a"])
+    async with (
+        FileStore(store_dir) as store,
+        Replicator(bus, store, leases=[lease], grace=GRACE, sweep_every=GRACE / 4) as rep,
+        Coordinator(store, bus, parts, session_id=session, describe=describe) as host,
+    ):
+        history.record("takeover", "ok", session=session, lease=lease.revision)
+        resumed = await host.resume(source=rep.replicas)
+        step = resumed.step or 0
+        history.record("resume", "ok", session=session, step=step, epoch=host.epoch)
+        for _ in range(chooser.randint(5, 25)):
+            if lease.lost is not None:
+                break
+            step += 1
+            world = f"{session}:{step}:".encode() + os.urandom(chooser.randint(64, 4096))
+            parts[0].data, parts[1].data = world, b"agent-" + str(step).encode()
+            outcome = await host.checkpoint(step)
+            history.record("commit", "ok", session=session, checkpoint=outcome.checkpoint_id,
+                           epoch=host.epoch, step=step)  # fmt: skip
+            if chooser.random() < 0.15 and len(store.timeline(session)) >= 2:
+                timeline = store.timeline(session)
+                back = timeline[chooser.randrange(1, len(timeline))]
+                abandoned = [g.checkpoint_id for g in timeline[: timeline.index(back)]]
+                history.record("fork", "invoke", session=session, restored=back.checkpoint_id)
+                report = await host.restore(back.checkpoint_id, new_epoch=host.fresh_epoch())
+                step = int(report.record.boundary)
+                history.record("fork", "ok", session=session, restored=back.checkpoint_id,
+                               epoch=report.epoch, abandoned=abandoned)  # fmt: skip
+            await anyio.sleep(chooser.uniform(0.02, 0.15))
+        with anyio.move_on_after(5):
+            await rep.wait_caught_up()
 
 
 async def main(name: str, seed: str, history_path: str, root: str, sessions: str,

@@ -143,6 +143,13 @@ class Host:
             env=env,
         )  # fmt: skip
 
+    def died(self) -> str | None:
+        """Why the host exited on its own (a crash), if it did."""
+        if self.process is None or self.process.poll() is None:
+            return None
+        errors = (self.root.parent / f"{self.name}.err").read_text(errors="replace")
+        return f"{self.name} exited with {self.process.returncode}: {errors[-1500:]}"
+
     def signal(self, number: int) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(number)
@@ -276,6 +283,9 @@ async def nemesis(cluster: Cluster, hosts: list[Host], seconds: float, chooser: 
     deadline = time.monotonic() + seconds
     await anyio.sleep(3)  # the hosts take their first sessions
     while time.monotonic() < deadline:
+        for each in hosts:
+            crashed = each.died()
+            assert crashed is None, crashed
         kind = chooser.choice(["partition", "kill-server", "kill-host", "pause-host"])
         faults[kind] += 1
         host = chooser.choice(hosts)
@@ -407,6 +417,7 @@ async def final_checks(cluster: Cluster, checker: Checker, tmp_path: Path) -> No
         for session, pointer in sorted(pointers.items()):
             checker.checks["every session restores on a fresh host"] += 1
             target = tmp_path / "fresh" / session
+            target.parent.mkdir(exist_ok=True)
             done = subprocess.run(
                 [sys.executable, "-m", "coordinator", "restore", cluster.urls[0], "--session",
                  session, "--to", str(target)], capture_output=True, text=True, timeout=120,

@@ -814,8 +814,9 @@ authorization {
     {user: reader, password: r, permissions: {
       publish: {allow: ["$JS.API.INFO", "$JS.API.STREAM.INFO.>", "$JS.API.STREAM.MSG.GET.>",
                         "$JS.API.DIRECT.GET.>", "$JS.API.CONSUMER.CREATE.>",
-                        "$JS.API.CONSUMER.MSG.NEXT.>", "$JS.API.CONSUMER.DELETE.>"]}
-      subscribe: {allow: ["_INBOX.>"]}
+                        "$JS.API.CONSUMER.MSG.NEXT.>", "$JS.API.CONSUMER.DELETE.>",
+                        "$JS.API.CONSUMER.INFO.>"]}
+      subscribe: {allow: ["_INBOX.>", "ckpt.>"]}
     }}
   ]
 }
@@ -843,6 +844,45 @@ async def test_a_read_only_credential_is_enough_to_restore_and_resume(tmp_path: 
                 await client.jetstream().add_stream(name="NOPE", subjects=["nope.>"])
         finally:
             await client.close()
+
+
+@pytest.mark.asyncio
+async def test_watch_and_the_dashboard_create_nothing_and_need_only_read_rights(
+    tmp_path: Path,
+) -> None:
+    """`coordinator watch` and the dashboard follow a bus with a read-only user:
+    on a server nothing was published to they create no stream and no bucket (an
+    empty history), and once a host has published they show its session."""
+    from coordinator.dashboard import Dashboard, follow
+
+    async with EmbeddedServer(tmp_path / "nats", config=READER_PERMISSIONS) as server:
+        writer = server.url.replace("nats://", "nats://writer:w@")
+        reader = server.url.replace("nats://", "nats://reader:r@")
+        done = subprocess.run(
+            [sys.executable, "-m", "coordinator", "watch", "--nats", reader, "--json",
+             "--replay-only"], capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stdout == "", done.stderr
+        dashboard = Dashboard()
+        async with anyio.create_task_group() as group:
+            group.start_soon(follow, dashboard, reader)
+            await until(lambda: dashboard.bus == "connected")
+            client = await nats.connect(writer)
+            try:
+                assert (await client.jetstream().account_info()).streams == 0
+            finally:
+                await client.close()
+            await replicated_run(writer, tmp_path / "a", 2)
+            await until(lambda: "s1" in dashboard.state.sessions)
+            group.cancel_scope.cancel()
+        done = subprocess.run(
+            [sys.executable, "-m", "coordinator", "watch", "--nats", reader, "--json",
+             "--replay-only", "--session", "s1"], capture_output=True, text=True, timeout=60,
+            check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        last = msgspec.json.decode(done.stdout.splitlines()[-1])
+        assert last["replicatedHighWater"] == last["highWater"]
 
 
 @pytest.mark.asyncio

@@ -44,7 +44,7 @@ import nats.errors
 from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription as NatsSubscription
-from nats.js import JetStreamContext
+from nats.js import JetStreamContext, api
 from nats.js.errors import (
     APIError,
     BucketNotFoundError,
@@ -104,7 +104,11 @@ _log = logging.getLogger("coordinator.bus")
 
 class NatsBus:
     """``async with NatsBus("nats://127.0.0.1:4222") as bus:``; other keyword
-    arguments (credentials, nkeys, TLS, user/password...) go to ``nats.connect``."""
+    arguments (credentials, nkeys, TLS, user/password...) go to ``nats.connect``.
+
+    ``read_only=True`` (watchers, dashboards): nothing is created (a missing stream
+    is an empty history until someone publishes), and publishing is refused, so
+    credentials that may only read are enough."""
 
     def __init__(
         self,
@@ -119,8 +123,10 @@ class NatsBus:
         replicas: int = 1,
         publish_window: int = PUBLISH_WINDOW,
         max_attempts: int = 5,
+        read_only: bool = False,
         **connect_options: Any,
     ) -> None:
+        self.read_only = read_only
         self.servers = [servers] if isinstance(servers, str) else list(servers)
         self.prefix = prefix
         self.stream = stream
@@ -228,6 +234,8 @@ class NatsBus:
         try:
             info = await self._js.stream_info(self.stream)
         except NotFoundError:
+            if self.read_only:
+                return  # nothing published yet: an empty history
             await self._js.add_stream(
                 name=self.stream, subjects=[wanted], num_replicas=self.replicas
             )
@@ -243,6 +251,8 @@ class NatsBus:
         try:
             self._kv = await self._js.key_value(self.bucket)
         except BucketNotFoundError:
+            if self.read_only:
+                return
             self._kv = await self._js.create_key_value(
                 bucket=self.bucket, history=1, replicas=self.replicas
             )
@@ -266,6 +276,8 @@ class NatsBus:
         ``MemoryBus``), ``InvalidScalarError`` for a session id that is no Id."""
         if self._closing:
             raise anyio.ClosedResourceError("the bus is closed")
+        if self.read_only:
+            raise UsageError("this bus was opened read-only: it publishes nothing")
         if not is_id(event.session_id):
             raise InvalidScalarError("Id", event.session_id)
         if len(self._outbox.items) >= self.outbox_limit:
@@ -548,7 +560,8 @@ class NatsBus:
     async def latest_committed(self, session_id: str) -> Committed | None:
         """The last ``committed`` event of a session, from the KV bucket (key: the
         session's subject token). ``None`` if there is none, or it is not one."""
-        assert self._kv is not None
+        if self._kv is None:  # (read-only, and no bucket yet)
+            return None
         try:
             entry = await self._kv.get(subject_token(check_id(session_id)))
         except KeyNotFoundError:
@@ -651,7 +664,14 @@ class NatsBus:
         subjects = session_subjects(session_id, prefix=self.prefix)
         events: list[Event] = []
         try:
-            consumer = await self._js.pull_subscribe(subjects, stream=self.stream)
+            if self.read_only:
+                try:
+                    await self._js.stream_info(self.stream)
+                except NotFoundError:
+                    return events  # no stream yet: nothing was published
+            consumer = await self._js.pull_subscribe(
+                subjects, stream=self.stream, config=_read_once()
+            )
             try:
                 pending = (await consumer.consumer_info()).num_pending or 0
                 while pending:
@@ -661,7 +681,6 @@ class NatsBus:
                             events.append(decode_event(message.data))
                         except msgspec.MsgspecError:  # a foreign message on our subjects
                             self._counts["invalid"] += 1
-                        await message.ack()
                         pending = message.metadata.num_pending
             finally:
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
@@ -780,6 +799,11 @@ class Backlog(Generic[T]):
             self.items.clear()
             return False
         return True
+
+
+def _read_once() -> api.ConsumerConfig:
+    """A history read's consumer: ephemeral, no acks (a reader may publish none)."""
+    return api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0)
 
 
 def _seq_of(data: bytes | None) -> int:
