@@ -213,21 +213,85 @@ anyio.run(main, *sys.argv[1:])
 """
 
 
+_RESUME_PROBE = """
+import anyio, json, sys
+from coordinator import Coordinator, FileStore
+from coordinator.bus import NatsBus
+from coordinator.bench.replicate import _describe_host, _Sink
+from coordinator.replicate import Replicas
+
+def status_mib(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+
+async def main(url, session, store_dir):
+    async with NatsBus(url) as bus, FileStore(store_dir) as store:
+        parts = [_Sink(name) for name in _Sink.names()]
+        async with Coordinator(store, bus, parts, session_id=session,
+                               describe=_describe_host) as host:
+            start = status_mib("VmRSS")
+            resumed = await host.resume(source=await Replicas(bus).open())
+            peak = status_mib("VmHWM")
+    print(json.dumps({"start_mib": start, "peak_mib": peak, "step": resumed.step}))
+
+anyio.run(main, *sys.argv[1:])
+"""
+
+
+class _Sink:
+    """A participant that installs a payload by keeping its length (a resume's
+    memory is the coordinator's, not the participant's copy)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @staticmethod
+    def names() -> list[str]:
+        return sample_payload_names(AGENTS, admission=True)
+
+    async def capture(self, scope: CaptureScope) -> bytes:
+        return b""
+
+    async def stage_restore(self, payload: memoryview, scope: Any) -> int:
+        return len(payload)
+
+    async def activate_restore(self, token: int) -> None:
+        pass
+
+    async def abort_restore(self, token: int) -> None:
+        pass
+
+
+def _describe_host(scope: CaptureScope) -> Any:
+    return _describe(scope)
+
+
+def _probe(script: str, *argv: str) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True,
+                          text=True, timeout=600, check=True)  # fmt: skip
+    figures: dict[str, Any] = json.loads(done.stdout)
+    return figures
+
+
 def _restore_rss(url: str, folder: Path, last: Any) -> Result:
     session, record = last
-    done = subprocess.run(
-        [sys.executable, "-c", _RSS_PROBE, url, session, str(folder / "rss-restored")],
-        capture_output=True, text=True, timeout=600, check=True,
-    )  # fmt: skip
-    figures = json.loads(done.stdout)
+    figures = _probe(_RSS_PROBE, url, session, str(folder / "rss-restored"))
+    resume = _probe(_RESUME_PROBE, url, session, str(folder / "rss-resumed"))
     generation = int(record.byte_length) / (1 << 20)
     over = figures["peak_mib"] - figures["start_mib"] - generation
+    figures["resume_peak_over_generation_mib"] = round(
+        resume["peak_mib"] - resume["start_mib"] - generation, 1
+    )
     return result(
         "replicate.restore_peak_rss_over_generation_mib", unit="MiB", ours=over, baseline=None,
         baseline_name=None, better="lower", target=64.0,
         detail={"generation_mib": round(generation, 1), **figures,
                 "measured_as": "a fresh process: its peak RSS (VmHWM) minus its RSS once "
-                "connected, minus the generation's size"},
+                "connected, minus the generation's size; resume_...: the same for "
+                "Coordinator.resume(source=Replicas) onto an empty store (fetch, commit, "
+                "restore into participants that keep no copy)"},
     )  # fmt: skip
 
 

@@ -73,6 +73,7 @@ _HASH_STEP = 16 << 20  # received bytes handed to the hashing thread at a time
 _STALL_TIMEOUT = 10.0  # seconds without a chunk (read) or an ack (put) before giving up
 _GROW_STEP = 16 << 20  # a read allocates its pages this far ahead of the chunks, no further
 _BATCH = 8  # chunks a read asks for at a time (two batches in flight: 16 MiB)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 _WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code for a failed expected-sequence check
 
 
@@ -139,11 +140,21 @@ def _anonymous_file(size: int) -> int:
     return sealable_fd(size, "coordinator-object")
 
 
-def _allocate(fd: int, offset: int, length: int) -> None:
-    """Blocking: the pages of ``fd`` from ``offset``, before the chunks that fill
-    them arrive (the reader's copies then take no page-allocating faults, ~10%
-    faster here). No memory is a clear ``OSError`` here, where a write to the map
-    would be a SIGBUS; a file system that cannot allocate ahead allocates on touch."""
+def _allocate(mapped: Any, fd: int, offset: int, length: int) -> None:
+    """Blocking: the pages of ``mapped`` (a shared map of ``fd``) from ``offset``,
+    made and mapped before the chunks that fill them arrive, so the reader's
+    copies take no faults (15x faster copies here: a fault a page otherwise).
+    No memory is a clear ``OSError`` here, where a write to the map would be a
+    SIGBUS. A kernel without ``MADV_POPULATE_WRITE`` (before 5.14) allocates the
+    file's pages instead; a file system that can do neither allocates on touch."""
+    page = mmap.PAGESIZE
+    start = offset - offset % page
+    try:
+        mapped.madvise(_MADV_POPULATE_WRITE, start, offset + length - start)
+        return
+    except OSError as error:
+        if error.errno in (errno.ENOMEM, errno.EFAULT):
+            raise OSError(errno.ENOMEM, "no memory for the object's pages") from None
     try:
         os.posix_fallocate(fd, offset, length)
     except OSError as error:
@@ -429,7 +440,7 @@ class ObjectBucket:
                 if received + len(data) > allocated:
                     upto = min(len(view), max(received + len(data), allocated + _GROW_STEP))
                     await anyio.to_thread.run_sync(
-                        _allocate, fd, base + allocated, upto - allocated
+                        _allocate, view.obj, fd, base + allocated, upto - allocated
                     )
                     allocated = upto
                 view[received : received + len(data)] = data
