@@ -15,8 +15,10 @@ pointer bucket), every ``replicated`` event. It judges invariants, never timings
 
 - every ``replicated`` names a pointer move, and that generation rebuilds and
   verifies (checked as it appears, within the grace period);
-- after a fork returned, no pointer move decided later names a checkpoint it
-  abandoned (moves decided before it returned are concurrent with it);
+- once a fork is in the replicated history (a move in its epoch landed), no
+  pointer move decided later names a checkpoint it abandoned (a move decided
+  before is concurrent with it; a fork whose host died before replicating it
+  never reached the cluster, and is counted apart);
 - after a take-over (the new owner stamped the pointer), no move is made under
   an older lease: a zombie never moves a pointer;
 - at the end, after a sweep, the bucket holds only referenced objects and
@@ -250,18 +252,34 @@ class Checker:
                     f"replicated {event.event_id} (revision {event.pointer_revision}) does "
                     f"not rebuild: {self.rebuilt.get(event.pointer_revision)}"
                 )
-        # 2. no move decided after a fork returned names a checkpoint it abandoned
+        # 2. once a fork is in the replicated history (a move in its epoch landed), no
+        # move decided later names a checkpoint it abandoned. (A fork its host never
+        # replicated, being killed or cut off first, is not in the cluster's history:
+        # the next owner goes on from what the pointer named.)
         forks = [h for h in history if h["op"] == "fork" and h["type"] == "ok"]
-        for revision, (_, pointer) in sorted(self.moves.items()):
-            decided = datetime.fromisoformat(pointer.moved_at.replace("Z", "+00:00")).timestamp()
-            for fork in forks:
-                if fork["session"] != pointer.session_id:
+        ordered = sorted(self.moves.items())
+        for fork in forks:
+            landed = next(
+                (stored for _, (stored, p) in ordered if p.session_id == fork["session"]
+                 and fork["epoch"] in (p.epoch, p.generation.epoch)),
+                None,
+            )  # fmt: skip
+            if landed is None:
+                self.checks["forks never replicated (their host went first)"] += 1
+                continue
+            for revision, (_, pointer) in ordered:
+                if pointer.session_id != fork["session"]:
                     continue
-                self.checks["no move after a fork names what it abandoned"] += 1
-                if decided > fork["time"] and pointer.generation.checkpoint_id in fork["abandoned"]:
+                self.checks["no move after a replicated fork names what it abandoned"] += 1
+                decided = datetime.fromisoformat(pointer.moved_at.replace("Z", "+00:00"))
+                if (
+                    decided.timestamp() > landed
+                    and pointer.generation.checkpoint_id in fork["abandoned"]
+                ):
                     self.violations.append(
                         f"revision {revision} ({pointer.moved_at}) names "
-                        f"{pointer.generation.checkpoint_id}, abandoned by {fork}"
+                        f"{pointer.generation.checkpoint_id}, abandoned by {fork}, whose "
+                        f"move landed at {landed}"
                     )
         # 3. after a take-over's stamp, no move under an older lease
         highest: dict[str, tuple[int, int]] = {}

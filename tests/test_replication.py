@@ -1020,3 +1020,29 @@ async def test_a_killed_remote_restore_leaves_nothing_beside_its_target(
     assert done.returncode == 0, done.stderr
     assert os.listdir(parent) == ["restored"]
     assert (target / "world").read_bytes() == parts[0].data
+
+
+@pytest.mark.asyncio
+async def test_a_read_while_the_cluster_cannot_answer_is_a_typed_error(tmp_path: Path) -> None:
+    """The server goes away under an open reader: its pointer read and its fetch
+    are `bus.unavailable` (try again), never a raw nats-py error that a host would
+    not know to catch (the nemesis found a resume killed by one)."""
+    server = EmbeddedServer(tmp_path / "nats")
+    await server.start()
+    try:
+        await replicated_run(server.url, tmp_path / "a", 1)
+        client = await connect([server.url], 5.0, error_cb=None)
+        try:
+            replicas = await Replicas(client).open()
+            await server.kill()
+            from coordinator import BusUnavailableError
+
+            with pytest.raises(BusUnavailableError):
+                await replicas.pointer("s1")
+            with pytest.raises(BusUnavailableError):
+                await replicas.fetch("s1")
+        finally:
+            with contextlib.suppress(Exception):
+                await client.close()
+    finally:
+        await server.stop()

@@ -452,6 +452,10 @@ class ObjectBucket:
             raise ArtifactUnavailableError(
                 f"object {name!r} stopped arriving after {received} bytes"
             ) from None
+        except (nats.errors.Error, TimeoutError) as error:  # the consumer could not be made
+            raise ArtifactUnavailableError(
+                f"cannot read object {name!r} ({type(error).__name__}: {error})"
+            ) from None
 
     async def _chunks(self, info: api.ObjectInfo, size: int) -> AsyncIterator[bytes]:
         """The object's chunks in order, ``size`` bytes of them (or one more, that
@@ -474,7 +478,7 @@ class ObjectBucket:
         async def batch() -> list[Any]:
             deadline = anyio.current_time() + self.stall_timeout
             while True:  # (no chunk now: a leader being elected, say; ask again)
-                with contextlib.suppress(nats.errors.TimeoutError, TimeoutError):
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
                     messages = await consumer.fetch(_BATCH, timeout=self.stall_timeout)
                     if messages:
                         return list(messages)

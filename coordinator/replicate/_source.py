@@ -21,10 +21,12 @@ import hashlib
 import math
 import mmap
 import os
+from collections.abc import Iterator
 from typing import Any, Self
 
 import anyio
 import anyio.to_thread
+import nats.errors
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
@@ -41,6 +43,7 @@ from ..envelope import (
 )
 from ..errors import (
     ArtifactUnavailableError,
+    BusUnavailableError,
     EnvelopeInputError,
     GenerationNotFoundError,
     JsonError,
@@ -78,6 +81,10 @@ class Replicas:
         self._pointers: Pointers | None = None
 
     async def open(self, *, create: bool = False) -> Self:
+        with _cluster_errors("the replicated tier's buckets"):
+            return await self._open(create)
+
+    async def _open(self, create: bool) -> Self:
         js = self.client.jetstream()
         try:
             store = await js.object_store(CONTENT_BUCKET)
@@ -110,12 +117,19 @@ class Replicas:
         return self._pointers
 
     async def pointer(self, session_id: str) -> tuple[ReplicaPointer, int] | None:
-        """The session's pointer and its KV revision, or ``None``."""
-        return await self.pointers.get(session_id)
+        """The session's pointer and its KV revision, or ``None``
+        (``BusUnavailableError`` if the cluster cannot answer now)."""
+        with _cluster_errors(f"the pointer of session {session_id}"):
+            return await self.pointers.get(session_id)
 
     async def fetch(self, session_id: str) -> StoredCheckpoint:
         """The session's pointed generation, rebuilt and verified (see the module
-        docstring). ``GenerationNotFoundError`` if the session has none."""
+        docstring). ``GenerationNotFoundError`` if the session has none;
+        ``BusUnavailableError`` if the cluster cannot answer now (try again)."""
+        with _cluster_errors(f"the replicated generation of session {session_id}"):
+            return await self._fetch(session_id)
+
+    async def _fetch(self, session_id: str) -> StoredCheckpoint:
         for _ in range(_REREADS):
             found = await self.pointer(session_id)
             if found is None:
@@ -220,6 +234,18 @@ class Replicas:
                 for entry, hasher in zip(layout.entries, hashes.payloads, strict=True)
             ),
         )
+
+
+@contextlib.contextmanager
+def _cluster_errors(what: str) -> Iterator[None]:
+    """nats-py's errors (a server away, a leader being elected) as the typed
+    ``BusUnavailableError``; ours pass as they are."""
+    try:
+        yield
+    except (nats.errors.Error, TimeoutError) as error:
+        raise BusUnavailableError(
+            f"cannot read {what} now ({type(error).__name__}: {error}); try again"
+        ) from None
 
 
 def _sealed(fd: int) -> Any:
