@@ -6,6 +6,7 @@ and retention that never deletes what an upload is about to reference."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import os
@@ -1046,3 +1047,29 @@ async def test_a_read_while_the_cluster_cannot_answer_is_a_typed_error(tmp_path:
                 await client.close()
     finally:
         await server.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_lease_let_go_while_another_host_takes_it_is_never_an_untyped_error(
+    server: EmbeddedServer,
+) -> None:
+    """Two hosts take and let go of one session's lease as fast as they can: each
+    attempt either holds it or is `session.leased`, never nats-py's `key not found`
+    of a lease deleted between the create and the read (the long nemesis found a
+    host killed by one)."""
+    outcomes: collections.Counter[str] = collections.Counter()
+
+    async def churn(bus: NatsBus, take_over: bool) -> None:
+        with anyio.move_on_after(3):
+            while True:
+                try:
+                    async with SessionLease(bus, "s1", ttl=5, take_over=take_over):
+                        outcomes["held"] += 1
+                except SessionLeasedError:
+                    outcomes["refused"] += 1
+
+    async with NatsBus(server.url) as bus_a, NatsBus(server.url) as bus_b:
+        async with anyio.create_task_group() as group:
+            group.start_soon(churn, bus_a, False)
+            group.start_soon(churn, bus_b, True)
+    assert outcomes["held"] > 10, outcomes

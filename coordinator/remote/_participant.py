@@ -459,8 +459,8 @@ class _Lease:
             sent = time.monotonic()
             try:
                 revision = await kv.create(key, owner)
-            except KeyWrongLastSequenceError:
-                pass
+            except (KeyWrongLastSequenceError, KeyNotFoundError, KeyDeletedError):
+                pass  # held (or let go this very moment: nats-py's create reads it back)
             else:
                 lease.revision, lease.renewed_at = revision, sent
                 return lease

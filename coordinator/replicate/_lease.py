@@ -37,11 +37,13 @@ from ..bus import NatsBus
 from ..errors import LeaseLostError, SessionLeasedError
 from ..events import subject_token
 from ..ids import check_id
+from ._unavailable import cluster_errors
 
 __all__ = ["LEASES_BUCKET", "SessionLease"]
 
 LEASES_BUCKET = "CKPT_LEASES"
 MAX_TTL_S = 24 * 3600.0
+_ACQUIRE_ATTEMPTS = 5
 
 
 class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -102,13 +104,14 @@ class SessionLease:
 
     async def __aenter__(self) -> Self:
         js = self.bus.client.jetstream()
-        try:
-            self._kv = await js.key_value(LEASES_BUCKET)
-        except BucketNotFoundError:
-            self._kv = await js.create_key_value(
-                bucket=LEASES_BUCKET, history=1, replicas=self.bus.replicas
-            )
-        await self._acquire()
+        with cluster_errors(f"the lease of session {self.session_id}"):
+            try:
+                self._kv = await js.key_value(LEASES_BUCKET)
+            except BucketNotFoundError:
+                self._kv = await js.create_key_value(
+                    bucket=LEASES_BUCKET, history=1, replicas=self.bus.replicas
+                )
+            await self._acquire()
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
         self._group.start_soon(self._renew)
@@ -123,12 +126,25 @@ class SessionLease:
                 await self._kv.delete(self.key, last=self.revision)
 
     async def _acquire(self) -> None:
-        try:
-            self.revision = int(await self._kv.create(self.key, self._value()))
+        for _ in range(_ACQUIRE_ATTEMPTS):
+            try:
+                self.revision = int(await self._kv.create(self.key, self._value()))
+                return
+            except (KeyWrongLastSequenceError, KeyNotFoundError, KeyDeletedError):
+                pass  # held, or held once (its holder may be letting it go this moment)
+            try:
+                entry = await self._kv.get(self.key)
+            except (KeyNotFoundError, KeyDeletedError):
+                continue  # let go meanwhile: create it again
+            await self._take(entry)
             return
-        except KeyWrongLastSequenceError:  # held, or held once: read what is there
-            pass
-        entry = await self._kv.get(self.key)
+        raise SessionLeasedError(
+            f"session {self.session_id}: the lease kept changing under {_ACQUIRE_ATTEMPTS} "
+            "attempts to take it"
+        )
+
+    async def _take(self, entry: Any) -> None:
+        """Take the lease ``entry`` holds, if it expired (or we take it over)."""
         held = _held(entry.value)
         expired = held is None or time.time() - held.renewed_at > held.ttl_s
         if not (expired or self.take_over):

@@ -21,12 +21,10 @@ import hashlib
 import math
 import mmap
 import os
-from collections.abc import Iterator
 from typing import Any, Self
 
 import anyio
 import anyio.to_thread
-import nats.errors
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
@@ -43,7 +41,6 @@ from ..envelope import (
 )
 from ..errors import (
     ArtifactUnavailableError,
-    BusUnavailableError,
     EnvelopeInputError,
     GenerationNotFoundError,
     JsonError,
@@ -55,6 +52,7 @@ from ..sealed import seal_fd, sealable_fd
 from ..store import StoredCheckpoint, checked_generation
 from ._content import CONTENT_BUCKET, ContentBucket
 from ._pointer import POINTERS_BUCKET, Pointers, ReplicaPointer, ReplicatedGeneration
+from ._unavailable import cluster_errors
 
 __all__ = ["DEFAULT_GRACE_S", "Replicas"]
 
@@ -81,7 +79,7 @@ class Replicas:
         self._pointers: Pointers | None = None
 
     async def open(self, *, create: bool = False) -> Self:
-        with _cluster_errors("the replicated tier's buckets"):
+        with cluster_errors("the replicated tier's buckets"):
             return await self._open(create)
 
     async def _open(self, create: bool) -> Self:
@@ -119,14 +117,14 @@ class Replicas:
     async def pointer(self, session_id: str) -> tuple[ReplicaPointer, int] | None:
         """The session's pointer and its KV revision, or ``None``
         (``BusUnavailableError`` if the cluster cannot answer now)."""
-        with _cluster_errors(f"the pointer of session {session_id}"):
+        with cluster_errors(f"the pointer of session {session_id}"):
             return await self.pointers.get(session_id)
 
     async def fetch(self, session_id: str) -> StoredCheckpoint:
         """The session's pointed generation, rebuilt and verified (see the module
         docstring). ``GenerationNotFoundError`` if the session has none;
         ``BusUnavailableError`` if the cluster cannot answer now (try again)."""
-        with _cluster_errors(f"the replicated generation of session {session_id}"):
+        with cluster_errors(f"the replicated generation of session {session_id}"):
             return await self._fetch(session_id)
 
     async def _fetch(self, session_id: str) -> StoredCheckpoint:
@@ -234,18 +232,6 @@ class Replicas:
                 for entry, hasher in zip(layout.entries, hashes.payloads, strict=True)
             ),
         )
-
-
-@contextlib.contextmanager
-def _cluster_errors(what: str) -> Iterator[None]:
-    """nats-py's errors (a server away, a leader being elected) as the typed
-    ``BusUnavailableError``; ours pass as they are."""
-    try:
-        yield
-    except (nats.errors.Error, TimeoutError) as error:
-        raise BusUnavailableError(
-            f"cannot read {what} now ({type(error).__name__}: {error}); try again"
-        ) from None
 
 
 def _sealed(fd: int) -> Any:
