@@ -777,6 +777,8 @@ def main(
             or getattr(args, "store", None)
             or f"coordinator {args.command}"
         )
+        if isinstance(where, str):  # a URL's user and password are nobody's business
+            where = re.sub(r"//[^@/]*@", "//", where)
         return _report_failure(error, where, err)
     except BrokenPipeError:
         return _pipe_closed(out)

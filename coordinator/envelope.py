@@ -43,7 +43,7 @@ from .errors import (
     NotCanonicalError,
     release_frames,
 )
-from .ids import is_digest, is_id
+from .ids import is_digest, is_id, is_u64
 
 __all__ = [
     "ALIGNMENT",
@@ -52,6 +52,7 @@ __all__ = [
     "FOOTER_MAGIC",
     "HEADER_BYTES",
     "MAGIC",
+    "MAX_FILE_BYTES",
     "MAX_MANIFEST_BYTES",
     "MAX_MANIFEST_REFERENCE_VALUES",
     "MAX_MANIFEST_VALUES",
@@ -80,6 +81,7 @@ ENTRY_BYTES = 112
 FOOTER_BYTES = 48
 NAME_BYTES = 64
 MAX_PAYLOADS = 64
+MAX_FILE_BYTES = 2**63 - 1  # what a file offset can be (the format's u64 fields could say more)
 #: A reader's limit, not the format's (manifestBytes is a u32): a real manifest
 #: is a few KiB, and parsing is the one step whose cost grows with hostile input.
 MAX_MANIFEST_BYTES = 1 << 20
@@ -466,9 +468,9 @@ def layout_of(manifest: Mapping[str, Any]) -> tuple[bytes, Layout]:
     for record in records:
         name = record.get("name") if isinstance(record, dict) else None
         length = record.get("byteLength") if isinstance(record, dict) else None
-        if not (is_id(name) and isinstance(length, str) and length.isdigit()):
+        if not (is_id(name) and is_u64(length)):
             raise EnvelopeInputError(f"manifest payload record {record!r} has no name or length")
-        lengths.append((str(name), int(length)))
+        lengths.append((str(name), int(str(length))))
     if len({name for name, _ in lengths}) != len(lengths):
         raise EnvelopeInputError("manifest 'payloads' names a payload twice")
     return _lay_out(manifest, lengths)
@@ -521,6 +523,11 @@ def _lay_out(
         )
         offset = _align(offset + length)
     footer_offset = entries[-1].end if entries else table_offset
+    if footer_offset + FOOTER_BYTES > MAX_FILE_BYTES:
+        raise EnvelopeInputError(
+            f"payloads of {footer_offset} bytes in all: an envelope is at most "
+            f"{MAX_FILE_BYTES} bytes"
+        )
     problem = _manifest_problem(body, entries, manifest_json)
     if problem is not None:
         raise EnvelopeInputError(f"the manifest breaks rule {problem[0]}: {problem[1]}")

@@ -582,11 +582,8 @@ class Coordinator:
         with await source.fetch(self.session_id) as stored:
             manifest = stored.manifest
             payloads = [(name, stored.payload(name)) for name in stored.envelope.names]
-            try:  # (the commit opens the generation's epoch in the same manifest: one step)
-                await self.store.commit(manifest, payloads, payloads_verified=True)
-            finally:
-                for _, view in payloads:
-                    view.release()
+            # (the commit opens the generation's epoch in the same manifest: one step)
+            await self.store.commit(manifest, payloads, payloads_verified=True)
 
     async def resume(self, *, source: ReplicaSource | None = None) -> Resumed:
         """Continue the session after a restart: restore its newest compatible

@@ -191,7 +191,8 @@ async def test_an_object_whose_bytes_are_not_its_name_is_refused_at_restore(
         with pytest.raises(ArtifactCorruptError):
             await replicas.fetch("s1")
         liar = ObjectBucket(js, bucket, CONTENT_BUCKET)  # the right digest, other bytes
-        await liar.put(world, memoryview(os.urandom(size)), digest=world)
+        seq = (await liar.stored(world)).meta_seq  # type: ignore[union-attr]
+        await liar.make(world, memoryview(os.urandom(size)), digest=world, expected_meta_seq=seq)
         with pytest.raises(GenerationCorruptError) as refused:
             await replicas.fetch("s1")
         assert refused.value.check == "envelope-digest"  # the spec orders it first
@@ -346,7 +347,7 @@ async def test_a_zombie_host_can_never_move_the_pointer_again(
             report = await replicator.sweep()  # whatever the zombie made is unreferenced
             assert report.refused is None
             metas = await replicator.replicas.content.objects.metas()
-            assert {m.info.name for m in metas if m.live} == set(after[0].generation.objects)
+            assert {m.name for m in metas if m.live} == set(after[0].generation.objects)
             bucket = await Replicas(bus_b).open()
             with await bucket.fetch("s1") as stored:
                 assert stored.record.checkpoint_id == before[0].generation.checkpoint_id
@@ -416,9 +417,9 @@ async def test_a_host_killed_mid_upload_never_leaves_a_pointer_to_a_partial_gene
         found = await replicas.pointer("s1")
         assert found is not None
         metas = await replicas.content.objects.metas()
-        assert {m.info.name for m in metas if m.live} == set(found[0].generation.objects)
+        assert {m.name for m in metas if m.live} == set(found[0].generation.objects)
         chunks = await replicas.content.objects.chunk_subjects()
-        assert {s.rsplit(".", 1)[-1] for s in chunks} == {m.info.nuid for m in metas if m.live}
+        assert {s.rsplit(".", 1)[-1] for s in chunks} == {m.info.nuid for m in metas if m.live and m.info}
 
 
 @pytest.mark.asyncio
@@ -732,7 +733,7 @@ async def test_a_sweep_deletes_only_unreferenced_objects_past_the_grace_period(
             found = await replicator.replicas.pointer("s1")
             assert found is not None
             metas = await replicator.replicas.content.objects.metas()
-            assert {m.info.name for m in metas if m.live} == set(found[0].generation.objects)
+            assert {m.name for m in metas if m.live} == set(found[0].generation.objects)
             with await replicator.replicas.fetch("s1") as stored:
                 assert stored.record.checkpoint_id == "e1-3"
 
@@ -754,7 +755,7 @@ async def test_a_sweep_never_deletes_an_object_an_upload_reuses(
             await caught_up(replicator)  # the first world is referenced no more
             await anyio.sleep(0.6)
             content = replicator.replicas.content
-            listed = {m.info.name: m for m in await content.objects.metas()}
+            listed = {m.name: m for m in await content.objects.metas()}
             digest = hashlib.sha256(world).hexdigest()
             stale = listed[digest]  # what the sweep saw, before the reuse
             await _commit_by_hand(store, "s2", "f1", 1, world)  # reuses it: a touch
@@ -1073,3 +1074,349 @@ async def test_a_lease_let_go_while_another_host_takes_it_is_never_an_untyped_er
             group.start_soon(churn, bus_a, False)
             group.start_soon(churn, bus_b, True)
     assert outcomes["held"] > 10, outcomes
+
+
+# --- the attack round's breaks (each was a script that broke a promise) ---------------
+
+
+def _meta_subject(name: str) -> str:
+    import base64
+
+    return f"$O.{CONTENT_BUCKET}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "junk", [b"[]", b'{"name": "x", "bucket": "b", "nuid": "n", "options": 5}', b"{}"],
+    ids=["a-list", "another-name", "empty"],
+)  # fmt: skip
+async def test_junk_on_an_objects_subject_is_a_typed_refusal_and_the_next_upload_repairs_it(
+    server: EmbeddedServer, tmp_path: Path, junk: bytes
+) -> None:
+    """A message that is no meta of this object (not an object-store meta, or one
+    naming another object) on a payload's subject: the fetch is `artifact.corrupt`
+    (the CLI says so in one line), and the next upload of those bytes replaces the
+    junk and makes the object again, so the session restores."""
+    world = os.urandom(5000)
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with Replicator(bus, store) as replicator:
+            await _commit_by_hand(store, "s1", "e1", 1, world)
+            await caught_up(replicator)
+            digest = hashlib.sha256(world).hexdigest()
+            await bus.client.jetstream().publish(
+                _meta_subject(digest), junk, headers={"Nats-Rollup": "sub"}
+            )
+            with pytest.raises(ArtifactCorruptError):
+                await replicator.replicas.fetch("s1")
+            done = restore_cli(server.url, "s1", tmp_path / "out")
+            assert done.returncode == 1 and "[artifact.corrupt]" in done.stderr, done.stderr
+            assert "Traceback" not in done.stderr
+            await _commit_by_hand(store, "s1", "e1", 2, world)  # the same world again
+            await caught_up(replicator)
+            with await replicator.replicas.fetch("s1") as stored:
+                assert bytes(stored.payload("world")) == world
+
+
+@pytest.mark.asyncio
+async def test_junk_anywhere_in_the_bucket_never_stops_a_sweep_or_the_host(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Junk on an unrelated meta subject: a sweep goes on (and, once it is old,
+    removes it), and a replicator sweeping now and then never takes its host down."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        await bus.client.jetstream().create_object_store(bucket=CONTENT_BUCKET)
+        await bus.client.jetstream().publish(
+            _meta_subject("nothing-we-made"), b"[]", headers={"Nats-Rollup": "sub"}
+        )
+        async with Replicator(bus, store, grace=0.4, sweep_every=0.1) as replicator:
+            for step in (1, 2, 3):
+                await _commit_by_hand(store, "s1", "e1", step, os.urandom(3000))
+                await caught_up(replicator)
+            await anyio.sleep(0.6)
+            report = await replicator.sweep()
+            assert report.refused is None
+            assert replicator.statistics().sweeps >= 2
+        metas = await replicator.replicas.content.objects.metas()
+        assert "nothing-we-made" not in {m.name for m in metas}
+
+
+@pytest.mark.asyncio
+async def test_a_move_slower_than_half_the_grace_makes_its_swept_objects_again(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A host pauses between its upload and its pointer move for longer than the
+    grace period, while another host sweeps: the fresh, unreferenced objects are
+    swept. The move still lands, and the host makes them again before it says
+    `replicated`: the pointer never names a generation that does not restore."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with (
+            FileStore(tmp_path / "b") as empty,
+            Replicator(bus, empty, grace=0.5, sweep_every=None) as sweeper,
+            Replicator(bus, store, grace=0.5, sweep_every=None) as replicator,
+        ):
+            move = replicator.replicas.pointers.move
+
+            async def paused_move(*args: Any) -> int:
+                await anyio.sleep(0.7)  # past the grace period
+                assert (await sweeper.sweep()).deleted > 0  # the other host's sweep
+                return await move(*args)
+
+            replicator.replicas.pointers.move = paused_move  # type: ignore[method-assign]
+            await _commit_by_hand(store, "s1", "e1", 1, os.urandom(3000))
+            await caught_up(replicator)
+            assert replicator.statistics().replicated == 1
+            with await replicator.replicas.fetch("s1") as stored:
+                assert stored.record.checkpoint_id == "e1-1"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("value", [
+    msgspec.json.encode({"record": {}, "object": "s1/x.flysess", "kept": []}), b"{not json",
+], ids=["old-layout", "garbage"])  # fmt: skip
+async def test_a_pointer_no_replicator_of_this_version_wrote_is_replaced_by_the_owner(
+    server: EmbeddedServer, tmp_path: Path, value: bytes
+) -> None:
+    """An older version's pointer (or garbage) under a session's key: its owner's
+    replicator starts, with its lease, and its next move replaces it; sweeps then
+    go on. Nothing wedges."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        await (await Replicas(bus).open(create=True)).pointers.every()
+        kv = await bus.client.jetstream().key_value(POINTERS_BUCKET)
+        await kv.put("s1", value)
+        async with (
+            SessionLease(bus, "s1", ttl=10) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+        ):
+            await _commit_by_hand(store, "s1", "e1", 1, os.urandom(3000))
+            await caught_up(replicator, timeout=10)
+            found = await replicator.replicas.pointer("s1")
+            assert found is not None and found[0].generation.checkpoint_id == "e1-1"
+            assert (await replicator.sweep()).refused is None
+
+
+@pytest.mark.asyncio
+async def test_a_fenced_session_never_holds_wait_caught_up(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Session s1 is taken over (fenced here) and its zombie goes on committing; s2
+    is replicated: `wait_caught_up` returns, and `pending` is 0."""
+    async with (
+        NatsBus(server.url) as bus,
+        FileStore(tmp_path / "a") as store,
+        SessionLease(bus, "s1", ttl=30, holder="a") as lease,
+        Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+    ):
+        await _commit_by_hand(store, "s1", "e1", 1, b"w1")
+        await caught_up(replicator)
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True, holder="b") as taker,
+            FileStore(tmp_path / "b") as other,
+            Replicator(bus, other, leases=[taker], sweep_every=None),
+        ):
+            await _commit_by_hand(store, "s1", "e1", 2, b"w2")
+            await until(lambda: "s1" in replicator.fenced)
+            await _commit_by_hand(store, "s1", "e1", 3, b"w3")
+            await _commit_by_hand(store, "s2", "f1", 1, b"x1")
+            await caught_up(replicator, timeout=10)
+            assert replicator.pending == 0
+
+
+@pytest.mark.asyncio
+async def test_swept_objects_leave_no_marker_behind(server: EmbeddedServer, tmp_path: Path) -> None:
+    """Thirty commits of new bytes with sweeps past the grace period: the content
+    stream holds about what the pointer references, not a deleted marker for every
+    object ever swept."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with Replicator(bus, store, grace=0.2, sweep_every=None) as replicator:
+            for step in range(1, 31):
+                await _commit_by_hand(store, "s1", "e1", step, os.urandom(2000))
+                await caught_up(replicator)
+                if step % 5 == 0:
+                    await anyio.sleep(0.25)
+                    await replicator.sweep()
+            await anyio.sleep(0.25)
+            await replicator.sweep()
+        info = await bus.client.jetstream().stream_info(f"OBJ_{CONTENT_BUCKET}")
+        assert info.state.messages <= 20, info.state  # 6 objects, their chunks
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("length", ["²", str(2**63), str(2**50)], ids=["superscript", "past-2^63", "2^50"])
+async def test_a_hostile_manifest_object_is_a_typed_refusal(
+    server: EmbeddedServer, tmp_path: Path, length: str
+) -> None:
+    """A manifest object (honestly named by its digest) whose payload length is
+    not a U64, or so large no file holds it, named by a pointer: a typed refusal,
+    from the library and the command line, and nothing is allocated or written."""
+    import json as jsonlib
+
+    from coordinator.canonical import canonical_bytes
+
+    await replicated_run(server.url, tmp_path / "a", 1)
+    async with NatsBus(server.url) as bus:
+        replicas = await Replicas(bus).open()
+        found = await replicas.pointer("s1")
+        assert found is not None
+        pointer = found[0]
+        stored = await replicas.content.objects.stored(pointer.generation.manifest)
+        assert stored is not None and stored.info is not None
+        data = await replicas.content.objects.read(
+            pointer.generation.manifest, int(stored.info.size or 0), pointer.generation.manifest
+        )
+        manifest = jsonlib.loads(bytes(data))
+        manifest["payloads"][0]["byteLength"] = length
+        forged = canonical_bytes(manifest)
+        digest = hashlib.sha256(forged).hexdigest()
+        await replicas.content.objects.make(digest, memoryview(forged), digest=digest,
+                                            expected_meta_seq=0)  # fmt: skip
+        generation = msgspec.structs.replace(pointer.generation, manifest=digest,
+                                             manifest_bytes=str(len(forged)))  # fmt: skip
+        kv = await bus.client.jetstream().key_value(POINTERS_BUCKET)
+        await kv.put("s1", msgspec.json.encode(msgspec.structs.replace(pointer, generation=generation)))
+        from coordinator import CoordinatorError
+
+        with pytest.raises(CoordinatorError):
+            await replicas.fetch("s1")
+    done = restore_cli(server.url, "s1", tmp_path / "out")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "[replica.pointer]" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.asyncio
+async def test_an_upload_cancelled_anywhere_never_leaves_a_live_object_without_its_chunks(
+    server: EmbeddedServer,
+) -> None:
+    """Uploads cancelled at seeded random moments (waiting for a chunk's ack, or
+    for its meta's): every object whose meta is live holds all its chunks."""
+    chooser = random.Random(3)
+    async with NatsBus(server.url) as bus:
+        replicas = await Replicas(bus).open(create=True)
+        content = replicas.content
+        for _ in range(40):
+            data = os.urandom(chooser.randint(1, 3) << 20)
+            with anyio.move_on_after(chooser.uniform(0.0, 0.05)):
+                await content.ensure(hashlib.sha256(data).hexdigest(), memoryview(data))
+        await anyio.sleep(0.5)  # (acks in flight land)
+        for meta in await content.objects.metas():
+            if meta.live and meta.info is not None and meta.info.chunks:
+                count = await content.objects.chunk_count(str(meta.info.nuid))
+                assert count == meta.info.chunks, meta
+
+
+@pytest.mark.asyncio
+async def test_a_renewal_applied_but_whose_ack_was_lost_keeps_the_lease(
+    server: EmbeddedServer,
+) -> None:
+    """The server applies one renewal but its ack never comes back (a slow link):
+    the holder, alone, still holds its lease and learns its revision; it does not
+    take itself for taken over."""
+    async with NatsBus(server.url) as bus, SessionLease(bus, "s1", ttl=0.6) as lease:
+        update = lease._kv.update
+        lost = [True]
+
+        async def ack_lost(*args: Any, **kwargs: Any) -> int:
+            revision = await update(*args, **kwargs)
+            if lost[0]:
+                lost[0] = False
+                raise TimeoutError("the ack was lost")
+            return int(revision)
+
+        lease._kv.update = ack_lost
+        await anyio.sleep(1.0)  # several renewals, the first one's ack lost
+        assert lease.lost is None and not lost[0]
+        await lease.check()
+
+
+@pytest.mark.asyncio
+async def test_passed_over_names_every_commit_a_move_made_unnecessary(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Twenty commits while one upload is held up: the statistics count every one
+    that was not replicated, and the next `replicated` names them (the store keeps
+    only three: the replicator remembers the commits, not the store's list)."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with Replicator(bus, store, sweep_every=None) as replicator:
+            await _commit_by_hand(store, "s1", "e1", 1, b"first")
+            await caught_up(replicator)
+            ensure = replicator.replicas.content.ensure
+            gate = anyio.Event()
+
+            async def held(*args: Any) -> int:
+                await gate.wait()
+                return await ensure(*args)
+
+            replicator.replicas.content.ensure = held  # type: ignore[method-assign]
+            for step in range(2, 22):
+                await _commit_by_hand(store, "s1", "e1", step, os.urandom(100))
+            gate.set()
+            await caught_up(replicator)
+            statistics = replicator.statistics()
+        await until(lambda: not bus.pending)
+        moves = [e for e in await bus.history("s1") if isinstance(e, Replicated)]
+    named = {c for e in moves for c in e.passed_over}
+    replicated = {e.checkpoint_id for e in moves}
+    assert named | replicated == {f"e1-{step}" for step in range(1, 22)}
+    assert statistics.passed_over == len(named)
+
+
+@pytest.mark.asyncio
+async def test_a_replicators_read_never_holds_a_local_commit(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """While a read verifies a generation (a pass over every byte), the store's
+    commits go on: the verification runs without the store's lock."""
+    import coordinator.store._facade as facade
+
+    async with FileStore(tmp_path / "a") as store:
+        await _commit_by_hand(store, "s1", "e1", 1, b"w")
+        verifying, release = anyio.Event(), anyio.Event()
+        checked = facade.checked_generation
+
+        def slow_check(*args: Any, **kwargs: Any) -> Any:
+            anyio.from_thread.run_sync(verifying.set)
+            anyio.from_thread.run(release.wait)
+            return checked(*args, **kwargs)
+
+        facade.checked_generation = slow_check  # type: ignore[assignment]
+        try:
+            async with anyio.create_task_group() as group:
+                async def read() -> None:
+                    with await store.read("e1-1", session_id="s1"):
+                        pass
+
+                group.start_soon(read)
+                await verifying.wait()
+                with anyio.fail_after(10):  # the read is held: a commit still goes through
+                    await _commit_by_hand(store, "s1", "e1", 2, b"w2")
+                release.set()
+        finally:
+            facade.checked_generation = checked  # type: ignore[assignment]
+
+
+def test_a_failure_never_prints_a_urls_password(tmp_path: Path) -> None:
+    """`restore nats://user:password@...` that fails says where, without the
+    credentials (`ps` shows argv already; stderr need not repeat it)."""
+    done = restore_cli("nats://someone:secret@127.0.0.1:9", "s1", tmp_path / "out")
+    assert done.returncode != 0
+    assert "secret" not in done.stderr and "someone" not in done.stderr, done.stderr
+
+
+@pytest.mark.asyncio
+async def test_reads_leave_no_consumer_behind(server: EmbeddedServer, tmp_path: Path) -> None:
+    """Fetches of a generation of many chunks, and history reads, delete their
+    consumers when done: a reader of many objects never piles consumers up to the
+    server's limit (the nemesis's checker met `maximum consumers limit reached`)."""
+    parts = [Part("world", os.urandom(3 << 20)), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with Replicator(bus, store) as replicator:
+            async with Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE) as host:
+                await host.checkpoint(1)
+            await caught_up(replicator)
+        for _ in range(5):
+            with await replicator.replicas.fetch("s1"):
+                pass
+            await bus.history("s1")
+        js = bus.client.jetstream()
+        for stream in (f"OBJ_{CONTENT_BUCKET}", "CKPT"):
+            assert (await js.stream_info(stream)).state.consumer_count == 0, stream

@@ -682,8 +682,10 @@ class NatsBus:
                         except msgspec.MsgspecError:  # a foreign message on our subjects
                             self._counts["invalid"] += 1
                         pending = message.metadata.num_pending
-            finally:
+            finally:  # deleted, not left for its inactivity threshold (readers pile up)
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    with anyio.move_on_after(2):
+                        await self._js.delete_consumer(self.stream, consumer._consumer)
                     await consumer.unsubscribe()
         except TRANSIENT as error:
             raise BusUnavailableError(

@@ -36,6 +36,7 @@ import json
 import math
 import mmap
 import os
+import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -93,30 +94,48 @@ class MetaChangedError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class StoredObject:
-    """An object's meta as the stream holds it: ``meta_seq`` is its stream
-    sequence (what a conditional write names), ``stored_at`` the server's time."""
+    """The meta an object's subject holds: ``name`` is the object the subject is
+    for, ``info`` the meta (``None``: a message no writer of the object-store
+    layout made, or one naming another object: junk, to be replaced), ``meta_seq``
+    its stream sequence (what a conditional write names), ``stored_at`` the
+    server's time of it."""
 
-    info: api.ObjectInfo
+    name: str
+    info: api.ObjectInfo | None
     meta_seq: int
     stored_at: datetime.datetime
 
     @property
     def live(self) -> bool:
-        return not self.info.deleted
+        """A meta of this object that is not a deleted marker."""
+        return self.info is not None and not self.info.deleted
 
 
 def _stored_object(
-    data: bytes | None, seq: int | None, time: datetime.datetime | None
-) -> StoredObject | None:
-    """A meta message as a ``StoredObject``; ``None`` for one no writer of the
-    object-store layout made (it names no object)."""
+    name: str, data: bytes | None, seq: int, time: datetime.datetime
+) -> StoredObject:
+    """A meta message of object ``name``'s subject as a ``StoredObject``."""
+    info: api.ObjectInfo | None
     try:
         info = api.ObjectInfo.from_response(json.loads(data or b""))
-    except (ValueError, TypeError, KeyError):
+        if info.name != name or not isinstance(info.size, int | None):
+            info = None
+        elif not (info.nuid is None or _NUID.fullmatch(str(info.nuid))):
+            info = None  # (a nuid becomes a subject token: only what a writer makes)
+    except Exception:  # any JSON that is no meta: nats-py raises what it meets
+        info = None
+    return StoredObject(name, info, seq, time)
+
+
+_NUID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _object_name(subject: str, *, prefix: str) -> str | None:
+    """The object a meta subject is for (``None``: not one of the layout's)."""
+    try:
+        return base64.urlsafe_b64decode(subject.removeprefix(prefix)).decode()
+    except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(info.name, str) or seq is None or time is None:
-        return None
-    return StoredObject(info, int(seq), time)
 
 
 def object_digest(digest_hex: str) -> str:
@@ -188,25 +207,37 @@ class ObjectBucket:
                 )
         return cls(js, store, name)
 
-    async def put(
+    async def put(self, name: str, data: memoryview) -> str:
+        """Store ``data`` as object ``name``; returns its SHA-256 (hex), computed in
+        a worker thread while the chunks go out. ``ArtifactUnavailableError`` if
+        the server stops acknowledging for ``_STALL_TIMEOUT`` (nats-py's own acks
+        would wait forever)."""
+        digest, _ = await self._put(name, data, digest=None, expected_meta_seq=None)
+        return digest
+
+    async def make(
+        self, name: str, data: memoryview, *, digest: str, expected_meta_seq: int
+    ) -> StoredObject:
+        """Make object ``name`` of ``data`` (whose SHA-256 is ``digest``: verified by
+        the caller), only if its meta is still at stream sequence
+        ``expected_meta_seq`` (0: no object of this name was ever made); else
+        ``MetaChangedError``, and nothing is left. Returns it as stored."""
+        _, made = await self._put(name, data, digest=digest, expected_meta_seq=expected_meta_seq)
+        return made
+
+    async def _put(
         self,
         name: str,
         data: memoryview,
         *,
-        digest: str | None = None,
-        expected_meta_seq: int | None = None,
-    ) -> str:
-        """Store ``data`` as object ``name``; returns its SHA-256 (hex), computed in
-        a worker thread while the chunks go out, unless the caller knows it
-        (``digest``: the bytes are verified already). ``ArtifactUnavailableError``
-        if the server stops acknowledging for ``_STALL_TIMEOUT`` (nats-py's own
-        acks would wait forever). With ``expected_meta_seq`` the object is made
-        only if its meta is still at that stream sequence (0: no object of this
-        name was ever made); else ``MetaChangedError``, and nothing is left."""
+        digest: str | None,
+        expected_meta_seq: int | None,
+    ) -> tuple[str, StoredObject]:
         nuid = self._js._nc._nuid.next().decode()
         chunks_subject = f"$O.{self.name}.C.{nuid}"
         chunk = max(1, min(_CHUNK, self._js._nc.max_payload - 1024))
         digests: list[str] = [digest] if digest is not None else []
+        meta_sent = False
 
         async def hash_all() -> None:
             with data[:] as whole:  # released here, wherever the thread keeps it
@@ -228,15 +259,20 @@ class ObjectBucket:
                 mtime=datetime.datetime.now(datetime.UTC).isoformat(),
                 options=api.ObjectMetaOptions(max_chunk_size=chunk),
             )
-            await self.write_meta(info, expected_meta_seq=expected_meta_seq)
+            meta_sent = True
+            meta_seq = await self.write_meta(info, expected_meta_seq=expected_meta_seq)
         except BaseException as error:
-            # Shielded, bounded, best effort: a sweep (or the bucket's TTL) removes them otherwise.
-            with (
-                anyio.CancelScope(shield=True),
-                anyio.move_on_after(5),
-                contextlib.suppress(Exception),
-            ):
-                await self.purge_chunks(nuid)
+            # Shielded, bounded, best effort: a sweep (or the bucket's TTL) removes them
+            # otherwise. Once the meta went out (its ack lost, or cancelled waiting for
+            # it), it may land still: the chunks may be a live object's, and they stay
+            # (a sweep takes them once they are old if no meta names them).
+            if not meta_sent:
+                with (
+                    anyio.CancelScope(shield=True),
+                    anyio.move_on_after(5),
+                    contextlib.suppress(Exception),
+                ):
+                    await self.purge_chunks(nuid)
             if isinstance(error, Exception) and not isinstance(
                 error, CoordinatorError | MetaChangedError
             ):
@@ -244,7 +280,7 @@ class ObjectBucket:
                     f"cannot put object {name!r} ({type(error).__name__}: {error})"
                 ) from None
             raise
-        return digests[0]
+        return digests[0], StoredObject(name, info, meta_seq, datetime.datetime.now(datetime.UTC))
 
     async def write_meta(self, info: api.ObjectInfo, *, expected_meta_seq: int | None) -> int:
         """Publish ``info`` as the object's meta (it replaces the one before: a
@@ -275,7 +311,9 @@ class ObjectBucket:
             message = await self._js.get_last_msg(self._store._stream, self._meta_subject(name))
         except nats.js.errors.NotFoundError:
             return None
-        return _stored_object(message.data, message.seq, message.time)
+        if message.seq is None or message.time is None:
+            return None
+        return _stored_object(name, message.data, message.seq, message.time)
 
     async def metas(self) -> list[StoredObject]:
         """Every object's meta (deleted ones included), read from the stream leader
@@ -296,9 +334,11 @@ class ObjectBucket:
             while True:
                 message = await subscription.next_msg(timeout=self.stall_timeout)
                 meta = message.metadata
-                stored = _stored_object(message.data, meta.sequence.stream, meta.timestamp)
-                if stored is not None:
-                    found.append(stored)
+                name = _object_name(message.subject, prefix=f"$O.{self.name}.M.")
+                if name is not None:
+                    found.append(
+                        _stored_object(name, message.data, meta.sequence.stream, meta.timestamp)
+                    )
                 if not meta.num_pending:
                     return found
         finally:
@@ -318,12 +358,10 @@ class ObjectBucket:
         info = await self._js.stream_info(self._store._stream, subjects_filter=subject)
         return int((info.state.subjects or {}).get(subject, 0))
 
-    async def first_chunk_time(self, nuid: str) -> datetime.datetime | None:
-        """When the server stored the first chunk of ``nuid`` (``None``: it holds none)."""
+    async def last_chunk_time(self, nuid: str) -> datetime.datetime | None:
+        """When the server stored the last chunk of ``nuid`` (``None``: it holds none)."""
         try:
-            message = await self._js.get_msg(
-                self._store._stream, seq=1, subject=f"$O.{self.name}.C.{nuid}", next=True
-            )
+            message = await self._js.get_last_msg(self._store._stream, f"$O.{self.name}.C.{nuid}")
         except nats.js.errors.NotFoundError:
             return None
         return message.time
@@ -351,6 +389,13 @@ class ObjectBucket:
 
     def _meta_subject(self, name: str) -> str:
         return f"$O.{self.name}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
+    async def purge_meta(self, stored: StoredObject) -> None:
+        """Remove the meta messages of ``stored``'s subject up to and including
+        ``stored`` (a deleted marker, say): a meta written after it stays."""
+        await self._js.purge_stream(
+            self._store._stream, subject=self._meta_subject(stored.name), seq=stored.meta_seq + 1
+        )
 
     async def read(self, name: str, byte_length: int, digest_hex: str) -> mmap.mmap | bytes:
         """Object ``name``, verified to be ``byte_length`` bytes with SHA-256
@@ -463,7 +508,11 @@ class ObjectBucket:
         acks, gone soon after we are): ``_BATCH`` chunks asked for at a time, the
         next batch asked for while this one is copied. Memory in flight is two
         batches, whatever the server could send. ``_StalledError`` after
-        ``stall_timeout`` without a chunk."""
+        ``stall_timeout`` without a chunk. An object of one chunk (most are) is
+        read with one direct get: no consumer at all."""
+        if info.chunks == 1 and size <= self._js._nc.max_payload:
+            yield await self._only_chunk(info)
+            return
         consumer = await self._js.pull_subscribe(
             f"$O.{self.name}.C.{info.nuid}",
             stream=self._store._stream,
@@ -504,9 +553,31 @@ class ObjectBucket:
                 ahead.cancel()
                 with contextlib.suppress(BaseException):
                     await ahead
-            # The connection may be gone: then there is nothing to undo.
+            # The connection may be gone: then there is nothing to undo. The consumer
+            # is deleted, not left for its inactivity threshold: readers of many
+            # objects would otherwise pile up consumers to the server's limit.
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                with anyio.move_on_after(2):  # (its name: nats-py keeps it, nothing to ask)
+                    await self._js.delete_consumer(self._store._stream, consumer._consumer)
                 await consumer.unsubscribe()
+
+    async def _only_chunk(self, info: api.ObjectInfo) -> bytes:
+        """The one chunk of ``info``'s object, by a direct get (asked again, as a
+        batch would be, until ``stall_timeout``)."""
+        deadline = anyio.current_time() + self.stall_timeout
+        while True:
+            try:
+                message = await self._js.get_msg(
+                    self._store._stream, seq=1, subject=f"$O.{self.name}.C.{info.nuid}",
+                    next=True, direct=True,
+                )  # fmt: skip
+                return message.data or b""
+            except nats.js.errors.NotFoundError:
+                raise _StalledError from None  # no chunk at all: it never arrives
+            except (nats.errors.Error, TimeoutError):
+                if anyio.current_time() > deadline:
+                    raise _StalledError from None
+                await anyio.sleep(0.05)
 
     async def delete(self, name: str) -> bool:
         """Delete object ``name``; False if it was not there."""

@@ -71,8 +71,8 @@ class ContentBucket:
         Returns the bytes sent (0 when it was there)."""
         for _ in range(_ATTEMPTS):
             stored = await self.objects.stored(digest)
-            if stored is not None and stored.live:
-                if self._holds(stored, digest, len(data)) and await self._whole(stored):
+            if stored is not None and stored.info is not None and stored.live:
+                if self._holds(stored.info, digest, len(data)) and await self._whole(stored.info):
                     try:
                         await self.objects.write_meta(
                             _touched(stored.info), expected_meta_seq=stored.meta_seq
@@ -82,62 +82,71 @@ class ContentBucket:
                         continue  # deleted (or touched) meanwhile: look again
                 await self._delete(stored)  # other bytes, or chunks lost: made again
                 continue
+            if stored is not None and stored.info is None:  # junk on its subject
+                await self._delete(stored)
+                continue
             started = time.monotonic()
             try:
-                await self.objects.put(
-                    digest,
-                    data,
-                    digest=digest,
+                made = await self.objects.make(
+                    digest, data, digest=digest,
                     expected_meta_seq=stored.meta_seq if stored is not None else 0,
-                )
+                )  # fmt: skip
             except MetaChangedError:
                 continue  # another host made it at the same moment: touch theirs
             if time.monotonic() - started <= self.grace / 2:
                 return len(data)
-            # Too slow to trust: a sweep may have taken its chunks for a dead upload's.
+            # Too slow to trust: a sweep may have taken its chunks for a dead
+            # upload's. Deleted (unless someone touched it since) and made again.
+            await self._delete(made)
         raise ArtifactUnavailableError(
             f"object {digest} could not be made or touched in {_ATTEMPTS} attempts (it kept "
             f"changing, or each upload took longer than half the {self.grace:g} s grace period)"
         )
 
-    async def _whole(self, stored: StoredObject) -> bool:
-        """Whether every chunk its meta counts is in the stream."""
-        if not stored.info.chunks:
+    async def _whole(self, info: api.ObjectInfo) -> bool:
+        """Whether every chunk the meta counts is in the stream."""
+        if not info.chunks:
             return True
-        return await self.objects.chunk_count(stored.info.nuid) == stored.info.chunks
+        return await self.objects.chunk_count(str(info.nuid)) == info.chunks
 
     @staticmethod
-    def _holds(stored: StoredObject, digest: str, size: int) -> bool:
-        return stored.info.size == size and stored.info.digest == object_digest(digest)
+    def _holds(info: api.ObjectInfo, digest: str, size: int) -> bool:
+        return info.size == size and info.digest == object_digest(digest)
 
     async def live(self, digest: str, size: int) -> bool:
         """Whether the bucket holds ``digest``'s object now, whole."""
         stored = await self.objects.stored(digest)
-        return stored is not None and stored.live and self._holds(stored, digest, size)
+        info = stored.info if stored is not None and stored.live else None
+        return info is not None and self._holds(info, digest, size) and await self._whole(info)
 
     async def readable(self, digest: str, size: int) -> api.ObjectInfo:
         """Object ``digest``'s meta, if it names ``size`` bytes of that digest:
         ``ArtifactUnavailableError`` if it is not there (swept, or never made),
-        ``ArtifactCorruptError`` if its meta names other bytes. (The bytes
-        themselves are checked by whoever hashes them as they arrive.)"""
+        ``ArtifactCorruptError`` if its meta is junk or names other bytes. (The
+        bytes themselves are checked by whoever hashes them as they arrive.)"""
         stored = await self.objects.stored(digest)
-        if stored is None or not stored.live:
+        if stored is not None and stored.info is None:
+            raise ArtifactCorruptError(f"object {digest}: its meta is no object-store meta")
+        if stored is None or stored.info is None or not stored.live:
             raise ArtifactUnavailableError(f"object {digest} is not in bucket {CONTENT_BUCKET}")
-        if not self._holds(stored, digest, size) or (size and not stored.info.nuid):
+        info = stored.info
+        if not self._holds(info, digest, size) or (size and not info.nuid):
             raise ArtifactCorruptError(
-                f"object {digest} holds {stored.info.size} bytes ({stored.info.digest}), "
+                f"object {digest} holds {info.size} bytes ({info.digest}), "
                 f"not the {size} its name says"
             )
-        return stored.info
+        return info
 
     async def sweep(self, mark: Callable[[], Awaitable[set[str]]]) -> SweepReport:
         """Delete every object no pointer references (``mark()``: the objects the
         pointers reference now, read before each listing) whose meta is older than
-        the grace period, each delete conditional on the meta it saw; purge chunks
-        no meta names once they are that old. A mark older than a quarter of the
-        grace period is not acted on (a pointer moved since may reference an
-        object, and its upload touched it at most half the grace period before
-        the move): the sweep marks and lists again, and goes on from there."""
+        the grace period, each delete conditional on the meta it saw; remove the
+        deleted markers and the junk metas that old too (nothing grows), and the
+        chunks no meta names whose last chunk is that old (an upload killed before
+        its meta). A mark older than a quarter of the grace period is not acted on
+        (a pointer moved since may reference an object, and its upload touched it
+        at most half the grace period before the move): the sweep marks and lists
+        again, and goes on from there."""
         grace = self.grace
         done: dict[str, Any] = dict(deleted=0, raced=0, orphan_chunks=0)
         seen: dict[str, Any] = dict(objects=0, referenced=0, young=0)
@@ -146,28 +155,29 @@ class ContentBucket:
             referenced = await mark()
             metas = await self.objects.metas()
             now = datetime.datetime.now(datetime.UTC)
-            live = [m for m in metas if m.live]
-            seen = dict(objects=len(live), referenced=0, young=0)
+            seen = dict(objects=sum(1 for m in metas if m.live), referenced=0, young=0)
             stale = False
-            for stored in live:
-                if stored.info.name in referenced:
+            for stored in metas:
+                if stored.name in referenced:
                     seen["referenced"] += 1
                 elif (now - stored.stored_at).total_seconds() <= grace:
-                    seen["young"] += 1
+                    seen["young"] += stored.live
                 elif time.monotonic() - marked_at > grace / 4:
                     stale = True
                     break
-                else:
+                elif stored.live:
                     done["deleted" if await self._delete(stored) else "raced"] += 1
+                else:  # an old deleted marker, or junk: its subject is emptied
+                    await self.objects.purge_meta(stored)
             if stale:
                 continue
-            named = {m.info.nuid for m in live if m.info.nuid}
+            named = {m.info.nuid for m in metas if m.live and m.info is not None and m.info.nuid}
             for subject in await self.objects.chunk_subjects():
                 nuid = subject.rsplit(".", 1)[-1]
                 if nuid in named:
                     continue
-                first = await self.objects.first_chunk_time(nuid)
-                old = first is not None and (now - first).total_seconds() > grace
+                last = await self.objects.last_chunk_time(nuid)
+                old = last is not None and (now - last).total_seconds() > grace
                 if old and time.monotonic() - marked_at <= grace / 4:
                     await self.objects.purge_chunks(nuid)
                     done["orphan_chunks"] += 1
@@ -176,14 +186,17 @@ class ContentBucket:
 
     async def _delete(self, stored: StoredObject) -> bool:
         """Delete the object as ``stored`` saw it: its meta replaced by a deleted
-        marker only if still at that sequence, then its chunks purged. False if
-        the meta moved (touched or made again): it stays."""
+        marker only if still at that sequence, its chunks purged, then the marker
+        itself (and what came before it on the subject) removed. False if the meta
+        moved (touched or made again): it stays."""
+        marker = _deleted(stored.name, stored.info)
         try:
-            await self.objects.write_meta(_deleted(stored.info), expected_meta_seq=stored.meta_seq)
+            seq = await self.objects.write_meta(marker, expected_meta_seq=stored.meta_seq)
         except MetaChangedError:
             return False
-        if stored.info.nuid:
+        if stored.info is not None and stored.info.nuid:
             await self.objects.purge_chunks(stored.info.nuid)
+        await self.objects.purge_meta(dataclasses.replace(stored, info=marker, meta_seq=seq))
         return True
 
 
@@ -195,5 +208,16 @@ def _touched(info: api.ObjectInfo) -> api.ObjectInfo:
     return dataclasses.replace(info, mtime=_now())
 
 
-def _deleted(info: api.ObjectInfo) -> api.ObjectInfo:
-    return dataclasses.replace(info, deleted=True, size=0, chunks=0, digest="", mtime=_now())
+def _deleted(name: str, info: api.ObjectInfo | None) -> api.ObjectInfo:
+    """The deleted marker of object ``name`` (whose meta, if any was readable, is ``info``)."""
+    bucket, nuid = (info.bucket, info.nuid) if info is not None else (CONTENT_BUCKET, "")
+    return api.ObjectInfo(
+        name=name,
+        bucket=bucket,
+        nuid=nuid,
+        size=0,
+        chunks=0,
+        digest="",
+        mtime=_now(),
+        deleted=True,
+    )

@@ -173,16 +173,34 @@ class SessionLease:
                         await self._kv.update(self.key, self._value(), last=self.revision)
                     )
             except KeyWrongLastSequenceError:
-                self.lost = LeaseLostError(
-                    f"the lease of session {self.session_id} was taken over: "
-                    f"{self.holder} no longer owns it"
-                )
-                return
+                if not await self._still_ours():
+                    self.lost = LeaseLostError(
+                        f"the lease of session {self.session_id} was taken over: "
+                        f"{self.holder} no longer owns it"
+                    )
+                    return
             except Exception:  # the bus is away: try again at the next beat
                 continue
 
+    async def _still_ours(self) -> bool:
+        """Whether the lease's value is still this holder's: a renewal the server
+        applied but whose ack was lost moved the revision under us (then we adopt
+        it). Holders are unique (a random part), so a value naming us is ours."""
+        async with self._writing:
+            try:
+                entry = await self._kv.get(self.key)
+            except (KeyNotFoundError, KeyDeletedError):
+                return False
+            except Exception:  # cannot tell now: the next beat asks again
+                return True
+            held = _held(entry.value)
+            if held is None or held.holder != self.holder:
+                return False
+            self.revision = int(entry.revision)
+            return True
+
     async def check(self) -> None:
-        """``LeaseLostError`` unless the lease is still this holder's revision."""
+        """``LeaseLostError`` unless the lease is still this holder's."""
         if self.lost is not None:
             raise self.lost
         async with self._writing:  # (a renewal's new revision is known once it is read)
@@ -191,7 +209,7 @@ class SessionLease:
             except (KeyNotFoundError, KeyDeletedError):
                 entry = None
             held = entry is not None and int(entry.revision) == self.revision
-        if not held:
+        if not held and not (entry is not None and await self._still_ours()):
             self.lost = LeaseLostError(
                 f"the lease of session {self.session_id} is no longer {self.holder}'s"
             )

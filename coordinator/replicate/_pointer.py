@@ -157,6 +157,19 @@ class Pointers:
             return None
         return parse_pointer(entry.value, session_id), int(entry.revision)
 
+    async def get_any(self, session_id: str) -> tuple[ReplicaPointer | None, int | None]:
+        """What a writer needs: the session's pointer (``None`` if it has none, or
+        one no replicator of this version wrote) and the KV revision to move it
+        from (``None``: the key is free, or deleted)."""
+        try:
+            entry = await self._kv.get(subject_token(session_id))
+        except (KeyNotFoundError, KeyDeletedError):
+            return None, None
+        try:
+            return parse_pointer(entry.value, session_id), int(entry.revision)
+        except ReplicaPointerError:  # replaced by the next move, revision-checked
+            return None, int(entry.revision)
+
     async def move(self, pointer: ReplicaPointer, last: int | None) -> int:
         """Write ``pointer``: created if ``last`` is ``None``, else only if the
         revision is still ``last`` (``ReplicaFencedError`` if it moved meanwhile).

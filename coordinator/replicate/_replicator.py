@@ -35,6 +35,7 @@ from nats.errors import Error as NatsError
 from ..bus import NatsBus
 from ..canonical import canonical_bytes
 from ..errors import (
+    ArtifactUnavailableError,
     BusUnavailableError,
     CoordinatorError,
     LeaseLostError,
@@ -57,6 +58,7 @@ from ._source import DEFAULT_GRACE_S, Replicas
 __all__ = ["Replicator", "ReplicatorStatistics"]
 
 _RETRY_S = 1.0  # between attempts while the cluster cannot take an upload
+_ATTEMPTS = 3  # a move's objects made whole again at most this often
 _PARALLEL_OBJECTS = 4  # objects of one generation made or touched at once
 _MAX_PASSED = 64  # passed-over ids named in one event (the rest are counted)
 
@@ -125,12 +127,15 @@ class Replicator:
         self._counts = collections.Counter[str]()
         self._wanted: dict[str, tuple[str, str, str]] = {}  # session -> its state now
         self._held: dict[str, tuple[str, str, str]] = {}  # session -> what its pointer names
-        self._last_sequence: dict[str, int] = {}  # session -> store sequence replicated last
+        self._commits_seen = 0  # the store's commits this replicator has looked at
+        # session -> its commits since its last move (ids, at most _MAX_PASSED; and a count)
+        self._since_move: dict[str, tuple[list[GenerationRecord], int]] = {}
         self._last_sweep: SweepReport | None = None
         self._group: Any = None
 
     async def __aenter__(self) -> Self:
         await self.replicas.open(create=True)
+        self._commits_seen = self.store.commits  # what came before is caught up, not passed
         for lease in self.leases.values():  # a new owner fences the pointer at once
             await self._fence(lease)
         self._group = anyio.create_task_group()
@@ -161,10 +166,12 @@ class Replicator:
             await anyio.sleep(0.02)
 
     def _stale(self) -> bool:
-        """Whether the store holds a state not yet looked at."""
+        """Whether the store holds a state not yet looked at (of a session this host
+        still owns)."""
         return any(
             target is not None and self._wanted.get(session.session_id) != target.key
             for session in self.store.sessions
+            if session.session_id not in self.fenced
             for target in [self._target(session)]
         )
 
@@ -190,6 +197,7 @@ class Replicator:
 
     async def _converge_all(self) -> bool:
         """One pass over the store's sessions; whether one needs another try."""
+        self._note_commits()
         again = False
         for session in self.store.sessions:
             session_id = session.session_id
@@ -216,12 +224,7 @@ class Replicator:
 
     async def _converge(self, session_id: str, target: _Target) -> None:
         lease = self.leases.get(session_id)
-        found = await self.replicas.pointer(session_id)
-        current, revision = found if found is not None else (None, None)
-        if current is not None and current.names(*target.key):
-            await self._announce_again(current, revision, target)
-            self._held[session_id] = target.key
-            return
+        current, revision = await self.replicas.pointers.get_any(session_id)
         fence = lease.revision if lease is not None else 0
         if current is not None and current.lease_revision > fence:
             raise ReplicaFencedError(
@@ -234,25 +237,57 @@ class Replicator:
         started = self._clock()
         with await self.store.read(target.record.checkpoint_id, session_id=session_id) as stored:
             generation, sent = await self._upload(stored)
-        if lease is not None:
-            await lease.check()
-        if not self._on_timeline(session_id, target.record):  # a fork abandoned it meanwhile:
-            self._counts["overtaken"] += 1  # never named; the next pass moves to the fork
-            return
-        pointer = ReplicaPointer(
-            version=POINTER_VERSION,
-            session_id=session_id,
-            epoch=target.epoch,
-            cause=target.cause,
-            generation=generation,
-            lease_revision=fence,
-            moved_at=rfc3339_now(),  # after the last look at the store: when it was decided
-        )
-        moved = await self.replicas.pointers.move(pointer, revision)
-        if self._clock() - started > self.grace / 2:
-            await self._check_objects(generation)  # a sweep may have judged it by then
+            if current is not None and current.names(*target.key):
+                # Moved already (by this host, before it went down): its objects are
+                # whole and young again now, and its event goes out if it was lost.
+                self._held[session_id] = target.key
+                await self._announce_again(current, revision, target)
+                return
+            if lease is not None:
+                await lease.check()
+            if not self._on_timeline(session_id, target.record):  # a fork abandoned it:
+                self._counts["overtaken"] += 1  # never named; the next pass moves to the fork
+                return
+            pointer = ReplicaPointer(
+                version=POINTER_VERSION,
+                session_id=session_id,
+                epoch=target.epoch,
+                cause=target.cause,
+                generation=generation,
+                lease_revision=fence,
+                moved_at=rfc3339_now(),  # after the last look at the store: when decided
+            )
+            moved = await self.replicas.pointers.move(pointer, revision)
+            sent += await self._make_whole(stored, generation, started)
         self._held[session_id] = target.key
         await self._announce(pointer, moved, target, sent, (self._clock() - started) * 1000)
+
+    async def _make_whole(
+        self, stored: StoredCheckpoint, generation: ReplicatedGeneration, started: float
+    ) -> int:
+        """After a move that took longer than half the grace period (a paused host),
+        a sweep may have judged its objects meanwhile: every one is checked, and
+        made again if it is gone, before anything is announced. Returns the bytes
+        that sent."""
+        sent = 0
+        for _ in range(_ATTEMPTS):
+            if self._clock() - started <= self.grace / 2:
+                return sent
+            content = self.replicas.content
+            sizes = {generation.manifest: int(generation.manifest_bytes)}
+            for entry in stored.envelope.layout.entries:
+                sizes[entry.digest] = entry.byte_length
+            missing = [d for d, size in sizes.items() if not await content.live(d, size)]
+            if not missing:
+                return sent
+            self._counts["lost_objects"] += len(missing)
+            started = self._clock()
+            _, more = await self._upload(stored)
+            sent += more
+        raise ArtifactUnavailableError(
+            f"the objects of {generation.checkpoint_id} kept being swept while it was "
+            f"replicated: the grace period ({self.grace:g} s) is too short for this link"
+        )
 
     def _on_timeline(self, session_id: str, record: GenerationRecord) -> bool:
         """Whether ``record`` is still on the session's current timeline, with these
@@ -289,8 +324,7 @@ class Replicator:
         except BaseExceptionGroup as errors:  # one failure is the reason: the first
             raise errors.exceptions[0] from None
         finally:
-            for view in views.values():
-                view.release()
+            views[manifest_digest].release()  # (the payloads' views are the envelope's)
         record = stored.record
         generation = ReplicatedGeneration(
             checkpoint_id=record.checkpoint_id,
@@ -307,36 +341,29 @@ class Replicator:
         )
         return generation, sent[0]
 
-    async def _check_objects(self, generation: ReplicatedGeneration) -> None:
-        """After a move that took longer than half the grace period (a paused
-        host): every object it names must still be whole, or the move is not
-        announced (``ArtifactUnavailableError``: the next pass makes them again)."""
-        from ..errors import ArtifactUnavailableError
-
-        content = self.replicas.content
-        for digest in generation.objects:
-            stored = await content.objects.stored(digest)
-            if stored is None or not stored.live:
-                self._counts["lost_objects"] += 1
-                raise ArtifactUnavailableError(
-                    f"object {digest} of {generation.checkpoint_id} was swept during a "
-                    "long upload: it is made again"
-                )
-
     # --- announcing ---------------------------------------------------------------
 
+    def _note_commits(self) -> None:
+        """Every commit the store made since the last look, by session: what the
+        next move of each session passes over."""
+        records, forgotten = self.store.committed_since(self._commits_seen)
+        self._commits_seen = self.store.commits
+        self._counts["passed_over"] += forgotten  # (more than the store remembers)
+        for record in records:
+            kept, more = self._since_move.get(record.session_id, ([], 0))
+            if len(kept) >= _MAX_PASSED:
+                kept, more = kept[1:], more + 1
+            self._since_move[record.session_id] = ([*kept, record], more)
+
     def _passed_over(self, session_id: str, record: GenerationRecord) -> tuple[str, ...]:
-        """The session's commits since the one replicated last, before ``record``."""
-        last = self._last_sequence.get(session_id)
-        self._last_sequence[session_id] = int(record.sequence)
-        if last is None:
-            return ()
-        passed = [
-            g.checkpoint_id
-            for g in reversed(self.store.timeline(session_id))
-            if last < int(g.sequence) < int(record.sequence)
-        ]
-        self._counts["passed_over"] += len(passed)
+        """The session's commits since its last move, before ``record``: passed over."""
+        self._note_commits()
+        kept, more = self._since_move.pop(session_id, ([], 0))
+        passed = [g.checkpoint_id for g in kept if int(g.sequence) < int(record.sequence)]
+        later = [g for g in kept if int(g.sequence) > int(record.sequence)]
+        if later:
+            self._since_move[session_id] = (later, 0)
+        self._counts["passed_over"] += len(passed) + more
         return tuple(passed[-_MAX_PASSED:])
 
     def _event(
@@ -390,12 +417,12 @@ class Replicator:
         """Stamp the session's pointer with ``lease``'s revision (a new owner does it
         at once): from then on a move under an older lease is refused."""
         while True:
-            found = await self.replicas.pointer(lease.session_id)
-            if found is None or found[0].lease_revision >= lease.revision:
-                return
-            stamped = msgspec.structs.replace(found[0], lease_revision=lease.revision)
+            current, revision = await self.replicas.pointers.get_any(lease.session_id)
+            if current is None or current.lease_revision >= lease.revision:
+                return  # (an unreadable pointer carries no lease: the first move replaces it)
+            stamped = msgspec.structs.replace(current, lease_revision=lease.revision)
             try:
-                await self.replicas.pointers.move(stamped, found[1])
+                await self.replicas.pointers.move(stamped, revision)
                 return
             except ReplicaFencedError:
                 continue  # it moved meanwhile: stamp what is there now
@@ -428,7 +455,8 @@ class Replicator:
             await anyio.sleep(every * random.uniform(0.8, 1.2))  # hosts do not sweep in step
             try:
                 await self.sweep()
-            except (CoordinatorError, NatsError, OSError, TimeoutError) as error:
+            except Exception as error:  # kept for statistics: never the host's problem
+                self._counts["sweep_failed"] += 1
                 self.errors.append(error)
 
     def statistics(self) -> ReplicatorStatistics:

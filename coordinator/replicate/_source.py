@@ -54,9 +54,10 @@ from ._content import CONTENT_BUCKET, ContentBucket
 from ._pointer import POINTERS_BUCKET, Pointers, ReplicaPointer, ReplicatedGeneration
 from ._unavailable import cluster_errors
 
-__all__ = ["DEFAULT_GRACE_S", "Replicas"]
+__all__ = ["DEFAULT_GRACE_S", "DEFAULT_MAX_BYTES", "Replicas"]
 
 DEFAULT_GRACE_S = 3600.0  # unreferenced objects younger than this are kept
+DEFAULT_MAX_BYTES = 64 << 30  # the largest generation a read holds (in memory: it is rebuilt)
 _REREADS = 3  # the pointer moved under a fetch this often in a row: give up
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
@@ -69,8 +70,9 @@ class Replicas:
 
     def __init__(
         self, connection: NatsBus | Client, *, grace: float = DEFAULT_GRACE_S,
-        replicas: int | None = None,
+        replicas: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:  # fmt: skip
+        self.max_bytes = max_bytes  # a pointer naming a larger generation is refused
         self.client: Client = connection.client if isinstance(connection, NatsBus) else connection
         self.grace = grace
         default = connection.replicas if isinstance(connection, NatsBus) else 1
@@ -178,13 +180,29 @@ class Replicas:
                 f"the manifest of {generation.checkpoint_id}"
             )
         record = generation.record(session_id)
-        with anyio.CancelScope(shield=True):  # an fd must not be lost to a cancel
-            fd = await anyio.to_thread.run_sync(sealable_fd, layout.file_bytes, "replica")
+        if layout.file_bytes > self.max_bytes:
+            raise ReplicaPointerError(
+                f"session {session_id}: {generation.checkpoint_id} is {layout.file_bytes} "
+                f"bytes, more than this reader's max_bytes ({self.max_bytes})"
+            )
+        try:
+            with anyio.CancelScope(shield=True):  # an fd must not be lost to a cancel
+                fd = await anyio.to_thread.run_sync(sealable_fd, layout.file_bytes, "replica")
+        except OSError as error:
+            raise ArtifactUnavailableError(
+                f"no room for {generation.checkpoint_id} ({layout.file_bytes} bytes): "
+                f"{error.strerror or error}"
+            ) from None
         try:
             with mmap.mmap(fd, layout.file_bytes) as writable, memoryview(writable) as view:
                 view[: len(prefix)] = prefix
                 known = await self._receive_all(view, fd, layout)
             sealed = await anyio.to_thread.run_sync(_sealed, fd)
+        except OSError as error:  # (the map, or memory for its pages)
+            raise ArtifactUnavailableError(
+                f"cannot hold {generation.checkpoint_id} ({layout.file_bytes} bytes): "
+                f"{error.strerror or error}"
+            ) from None
         finally:
             os.close(fd)
         # Every reader check, in the spec's order, over the digests taken as the bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 from collections.abc import Callable, Sequence
@@ -26,9 +27,11 @@ from ._sync import (
     SyncStore,
 )
 from ._threads import run_in_bulk_thread
-from ._verify import StoredCheckpoint, VerifyReport
+from ._verify import StoredCheckpoint, VerifyReport, checked_generation
 
 __all__ = ["FileStore"]
+
+_RECENT_COMMITS = 4096  # commits remembered for followers (``committed_since``)
 
 
 @dataclass(eq=False)
@@ -74,6 +77,10 @@ class FileStore:
         self._capturing: set[str] = set()  # checkpoint ids being captured
         self._version = 0  # bumped by every change of the manifest (wait_changed)
         self._changed = anyio.Event()
+        self._commits = 0  # commits made through this face
+        self._recent: collections.deque[tuple[int, GenerationRecord]] = collections.deque(
+            maxlen=_RECENT_COMMITS
+        )
 
     @property
     def core(self) -> SyncStore:
@@ -182,6 +189,18 @@ class FileStore:
             await self._changed.wait()
         return self._version
 
+    @property
+    def commits(self) -> int:
+        """How many checkpoints were committed through this store since it opened."""
+        return self._commits
+
+    def committed_since(self, count: int) -> tuple[list[GenerationRecord], int]:
+        """The records of the commits after the first ``count`` (``commits`` then),
+        oldest first, and how many more there were that the store no longer
+        remembers (it keeps the last ``_RECENT_COMMITS``)."""
+        records = [record for number, record in self._recent if number > count]
+        return records, max(0, self._commits - count - len(records))
+
     def _bump(self) -> None:
         self._version += 1
         self._changed.set()
@@ -288,6 +307,9 @@ class FileStore:
             for waiting, outcome in zip(group, outcomes, strict=True):
                 waiting.outcome = outcome
                 waiting.done.set()
+                if isinstance(outcome, CommitReceipt):
+                    self._commits += 1
+                    self._recent.append((self._commits, outcome.record))
             self._bump()
 
     @property
@@ -316,11 +338,21 @@ class FileStore:
     async def read(
         self, checkpoint_id: str | None = None, *, session_id: str | None = None
     ) -> StoredCheckpoint:
-        """Read and verify the named generation, or the session's high water."""
+        """Read and verify the named generation, or the session's high water. The
+        lock is held only to select and map it (a rotation can then unlink the
+        file, the map keeps it): the verification, a pass over every byte, never
+        holds a commit up."""
         async with self._lock:
             record = self.core.select(checkpoint_id, session_id=session_id)
-            stored: StoredCheckpoint = await self._run(self.core.read, record)
-            return stored
+            path, mapped = await self._run(self.core.map, record)
+        try:
+            stored: StoredCheckpoint = await self._run(
+                checked_generation, record, path, mapped, mapped.close
+            )
+        except BaseException:
+            mapped.close()
+            raise
+        return stored
 
     async def read_newest_valid(self, *, session_id: str | None = None) -> StoredCheckpoint:
         read = functools.partial(self.core.read_newest_valid, session_id=session_id)

@@ -7,6 +7,7 @@ commit sequence (``_commit``), the session rules (``_lineage``) and reading
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from collections.abc import Sequence
@@ -59,6 +60,7 @@ from ._verify import (
     StoredCheckpoint,
     VerifyReport,
     is_temporary,
+    map_generation,
     read_generation,
     verify_generations,
 )
@@ -338,6 +340,13 @@ class SyncStore:
         """Open, check and decode one generation (see ``_verify``)."""
         self._check_open()
         return read_generation(self._fs, self._join(record.file), record)
+
+    def map(self, record: GenerationRecord) -> tuple[str, mmap.mmap]:
+        """One generation's file mapped (its length checked) and its path: what
+        ``checked_generation`` verifies next, with no lock held (``FileStore.read``)."""
+        self._check_open()
+        path = self._join(record.file)
+        return path, map_generation(self._fs, path, record)
 
     def read_newest_valid(self, *, session_id: str | None = None) -> StoredCheckpoint:
         """The explicit fallback: the newest generation on the session's timeline

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 from collections.abc import Callable, Sequence
 from typing import Self
 
@@ -28,6 +29,7 @@ __all__ = [
     "StoredCheckpoint",
     "VerifyReport",
     "checked_generation",
+    "map_generation",
     "read_generation",
     "verify_generations",
 ]
@@ -83,6 +85,17 @@ class StoredCheckpoint:
 
 def read_generation(fs: FileSystem, path: str, record: GenerationRecord) -> StoredCheckpoint:
     """Open, check and decode the generation ``record`` lists at ``path``."""
+    mapped = map_generation(fs, path, record)
+    try:
+        return checked_generation(record, path, mapped, mapped.close)
+    except BaseException:
+        mapped.close()
+        raise
+
+
+def map_generation(fs: FileSystem, path: str, record: GenerationRecord) -> mmap.mmap:
+    """The file ``record`` lists at ``path``, mapped read-only, its length checked
+    (the map keeps the bytes even once a rotation unlinks the file)."""
     try:
         fd = fs.open(path)
     except PermissionError:
@@ -98,14 +111,9 @@ def read_generation(fs: FileSystem, path: str, record: GenerationRecord) -> Stor
                 record.checkpoint_id, path, "length",
                 f"{size} bytes, the manifest records {record.byte_length}",
             )  # fmt: skip
-        mapped = fs.map(fd)
+        return fs.map(fd)
     finally:
         fs.close(fd)  # the map keeps the file; no descriptor outlives the read
-    try:
-        return checked_generation(record, path, mapped, mapped.close)
-    except BaseException:
-        mapped.close()
-        raise
 
 
 def checked_generation(
