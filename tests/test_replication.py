@@ -840,8 +840,15 @@ async def test_a_read_only_credential_is_enough_to_restore_and_resume(tmp_path: 
         assert (target / "world").read_bytes() == parts[0].data
         client = await connect([reader], 5.0, error_cb=None)
         try:
-            with await (await Replicas(client).open()).fetch("s1") as stored:
-                assert bytes(stored.payload("world")) == parts[0].data
+            from coordinator.bus import MemoryBus
+
+            fresh = [Part("world", b""), Part("agent-a", b"")]
+            async with (
+                FileStore(tmp_path / "b") as store,
+                Coordinator(store, MemoryBus(), fresh, session_id="s1", describe=DESCRIBE) as host,
+            ):
+                resumed = await host.resume(source=await Replicas(client).open())
+            assert resumed.step == 2 and fresh[0].data == parts[0].data
             with pytest.raises(nats.errors.Error):  # and it really is read-only
                 await client.jetstream().add_stream(name="NOPE", subjects=["nope.>"])
         finally:
