@@ -23,7 +23,7 @@ import anyio
 
 from coordinator import Coordinator, FileStore, HostDescription
 from coordinator.bus import NatsBus
-from coordinator.errors import CoordinatorError
+from coordinator.errors import BusUnavailableError, CoordinatorError
 from coordinator.participant import CaptureScope
 from coordinator.replicate import LeaseLostError, Replicator, SessionLease, SessionLeasedError
 from coordinator.session import RestoreScope
@@ -124,8 +124,16 @@ async def main(name: str, seed: str, history_path: str, root: str, sessions: str
     chooser = random.Random(f"{seed}:{name}:{os.getpid()}")
     history = History(history_path, name)
     names = sessions.split(",")
-    async with NatsBus(list(urls), ping_interval=1, max_outstanding_pings=2,
-                       publish_timeout=2.0) as bus:  # fmt: skip
+    while True:  # as a supervisor would: a cluster that cannot answer now is tried again
+        try:
+            bus = NatsBus(list(urls), ping_interval=1, max_outstanding_pings=2,
+                          publish_timeout=2.0)  # fmt: skip
+            await bus.__aenter__()
+            break
+        except BusUnavailableError as error:
+            history.record("start", "info", error=str(error))
+            await anyio.sleep(0.5)
+    async with bus:
         history.record("start", "ok")
         print("ready", flush=True)
         while True:

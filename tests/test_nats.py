@@ -466,3 +466,21 @@ def test_watch_follows_a_running_demo_live(server: EmbeddedServer, tmp_path: Pat
         watch.send_signal(signal.SIGTERM)
         _, stderr = watch.communicate(timeout=20)
     assert watch.returncode == 143 and "Traceback" not in stderr  # 143: SIGTERM
+
+
+@pytest.mark.asyncio
+async def test_a_setup_the_cluster_cannot_answer_now_is_a_typed_error(
+    server: EmbeddedServer,
+) -> None:
+    """The stream's setup request gets no answer (a cluster electing its leader, a
+    link losing it): `BusUnavailableError` (try again), never nats-py's own timeout
+    (the long nemesis found a restarted host killed by one)."""
+    from natsproxy import NatsProxy
+
+    from coordinator import BusUnavailableError
+
+    async with NatsProxy(server.port) as proxy:
+        proxy.drop = lambda line, body: b"$JS.API.STREAM.INFO" in line
+        with pytest.raises(BusUnavailableError, match="try again"):
+            async with NatsBus(proxy.url):
+                pass

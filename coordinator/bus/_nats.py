@@ -180,8 +180,13 @@ class NatsBus:
             await self._close_connection()
             if isinstance(error, ServiceUnavailableError):
                 raise BusUnavailableError(
-                    f"the NATS server at {_redacted(self.servers)} has no JetStream "
-                    "(start it with -js)"
+                    f"JetStream does not answer at {_redacted(self.servers)}: the server has "
+                    "none (start it with -js), or a cluster is electing its leader (try again)"
+                ) from None
+            if isinstance(error, TRANSIENT):
+                raise BusUnavailableError(
+                    f"cannot set up stream {self.stream} at {_redacted(self.servers)} now "
+                    f"({type(error).__name__}); try again"
                 ) from None
             if isinstance(error, APIError):
                 raise BusConfigError(
