@@ -133,12 +133,14 @@ async def main(name: str, seed: str, history_path: str, root: str, sessions: str
         except BusUnavailableError as error:
             history.record("start", "info", error=str(error))
             await anyio.sleep(0.5)
-    async with bus:
+    try:
         history.record("start", "ok")
         print("ready", flush=True)
         while True:
             await own(bus, chooser.choice(names), Path(root), history, chooser)
             await anyio.sleep(chooser.uniform(0.05, 0.5))
+    finally:
+        await bus.aclose()
 
 
 if __name__ == "__main__":

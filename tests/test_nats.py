@@ -484,3 +484,14 @@ async def test_a_setup_the_cluster_cannot_answer_now_is_a_typed_error(
         with pytest.raises(BusUnavailableError, match="try again"):
             async with NatsBus(proxy.url):
                 pass
+
+
+@pytest.mark.asyncio
+async def test_a_bus_entered_twice_is_refused(server: EmbeddedServer) -> None:
+    """Entering the same NatsBus again would run a second outbox over the same
+    queue (two stampers racing: the nemesis host did it by mistake): refused."""
+    from coordinator import UsageError
+
+    async with NatsBus(server.url) as bus:
+        with pytest.raises(UsageError):
+            await bus.__aenter__()

@@ -158,6 +158,8 @@ class NatsBus:
     # --- lifecycle -----------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        if self._nc is not None:
+            raise UsageError("this NatsBus was entered already: make a new one")
         theirs = self._options.pop("disconnected_cb", None)
 
         async def on_disconnect() -> None:
