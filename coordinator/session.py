@@ -666,8 +666,7 @@ class Coordinator:
                 expected = self._host_identity()
                 stored, differences, skipped = await self._select(
                     checkpoint_id, expected, allow_incompatible
-                )
-                self.store.pin(stored.record.checkpoint_id)  # rotation keeps it: we fork from it
+                )  # pinned from its selection on: rotation keeps it, we fork from it
                 try:
                     report = await self._install(stored, new_epoch, differences, started)
                     return msgspec.structs.replace(report, skipped=skipped)
@@ -710,7 +709,7 @@ class Coordinator:
         skipped: list[SkippedGeneration] = []
         for candidate in candidates:
             try:
-                stored = await self.store.read(candidate, session_id=self.session_id)
+                stored = await self.store.read(candidate, session_id=self.session_id, pin=True)
             except GenerationNotFoundError:
                 if checkpoint_id is not None or candidate is None:
                     raise
@@ -719,6 +718,7 @@ class Coordinator:
             if not differences or allow_incompatible:
                 return stored, differences, tuple(skipped)
             stored.close()
+            self.store.unpin(stored.record.checkpoint_id)
             skipped.append(
                 SkippedGeneration(checkpoint_id=candidate or "", differences=differences)
             )

@@ -192,7 +192,8 @@ async def test_an_object_whose_bytes_are_not_its_name_is_refused_at_restore(
             await replicas.fetch("s1")
         liar = ObjectBucket(js, bucket, CONTENT_BUCKET)  # the right digest, other bytes
         seq = (await liar.stored(world)).meta_seq  # type: ignore[union-attr]
-        await liar.make(world, memoryview(os.urandom(size)), digest=world, expected_meta_seq=seq)
+        await liar.make(world, memoryview(os.urandom(size)), digest=world, expected_meta_seq=seq,
+                        nuid_prefix=world[:32])  # fmt: skip
         with pytest.raises(GenerationCorruptError) as refused:
             await replicas.fetch("s1")
         assert refused.value.check == "envelope-digest"  # the spec orders it first
@@ -1427,3 +1428,335 @@ async def test_reads_leave_no_consumer_behind(server: EmbeddedServer, tmp_path: 
         js = bus.client.jetstream()
         for stream in (f"OBJ_{CONTENT_BUCKET}", "CKPT"):
             assert (await js.stream_info(stream)).state.consumer_count == 0, stream
+
+
+# --- the second attack round's breaks -----------------------------------------------
+
+
+async def _fetch_code(replicas: Replicas, session: str) -> str:
+    from coordinator import CoordinatorError
+
+    try:
+        with await replicas.fetch(session):
+            return "ok"
+    except CoordinatorError as error:
+        return error.code
+
+
+@pytest.mark.asyncio
+async def test_a_restore_racing_a_save_that_rotates_its_generation_installs_it_all_or_none(
+    tmp_path: Path,
+) -> None:
+    """keep=1: a save is being written when a restore picks the only generation,
+    whose verification takes a while (a large file). The save's rotation would drop
+    it: the restore's read pins it from its selection on, so the restore installs
+    it and forks from it (before, the fork failed with every participant active)."""
+    import time as clock
+
+    import coordinator.store._facade as facade
+    from coordinator.bus import MemoryBus
+
+    checked = facade.checked_generation
+
+    def slow_check(*args: Any, **kwargs: Any) -> Any:
+        clock.sleep(1.0)  # a large generation's pass over every byte
+        return checked(*args, **kwargs)
+
+    parts = [Part("world", os.urandom(1 << 20)), Part("agent-a", b"a")]
+    facade.checked_generation = slow_check  # type: ignore[assignment]
+    try:
+        async with FileStore(tmp_path / "a", keep=1) as store:
+            async with Coordinator(store, MemoryBus(), parts, session_id="s1", epoch="e1",
+                                   describe=DESCRIBE) as host:  # fmt: skip
+                await host.checkpoint(1)
+                first = parts[0].data
+                parts[0].data = os.urandom(64 << 20)
+                ticket = await host.capture(2)
+                await anyio.sleep(0.01)  # the writer has it
+                report = await host.restore(new_epoch="e2")
+                assert report.record.checkpoint_id == "e1-1" and parts[0].data == first
+                await ticket.wait()
+    finally:
+        facade.checked_generation = checked  # type: ignore[assignment]
+
+
+@pytest.mark.asyncio
+async def test_replicas_as_the_docs_write_them_read_without_an_explicit_open(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """`Replicas(bus).fetch(s)` and `resume(source=Replicas(bus))`, as the docs
+    write them: the buckets are opened (read-only) on first use."""
+    parts, _ = await replicated_run(server.url, tmp_path / "a", 1)
+    async with NatsBus(server.url) as bus:
+        with await Replicas(bus).fetch("s1") as stored:
+            assert bytes(stored.payload("world")) == parts[0].data
+        assert (await Replicas(bus).pointer("s1")) is not None
+
+
+@pytest.mark.asyncio
+async def test_a_take_over_by_a_host_of_the_same_holder_name_is_noticed(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Two hosts name themselves alike (`holder="trainer-0"`, a rescheduled pod):
+    the one whose lease was taken over learns it, and its replicator never moves
+    the pointer again."""
+    async with NatsBus(server.url) as bus_a, NatsBus(server.url) as bus_b:
+        async with (
+            SessionLease(bus_a, "s1", ttl=0.6, holder="trainer-0") as zombie,
+            FileStore(tmp_path / "a") as store,
+            Replicator(bus_a, store, leases=[zombie], sweep_every=None) as replicator,
+        ):
+            await _commit_by_hand(store, "s1", "e1", 1, b"w1")
+            await caught_up(replicator)
+            async with SessionLease(bus_b, "s1", ttl=5, take_over=True, holder="trainer-0"):
+                await until(lambda: zombie.lost is not None, timeout=5)
+                await _commit_by_hand(store, "s1", "e1", 2, b"w2")
+                await until(lambda: "s1" in replicator.fenced, timeout=5)
+                found = await replicator.replicas.pointer("s1")
+                assert found is not None and found[0].generation.checkpoint_id == "e1-1"
+
+
+@pytest.mark.asyncio
+async def test_a_holder_leaving_after_a_renewal_whose_ack_was_lost_lets_the_next_in(
+    server: EmbeddedServer,
+) -> None:
+    """The last renewal's ack was lost, then the holder leaves: the lease is still
+    deleted (the revision it did not hear of is its own), and the next host gets
+    the session at once."""
+    async with NatsBus(server.url) as bus:
+        async with SessionLease(bus, "s1", ttl=0.6) as lease:
+            update = lease._kv.update
+
+            async def ack_lost(*args: Any, **kwargs: Any) -> int:
+                await update(*args, **kwargs)
+                raise TimeoutError("the ack was lost")
+
+            lease._kv.update = ack_lost
+            await anyio.sleep(0.35)  # one renewal, applied, its ack lost
+        async with SessionLease(bus, "s1", ttl=5) as next_one:
+            assert next_one.revision > 0
+
+
+@pytest.mark.asyncio
+async def test_a_forged_pointer_omitting_a_payload_never_gets_it_swept_and_is_replaced(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Someone with write rights drops a payload from a pointer that keeps the
+    owner's checkpoint, digest and epoch: readers refuse it; a sweep still keeps
+    every payload the real manifest needs (marks come from the manifest too); the
+    owner's replicator, restarted, replaces the pointer, and the session restores."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with Replicator(bus, store, grace=0.3, sweep_every=None) as replicator:
+            await _commit_by_hand(store, "s1", "e1", 1, os.urandom(3000))
+            await caught_up(replicator)
+            found = await replicator.replicas.pointer("s1")
+            assert found is not None
+            pointer = found[0]
+            forged = msgspec.structs.replace(pointer, generation=msgspec.structs.replace(
+                pointer.generation, payloads=pointer.generation.payloads[1:]))  # fmt: skip
+            kv = await bus.client.jetstream().key_value(POINTERS_BUCKET)
+            await kv.put("s1", msgspec.json.encode(forged))
+            assert await _fetch_code(replicator.replicas, "s1") == "replica.pointer"
+            await anyio.sleep(0.4)
+            assert (await replicator.sweep()).deleted == 0
+        async with Replicator(bus, store, sweep_every=None) as again:
+            await caught_up(again)
+            assert await _fetch_code(again.replicas, "s1") == "ok"
+
+
+@pytest.mark.asyncio
+async def test_a_sweeper_whose_clock_runs_ahead_never_deletes_a_fresh_upload(
+    server: EmbeddedServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweeping host's own clock is an hour ahead: objects are aged by the
+    server's clock only, so a fresh, not yet referenced upload is kept."""
+    import coordinator.replicate._content as content_module
+
+    real = content_module.datetime
+
+    class Ahead(real.datetime):  # type: ignore[misc,name-defined]
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return real.datetime.now(tz) + real.timedelta(hours=1)
+
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with Replicator(bus, store, grace=60, sweep_every=None) as replicator:
+            data = os.urandom(3000)
+            digest = hashlib.sha256(data).hexdigest()
+            await replicator.replicas.content.ensure(digest, memoryview(data))  # no pointer yet
+            monkeypatch.setattr(content_module.datetime, "datetime", Ahead)
+            report = await replicator.sweep()
+            assert report.deleted == 0 and await replicator.replicas.content.live(digest, 3000)
+
+
+@pytest.mark.asyncio
+async def test_reads_cancelled_anywhere_leave_no_consumer_behind(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Fetches of a generation of many chunks, cancelled at seeded random moments
+    (the consumer being made among them), leave no consumer once they are over."""
+    parts = [Part("world", os.urandom(3 << 20)), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with Replicator(bus, store) as replicator:
+            async with Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE) as host:
+                await host.checkpoint(1)
+            await caught_up(replicator)
+        chooser = random.Random(4)
+        replicas = await Replicas(bus).open()
+        for _ in range(20):
+            with anyio.move_on_after(chooser.uniform(0, 0.05)):
+                with await replicas.fetch("s1"):
+                    pass
+        await anyio.sleep(0.5)
+        info = await bus.client.jetstream().stream_info(f"OBJ_{CONTENT_BUCKET}")
+        assert info.state.consumer_count == 0
+
+
+@pytest.mark.asyncio
+async def test_junk_on_subjects_no_object_spells_is_swept(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Messages on meta subjects that spell no object's name (not base64, a second
+    spelling, more tokens) and on chunk subjects of more tokens are removed by a
+    sweep once past the grace period."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        js = bus.client.jetstream()
+        await js.create_object_store(bucket=CONTENT_BUCKET)
+        junk = [f"$O.{CONTENT_BUCKET}.M.{token}" for token in ("YWJ=", "%%%", "____", "a.b")]
+        junk.append(f"$O.{CONTENT_BUCKET}.C.a.b")
+        for subject in junk:
+            await js.publish(subject, b"junk")
+        async with Replicator(bus, store, grace=0.2, sweep_every=None) as replicator:
+            await anyio.sleep(0.3)
+            await replicator.sweep()
+        info = await js.stream_info(f"OBJ_{CONTENT_BUCKET}", subjects_filter=f"$O.{CONTENT_BUCKET}.>")
+        assert not set(info.state.subjects or {}) & set(junk), info.state.subjects
+
+
+@pytest.mark.asyncio
+async def test_a_meta_naming_another_objects_chunks_never_costs_that_object_its_chunks(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A meta, for some other name, naming a referenced object's chunks: a sweep
+    deletes the stray meta but not those chunks; an upload that replaces such a
+    meta on its own subject does not take them either."""
+    import json as jsonlib
+
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        js = bus.client.jetstream()
+        async with Replicator(bus, store, grace=0.3, sweep_every=None) as replicator:
+            objects = replicator.replicas.content.objects
+            await _commit_by_hand(store, "s1", "e1", 1, os.urandom(5000))
+            await caught_up(replicator)
+            found = await replicator.replicas.pointer("s1")
+            assert found is not None
+            victim = (await objects.stored(found[0].generation.payloads[0])).info  # type: ignore[union-attr]
+            stray = hashlib.sha256(b"nobody's").hexdigest()
+            await js.publish(_meta_subject(stray), jsonlib.dumps({**victim.as_dict(), "name": stray}).encode(),
+                             headers={"Nats-Rollup": "sub"})  # fmt: skip
+            reused = found[0].generation.payloads[1]  # a payload the next commit repeats
+            await js.publish(_meta_subject(reused),
+                             jsonlib.dumps({**victim.as_dict(), "name": reused, "size": 1}).encode(),
+                             headers={"Nats-Rollup": "sub"})  # fmt: skip
+            await anyio.sleep(0.4)
+            await replicator.sweep()
+            await _commit_by_hand(store, "s2", "f1", 1, os.urandom(5000))
+            await caught_up(replicator)
+            assert await _fetch_code(replicator.replicas, "s2") == "ok"
+            await _commit_by_hand(store, "s1", "e1", 2, os.urandom(5000))
+            await caught_up(replicator)
+            assert await _fetch_code(replicator.replicas, "s1") == "ok"
+
+
+@pytest.mark.asyncio
+async def test_a_content_bucket_with_a_ttl_is_refused(server: EmbeddedServer) -> None:
+    """An operator made `CKPT_CONTENT` with a TTL: objects would expire under their
+    pointers, so a replicator refuses it (`bus.config`) and changes nothing."""
+    from coordinator import BusConfigError
+
+    async with NatsBus(server.url) as bus:
+        await bus.client.jetstream().create_object_store(bucket=CONTENT_BUCKET, ttl=60)
+        with pytest.raises(BusConfigError):
+            await Replicas(bus).open(create=True)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("forged", ["no-chunks", "another-objects-chunks"])
+async def test_a_meta_without_its_own_chunks_is_never_reused(
+    server: EmbeddedServer, tmp_path: Path, forged: str
+) -> None:
+    """A meta with the right name, size and digest but no chunks, or another
+    object's: the next upload of those bytes makes the object again instead of
+    reusing it, and the session restores."""
+    import json as jsonlib
+
+    world = os.urandom(5000)
+    digest = hashlib.sha256(world).hexdigest()
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        js = bus.client.jetstream()
+        async with Replicator(bus, store, sweep_every=None) as replicator:
+            objects = replicator.replicas.content.objects
+            await _commit_by_hand(store, "s0", "d1", 1, os.urandom(5000))
+            await caught_up(replicator)
+            found = await replicator.replicas.pointer("s0")
+            assert found is not None
+            other = (await objects.stored(found[0].generation.payloads[0])).info  # type: ignore[union-attr]
+            await _commit_by_hand(store, "s1", "e1", 1, world)
+            await caught_up(replicator)
+            mine = (await objects.stored(digest)).info  # type: ignore[union-attr]
+            meta = mine.as_dict()
+            meta.update(chunks=0) if forged == "no-chunks" else meta.update(nuid=other.nuid)
+            await js.publish(_meta_subject(digest), jsonlib.dumps(meta).encode(),
+                             headers={"Nats-Rollup": "sub"})  # fmt: skip
+            await _commit_by_hand(store, "s1", "e1", 2, world)
+            await caught_up(replicator)
+            assert await _fetch_code(replicator.replicas, "s1") == "ok"
+
+
+@pytest.mark.asyncio
+async def test_a_lease_check_while_the_cluster_cannot_answer_is_a_typed_error(
+    tmp_path: Path,
+) -> None:
+    """`SessionLease.check()` with the server gone: `bus.unavailable`, never nats-py's
+    own timeout."""
+    from coordinator import BusUnavailableError
+
+    server = EmbeddedServer(tmp_path / "nats")
+    await server.start()
+    try:
+        async with NatsBus(server.url) as bus, SessionLease(bus, "s1", ttl=30) as lease:
+            await server.kill()
+            with pytest.raises(BusUnavailableError):
+                await lease.check()
+    finally:
+        await server.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_forged_lease_revision_never_fences_the_owner_for_good(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A pointer claiming a lease revision no lease ever had (2^53: forged, or a
+    recreated leases bucket): the owner's replicator, restarted with a lease, moves
+    the pointer again."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with (
+            SessionLease(bus, "s1", ttl=10) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+        ):
+            await _commit_by_hand(store, "s1", "e1", 1, b"w1")
+            await caught_up(replicator)
+            found = await replicator.replicas.pointer("s1")
+            assert found is not None
+            kv = await bus.client.jetstream().key_value(POINTERS_BUCKET)
+            await kv.put("s1", msgspec.json.encode(
+                msgspec.structs.replace(found[0], lease_revision=2**53)))  # fmt: skip
+        async with (
+            SessionLease(bus, "s1", ttl=10) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+        ):
+            await _commit_by_hand(store, "s1", "e1", 2, b"w2")
+            await caught_up(replicator, timeout=10)
+            found = await replicator.replicas.pointer("s1")
+            assert found is not None and found[0].generation.checkpoint_id == "e1-2"
+            assert not replicator.fenced

@@ -104,6 +104,7 @@ class StoredObject:
     info: api.ObjectInfo | None
     meta_seq: int
     stored_at: datetime.datetime
+    subject: str = ""  # the meta subject it was read from (exactly: junk may sit anywhere)
 
     @property
     def live(self) -> bool:
@@ -112,7 +113,7 @@ class StoredObject:
 
 
 def _stored_object(
-    name: str, data: bytes | None, seq: int, time: datetime.datetime
+    name: str, data: bytes | None, seq: int, time: datetime.datetime, subject: str
 ) -> StoredObject:
     """A meta message of object ``name``'s subject as a ``StoredObject``."""
     info: api.ObjectInfo | None
@@ -124,18 +125,21 @@ def _stored_object(
             info = None  # (a nuid becomes a subject token: only what a writer makes)
     except Exception:  # any JSON that is no meta: nats-py raises what it meets
         info = None
-    return StoredObject(name, info, seq, time)
+    return StoredObject(name, info, seq, time, subject)
 
 
 _NUID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _object_name(subject: str, *, prefix: str) -> str | None:
-    """The object a meta subject is for (``None``: not one of the layout's)."""
+    """The object a meta subject is for (``None``: no object's: the layout spells
+    each name one way only, and this subject is not that spelling)."""
+    token = subject.removeprefix(prefix)
     try:
-        return base64.urlsafe_b64decode(subject.removeprefix(prefix)).decode()
+        name = base64.urlsafe_b64decode(token).decode()
     except (ValueError, UnicodeDecodeError):
         return None
+    return name if base64.urlsafe_b64encode(name.encode()).decode() == token else None
 
 
 def object_digest(digest_hex: str) -> str:
@@ -216,13 +220,23 @@ class ObjectBucket:
         return digest
 
     async def make(
-        self, name: str, data: memoryview, *, digest: str, expected_meta_seq: int
+        self,
+        name: str,
+        data: memoryview,
+        *,
+        digest: str,
+        expected_meta_seq: int,
+        nuid_prefix: str = "",
     ) -> StoredObject:
         """Make object ``name`` of ``data`` (whose SHA-256 is ``digest``: verified by
         the caller), only if its meta is still at stream sequence
         ``expected_meta_seq`` (0: no object of this name was ever made); else
-        ``MetaChangedError``, and nothing is left. Returns it as stored."""
-        _, made = await self._put(name, data, digest=digest, expected_meta_seq=expected_meta_seq)
+        ``MetaChangedError``, and nothing is left. Its chunks' nuid begins with
+        ``nuid_prefix``. Returns it as stored."""
+        _, made = await self._put(
+            name, data, digest=digest, expected_meta_seq=expected_meta_seq,
+            nuid_prefix=nuid_prefix,
+        )  # fmt: skip
         return made
 
     async def _put(
@@ -232,8 +246,9 @@ class ObjectBucket:
         *,
         digest: str | None,
         expected_meta_seq: int | None,
+        nuid_prefix: str = "",
     ) -> tuple[str, StoredObject]:
-        nuid = self._js._nc._nuid.next().decode()
+        nuid = nuid_prefix + self._js._nc._nuid.next().decode()
         chunks_subject = f"$O.{self.name}.C.{nuid}"
         chunk = max(1, min(_CHUNK, self._js._nc.max_payload - 1024))
         digests: list[str] = [digest] if digest is not None else []
@@ -313,7 +328,8 @@ class ObjectBucket:
             return None
         if message.seq is None or message.time is None:
             return None
-        return _stored_object(name, message.data, message.seq, message.time)
+        subject = self._meta_subject(name)
+        return _stored_object(name, message.data, message.seq, message.time, subject)
 
     async def metas(self) -> list[StoredObject]:
         """Every object's meta (deleted ones included), read from the stream leader
@@ -335,10 +351,12 @@ class ObjectBucket:
                 message = await subscription.next_msg(timeout=self.stall_timeout)
                 meta = message.metadata
                 name = _object_name(message.subject, prefix=f"$O.{self.name}.M.")
-                if name is not None:
-                    found.append(
-                        _stored_object(name, message.data, meta.sequence.stream, meta.timestamp)
-                    )
+                found.append(
+                    _stored_object(
+                        name or "", message.data, meta.sequence.stream, meta.timestamp,
+                        message.subject,
+                    )  # (a subject no object's: junk, named "")
+                )  # fmt: skip
                 if not meta.num_pending:
                     return found
         finally:
@@ -393,9 +411,20 @@ class ObjectBucket:
     async def purge_meta(self, stored: StoredObject) -> None:
         """Remove the meta messages of ``stored``'s subject up to and including
         ``stored`` (a deleted marker, say): a meta written after it stays."""
-        await self._js.purge_stream(
-            self._store._stream, subject=self._meta_subject(stored.name), seq=stored.meta_seq + 1
-        )
+        subject = stored.subject or self._meta_subject(stored.name)
+        await self._js.purge_stream(self._store._stream, subject=subject, seq=stored.meta_seq + 1)
+
+    async def server_now(self) -> datetime.datetime:
+        """The server's clock now: the time it gives a message published for the
+        purpose (then removed). A sweep ages objects by the server's times only."""
+        subject = f"$O.{self.name}.C.clock"
+        ack = await self._js.publish(subject, b"")
+        message = await self._js.get_msg(self._store._stream, seq=ack.seq)
+        with contextlib.suppress(Exception):
+            await self._js.purge_stream(self._store._stream, subject=subject, seq=ack.seq + 1)
+        if message.time is None:
+            raise ArtifactUnavailableError("the server gave its message no time")
+        return message.time
 
     async def read(self, name: str, byte_length: int, digest_hex: str) -> mmap.mmap | bytes:
         """Object ``name``, verified to be ``byte_length`` bytes with SHA-256
@@ -513,16 +542,38 @@ class ObjectBucket:
         if info.chunks == 1 and size <= self._js._nc.max_payload:
             yield await self._only_chunk(info)
             return
-        consumer = await self._js.pull_subscribe(
-            f"$O.{self.name}.C.{info.nuid}",
-            stream=self._store._stream,
-            config=api.ConsumerConfig(
-                ack_policy=api.AckPolicy.NONE,
-                inactive_threshold=_STALL_TIMEOUT,
-                mem_storage=True,
-                num_replicas=1,
-            ),
-        )
+        # Named here, so that whatever happens from now on (a cancel while the
+        # server makes it) the finally below deletes it; it also goes by itself
+        # once inactive for ``_STALL_TIMEOUT``.
+        name = f"read-{self._js._nc._nuid.next().decode()}"
+        consumer: Any = None
+        try:
+            await self._js.add_consumer(
+                self._store._stream,
+                config=api.ConsumerConfig(
+                    name=name,
+                    filter_subject=f"$O.{self.name}.C.{info.nuid}",
+                    ack_policy=api.AckPolicy.NONE,
+                    inactive_threshold=_STALL_TIMEOUT,
+                    mem_storage=True,
+                    num_replicas=1,
+                ),
+            )
+            consumer = await self._js.pull_subscribe_bind(name, stream=self._store._stream)
+            async for data in self._batches(consumer, size):
+                yield data
+        finally:
+            # The connection may be gone: then there is nothing to undo. The consumer
+            # is deleted, not left for its inactivity threshold: readers of many
+            # objects would otherwise pile up consumers to the server's limit.
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                with anyio.move_on_after(2):
+                    await self._js.delete_consumer(self._store._stream, name)
+                if consumer is not None:
+                    await consumer.unsubscribe()
+
+    async def _batches(self, consumer: Any, size: int) -> AsyncIterator[bytes]:
+        """``size`` bytes of chunks from ``consumer``, a batch ahead."""
 
         async def batch() -> list[Any]:
             deadline = anyio.current_time() + self.stall_timeout
@@ -553,13 +604,6 @@ class ObjectBucket:
                 ahead.cancel()
                 with contextlib.suppress(BaseException):
                     await ahead
-            # The connection may be gone: then there is nothing to undo. The consumer
-            # is deleted, not left for its inactivity threshold: readers of many
-            # objects would otherwise pile up consumers to the server's limit.
-            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                with anyio.move_on_after(2):  # (its name: nats-py keeps it, nothing to ask)
-                    await self._js.delete_consumer(self._store._stream, consumer._consumer)
-                await consumer.unsubscribe()
 
     async def _only_chunk(self, info: api.ObjectInfo) -> bytes:
         """The one chunk of ``info``'s object, by a direct get (asked again, as a

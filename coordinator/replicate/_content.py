@@ -27,6 +27,7 @@ is not trusted and is made again under a new set of chunks.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import time
@@ -80,16 +81,19 @@ class ContentBucket:
                         return 0
                     except MetaChangedError:
                         continue  # deleted (or touched) meanwhile: look again
-                await self._delete(stored)  # other bytes, or chunks lost: made again
+                # Other bytes, or chunks lost: made again. Its chunks stay (another
+                # meta may name them: junk can point anywhere); the sweep takes them.
+                await self._delete(stored, purge=False)
                 continue
             if stored is not None and stored.info is None:  # junk on its subject
-                await self._delete(stored)
+                await self._delete(stored, purge=False)
                 continue
             started = time.monotonic()
             try:
                 made = await self.objects.make(
                     digest, data, digest=digest,
                     expected_meta_seq=stored.meta_seq if stored is not None else 0,
+                    nuid_prefix=_nuid_prefix(digest),
                 )  # fmt: skip
             except MetaChangedError:
                 continue  # another host made it at the same moment: touch theirs
@@ -97,21 +101,30 @@ class ContentBucket:
                 return len(data)
             # Too slow to trust: a sweep may have taken its chunks for a dead
             # upload's. Deleted (unless someone touched it since) and made again.
-            await self._delete(made)
+            await self._delete(made, purge=False)
         raise ArtifactUnavailableError(
             f"object {digest} could not be made or touched in {_ATTEMPTS} attempts (it kept "
             f"changing, or each upload took longer than half the {self.grace:g} s grace period)"
         )
 
     async def _whole(self, info: api.ObjectInfo) -> bool:
-        """Whether every chunk the meta counts is in the stream."""
-        if not info.chunks:
-            return True
+        """Whether every chunk the meta counts is in the stream (and it counts
+        some, unless the object is empty)."""
+        if not info.size:
+            return not info.chunks
+        if not info.chunks or not info.nuid:
+            return False
         return await self.objects.chunk_count(str(info.nuid)) == info.chunks
 
     @staticmethod
     def _holds(info: api.ObjectInfo, digest: str, size: int) -> bool:
-        return info.size == size and info.digest == object_digest(digest)
+        """Its meta names these bytes, and chunks made for them (a meta naming
+        another object's chunks, by mistake or on purpose, is never reused)."""
+        return (
+            info.size == size
+            and info.digest == object_digest(digest)
+            and (not size or str(info.nuid).startswith(_nuid_prefix(digest)))
+        )
 
     async def live(self, digest: str, size: int) -> bool:
         """Whether the bucket holds ``digest``'s object now, whole."""
@@ -130,7 +143,7 @@ class ContentBucket:
         if stored is None or stored.info is None or not stored.live:
             raise ArtifactUnavailableError(f"object {digest} is not in bucket {CONTENT_BUCKET}")
         info = stored.info
-        if not self._holds(info, digest, size) or (size and not info.nuid):
+        if not self._holds(info, digest, size) or (size and not (info.nuid and info.chunks)):
             raise ArtifactCorruptError(
                 f"object {digest} holds {info.size} bytes ({info.digest}), "
                 f"not the {size} its name says"
@@ -154,8 +167,12 @@ class ContentBucket:
             marked_at = time.monotonic()
             referenced = await mark()
             metas = await self.objects.metas()
-            now = datetime.datetime.now(datetime.UTC)
-            seen = dict(objects=sum(1 for m in metas if m.live), referenced=0, young=0)
+            now = await self.objects.server_now()  # ages by the server's clock alone
+            live = [m for m in metas if m.live and m.info is not None]
+            # Chunks any live meta names are never purged: a junk meta may name a
+            # real object's chunks, and deleting the junk must not take them.
+            named = collections.Counter(str(m.info.nuid) for m in live if m.info and m.info.nuid)
+            seen = dict(objects=len(live), referenced=0, young=0)
             stale = False
             for stored in metas:
                 if stored.name in referenced:
@@ -165,16 +182,21 @@ class ContentBucket:
                 elif time.monotonic() - marked_at > grace / 4:
                     stale = True
                     break
-                elif stored.live:
-                    done["deleted" if await self._delete(stored) else "raced"] += 1
-                else:  # an old deleted marker, or junk: its subject is emptied
+                elif stored.live and stored.name:
+                    nuid = str(stored.info.nuid) if stored.info and stored.info.nuid else ""
+                    alone = named[nuid] <= 1
+                    deleted = await self._delete(stored, purge=alone)
+                    done["deleted" if deleted else "raced"] += 1
+                    if deleted and nuid:
+                        named[nuid] -= 1
+                else:  # an old deleted marker, or junk (wherever it sits): removed
                     await self.objects.purge_meta(stored)
             if stale:
                 continue
-            named = {m.info.nuid for m in metas if m.live and m.info is not None and m.info.nuid}
+            prefix = f"$O.{self.objects.name}.C."
             for subject in await self.objects.chunk_subjects():
-                nuid = subject.rsplit(".", 1)[-1]
-                if nuid in named:
+                nuid = subject.removeprefix(prefix)
+                if named[nuid] > 0 or nuid == "clock":
                     continue
                 last = await self.objects.last_chunk_time(nuid)
                 old = last is not None and (now - last).total_seconds() > grace
@@ -184,20 +206,26 @@ class ContentBucket:
             return SweepReport(**seen, **done)
         return SweepReport(**seen, **done, refused="the mark kept going stale: a longer grace")
 
-    async def _delete(self, stored: StoredObject) -> bool:
+    async def _delete(self, stored: StoredObject, *, purge: bool = True) -> bool:
         """Delete the object as ``stored`` saw it: its meta replaced by a deleted
-        marker only if still at that sequence, its chunks purged, then the marker
-        itself (and what came before it on the subject) removed. False if the meta
-        moved (touched or made again): it stays."""
+        marker only if still at that sequence, its chunks purged (``purge``: no
+        other meta names them), then the marker itself (and what came before it on
+        the subject) removed. False if the meta moved (touched or made again): it
+        stays."""
         marker = _deleted(stored.name, stored.info)
         try:
             seq = await self.objects.write_meta(marker, expected_meta_seq=stored.meta_seq)
         except MetaChangedError:
             return False
-        if stored.info is not None and stored.info.nuid:
+        if purge and stored.info is not None and stored.info.nuid:
             await self.objects.purge_chunks(stored.info.nuid)
         await self.objects.purge_meta(dataclasses.replace(stored, info=marker, meta_seq=seq))
         return True
+
+
+def _nuid_prefix(digest: str) -> str:
+    """What the chunks of object ``digest`` are named after: its digest's start."""
+    return digest[:32]
 
 
 def _now() -> str:

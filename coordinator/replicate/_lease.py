@@ -27,6 +27,7 @@ from typing import Any, Self
 import anyio
 import msgspec
 from nats.js.errors import (
+    BadRequestError,
     BucketNotFoundError,
     KeyDeletedError,
     KeyNotFoundError,
@@ -47,9 +48,10 @@ _ACQUIRE_ATTEMPTS = 5
 
 
 class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    holder: str
+    holder: str  # who, for people (the caller may choose it: not unique)
     ttl_s: float
     renewed_at: float  # the holder's wall clock, seconds since the epoch
+    instance: str = ""  # this lease object's own random token: what "ours" means
 
 
 def _held(value: bytes | None) -> LeaseRecord | None:
@@ -87,6 +89,7 @@ class SessionLease:
         self.ttl = ttl
         self.take_over = take_over
         self.holder = holder or f"{socket.gethostname()}:{secrets.token_hex(4)}"
+        self.instance = secrets.token_hex(16)  # never the caller's choice: unique
         self.revision = 0
         self.lost: LeaseLostError | None = None
         self._kv: Any = None
@@ -99,8 +102,11 @@ class SessionLease:
 
     def _value(self) -> bytes:
         return msgspec.json.encode(
-            LeaseRecord(holder=self.holder, ttl_s=self.ttl, renewed_at=time.time())
-        )
+            LeaseRecord(
+                holder=self.holder, ttl_s=self.ttl, renewed_at=time.time(),
+                instance=self.instance,
+            )
+        )  # fmt: skip
 
     async def __aenter__(self) -> Self:
         js = self.bus.client.jetstream()
@@ -123,7 +129,11 @@ class SessionLease:
         if self.lost is None:  # still ours: let the next host in at once
             # (taken meanwhile, or the bus is gone: then it expires on its own)
             with contextlib.suppress(Exception):
-                await self._kv.delete(self.key, last=self.revision)
+                try:
+                    await self._kv.delete(self.key, last=self.revision)
+                except BadRequestError:  # (the revision moved: a renewal whose ack was lost?)
+                    if await self._still_ours():
+                        await self._kv.delete(self.key, last=self.revision)
 
     async def _acquire(self) -> None:
         for _ in range(_ACQUIRE_ATTEMPTS):
@@ -173,7 +183,11 @@ class SessionLease:
                         await self._kv.update(self.key, self._value(), last=self.revision)
                     )
             except KeyWrongLastSequenceError:
-                if not await self._still_ours():
+                try:
+                    ours = await self._still_ours()
+                except Exception:  # cannot tell now: the next beat asks again
+                    continue
+                if not ours:
                     self.lost = LeaseLostError(
                         f"the lease of session {self.session_id} was taken over: "
                         f"{self.holder} no longer owns it"
@@ -185,24 +199,28 @@ class SessionLease:
     async def _still_ours(self) -> bool:
         """Whether the lease's value is still this holder's: a renewal the server
         applied but whose ack was lost moved the revision under us (then we adopt
-        it). Holders are unique (a random part), so a value naming us is ours."""
+        it). Each lease object writes a random token of its own (``instance``),
+        so a value carrying ours is ours, whatever the holder names."""
         async with self._writing:
             try:
                 entry = await self._kv.get(self.key)
             except (KeyNotFoundError, KeyDeletedError):
                 return False
-            except Exception:  # cannot tell now: the next beat asks again
-                return True
             held = _held(entry.value)
-            if held is None or held.holder != self.holder:
+            if held is None or held.instance != self.instance:
                 return False
             self.revision = int(entry.revision)
             return True
 
     async def check(self) -> None:
-        """``LeaseLostError`` unless the lease is still this holder's."""
+        """``LeaseLostError`` unless the lease is still this holder's;
+        ``BusUnavailableError`` if the cluster cannot tell now."""
         if self.lost is not None:
             raise self.lost
+        with cluster_errors(f"the lease of session {self.session_id}"):
+            await self._check()
+
+    async def _check(self) -> None:
         async with self._writing:  # (a renewal's new revision is known once it is read)
             try:
                 entry = await self._kv.get(self.key)

@@ -31,9 +31,11 @@ from typing import Any, Literal, Self
 import anyio
 import msgspec
 from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError as NatsNotFoundError
 
 from ..bus import NatsBus
-from ..canonical import canonical_bytes
+from ..canonical import canonical_bytes, parse_canonical
+from ..envelope import MAX_MANIFEST_BYTES, layout_of
 from ..errors import (
     ArtifactUnavailableError,
     BusUnavailableError,
@@ -51,7 +53,7 @@ from ..store import (
     on_timeline,
 )
 from ._content import SweepReport
-from ._lease import SessionLease
+from ._lease import LEASES_BUCKET, SessionLease
 from ._pointer import POINTER_VERSION, ReplicaPointer, ReplicatedGeneration
 from ._source import DEFAULT_GRACE_S, Replicas
 
@@ -61,6 +63,7 @@ _RETRY_S = 1.0  # between attempts while the cluster cannot take an upload
 _ATTEMPTS = 3  # a move's objects made whole again at most this often
 _PARALLEL_OBJECTS = 4  # objects of one generation made or touched at once
 _MAX_PASSED = 64  # passed-over ids named in one event (the rest are counted)
+_MANIFESTS_REMEMBERED = 4096  # manifests whose payloads a sweep knows without a read
 
 Cause = Literal["commit", "rollback", "recovery"]
 
@@ -131,6 +134,7 @@ class Replicator:
         # session -> its commits since its last move (ids, at most _MAX_PASSED; and a count)
         self._since_move: dict[str, tuple[list[GenerationRecord], int]] = {}
         self._last_sweep: SweepReport | None = None
+        self._manifest_needs: dict[str, tuple[str, ...]] = {}  # manifest -> its payloads
         self._group: Any = None
 
     async def __aenter__(self) -> Self:
@@ -227,17 +231,26 @@ class Replicator:
         current, revision = await self.replicas.pointers.get_any(session_id)
         fence = lease.revision if lease is not None else 0
         if current is not None and current.lease_revision > fence:
-            raise ReplicaFencedError(
-                f"the pointer of session {session_id} was moved under a newer lease "
-                f"({current.lease_revision} > {fence}): {target.record.checkpoint_id} is "
-                "not made the replicated one"
-            )
+            if current.lease_revision > await self._lease_high_water():
+                self._counts["impossible_fences"] += 1  # forged, or a recreated bucket
+            else:
+                raise ReplicaFencedError(
+                    f"the pointer of session {session_id} was moved under a newer lease "
+                    f"({current.lease_revision} > {fence}): {target.record.checkpoint_id} "
+                    "is not made the replicated one"
+                )
         if lease is not None:
             await lease.check()
         started = self._clock()
         with await self.store.read(target.record.checkpoint_id, session_id=session_id) as stored:
             generation, sent = await self._upload(stored)
-            if current is not None and current.names(*target.key):
+            if (
+                current is not None
+                and current.names(*target.key)
+                and (
+                    current.generation == generation  # (not a forged one naming the same state)
+                )
+            ):
                 # Moved already (by this host, before it went down): its objects are
                 # whole and young again now, and its event goes out if it was lost.
                 self._held[session_id] = target.key
@@ -413,13 +426,26 @@ class Replicator:
 
     # --- fencing and sweeping ------------------------------------------------------
 
+    async def _lease_high_water(self) -> int:
+        """The highest revision the leases bucket ever gave (its stream's last
+        sequence): a pointer naming a higher one names a lease nobody held."""
+        js = self.bus.client.jetstream()
+        try:
+            return int((await js.stream_info(f"KV_{LEASES_BUCKET}")).state.last_seq or 0)
+        except NatsNotFoundError:  # no lease was ever taken here
+            return 0
+
     async def _fence(self, lease: SessionLease) -> None:
         """Stamp the session's pointer with ``lease``'s revision (a new owner does it
         at once): from then on a move under an older lease is refused."""
         while True:
             current, revision = await self.replicas.pointers.get_any(lease.session_id)
-            if current is None or current.lease_revision >= lease.revision:
+            if current is None:
                 return  # (an unreadable pointer carries no lease: the first move replaces it)
+            if current.lease_revision >= lease.revision and (
+                current.lease_revision <= await self._lease_high_water()
+            ):
+                return
             stamped = msgspec.structs.replace(current, lease_revision=lease.revision)
             try:
                 await self.replicas.pointers.move(stamped, revision)
@@ -436,7 +462,11 @@ class Replicator:
             pointers, unreadable = await self.replicas.pointers.every()
             if unreadable:
                 raise _UnmarkableError(", ".join(sorted(unreadable)[:5]))
-            return {d for pointer in pointers.values() for d in pointer.generation.objects}
+            marked: set[str] = set()
+            for pointer in pointers.values():  # what a pointer names, and what its
+                marked.update(pointer.generation.objects)  # manifest needs (a forged
+                marked.update(await self._needs(pointer.generation))  # list never hides it)
+            return marked
 
         try:
             report = await self.replicas.content.sweep(mark)
@@ -449,6 +479,23 @@ class Replicator:
         self._counts["swept_objects"] += report.deleted
         self._last_sweep = report
         return report
+
+    async def _needs(self, generation: ReplicatedGeneration) -> tuple[str, ...]:
+        """The payloads the manifest object ``generation`` names needs (its own
+        word, not the pointer's); () if it cannot be read. Manifests never change:
+        remembered."""
+        digest = generation.manifest
+        if digest not in self._manifest_needs:
+            needs: tuple[str, ...] = ()
+            with contextlib.suppress(CoordinatorError, NatsError, OSError, ValueError):
+                size = min(int(generation.manifest_bytes), MAX_MANIFEST_BYTES)
+                data = await self.replicas.content.objects.read(digest, size, digest)
+                _, layout = layout_of(parse_canonical(bytes(data)))
+                needs = tuple(entry.digest for entry in layout.entries)
+            if len(self._manifest_needs) >= _MANIFESTS_REMEMBERED:
+                self._manifest_needs.pop(next(iter(self._manifest_needs)))
+            self._manifest_needs[digest] = needs
+        return self._manifest_needs[digest]
 
     async def _sweep_now_and_then(self, every: float) -> None:
         while True:

@@ -41,11 +41,13 @@ from ..envelope import (
 )
 from ..errors import (
     ArtifactUnavailableError,
+    BusConfigError,
     EnvelopeInputError,
     GenerationNotFoundError,
     JsonError,
     ReplicaBucketMissingError,
     ReplicaPointerError,
+    UsageError,
 )
 from ..remote import ObjectBucket
 from ..sealed import seal_fd, sealable_fd
@@ -92,6 +94,13 @@ class Replicas:
             if not create:
                 raise ReplicaBucketMissingError(CONTENT_BUCKET) from None
             store = await js.create_object_store(bucket=CONTENT_BUCKET, replicas=self.replicas)
+        else:  # an operator's bucket: nothing in it may expire under a pointer
+            if (await js.stream_info(f"OBJ_{CONTENT_BUCKET}")).config.max_age:
+                raise BusConfigError(
+                    f"object bucket {CONTENT_BUCKET} has a TTL: objects would expire under "
+                    "the pointers that name them; create it without one (retention is the "
+                    "replicators' sweep), it is left as it is"
+                )
         self._content = ContentBucket(ObjectBucket(js, store, CONTENT_BUCKET), grace=self.grace)
         try:
             kv = await js.key_value(POINTERS_BUCKET)
@@ -107,18 +116,24 @@ class Replicas:
     @property
     def content(self) -> ContentBucket:
         if self._content is None:
-            raise RuntimeError("open() the replicas first")
+            raise UsageError("open() the replicas first")
         return self._content
 
     @property
     def pointers(self) -> Pointers:
         if self._pointers is None:
-            raise RuntimeError("open() the replicas first")
+            raise UsageError("open() the replicas first")
         return self._pointers
+
+    async def _opened(self) -> None:
+        """A read opens the buckets (read-only) when nobody did."""
+        if self._pointers is None:
+            await self.open()
 
     async def pointer(self, session_id: str) -> tuple[ReplicaPointer, int] | None:
         """The session's pointer and its KV revision, or ``None``
         (``BusUnavailableError`` if the cluster cannot answer now)."""
+        await self._opened()
         with cluster_errors(f"the pointer of session {session_id}"):
             return await self.pointers.get(session_id)
 
@@ -126,6 +141,7 @@ class Replicas:
         """The session's pointed generation, rebuilt and verified (see the module
         docstring). ``GenerationNotFoundError`` if the session has none;
         ``BusUnavailableError`` if the cluster cannot answer now (try again)."""
+        await self._opened()
         with cluster_errors(f"the replicated generation of session {session_id}"):
             return await self._fetch(session_id)
 

@@ -336,21 +336,30 @@ class FileStore:
     # --- reads ---------------------------------------------------------------------
 
     async def read(
-        self, checkpoint_id: str | None = None, *, session_id: str | None = None
+        self,
+        checkpoint_id: str | None = None,
+        *,
+        session_id: str | None = None,
+        pin: bool = False,
     ) -> StoredCheckpoint:
         """Read and verify the named generation, or the session's high water. The
         lock is held only to select and map it (a rotation can then unlink the
         file, the map keeps it): the verification, a pass over every byte, never
-        holds a commit up."""
+        holds a commit up. ``pin``: rotation keeps the generation listed from its
+        selection on, until the caller's ``unpin`` (a restore forks from it)."""
         async with self._lock:
             record = self.core.select(checkpoint_id, session_id=session_id)
             path, mapped = await self._run(self.core.map, record)
+            if pin:
+                self.core.pin(record.checkpoint_id)
         try:
             stored: StoredCheckpoint = await self._run(
                 checked_generation, record, path, mapped, mapped.close
             )
         except BaseException:
             mapped.close()
+            if pin:
+                self.unpin(record.checkpoint_id)
             raise
         return stored
 
