@@ -70,6 +70,7 @@ __all__ = [
     "encode",
     "footer_bytes",
     "layout_of",
+    "manifest_length",
     "plan",
 ]
 
@@ -414,6 +415,27 @@ class EnvelopePlan:
             raise result
         self.sealed = result
         yield memoryview(result.footer)
+
+
+def manifest_length(header: BytesLike) -> int:
+    """The manifest's length, from an envelope's first ``HEADER_BYTES`` bytes (its
+    manifest follows them): what a caller that wants only the manifest reads
+    next. ``CorruptEnvelopeError`` for a header no writer makes. (Nothing here is
+    verified beyond the header: ``decode`` is the reader.)"""
+    view = _byte_view(header)
+    if len(view) < HEADER_BYTES:
+        raise CorruptEnvelopeError(1, "length", "shorter than a header", offset=0,
+                                   expected=HEADER_BYTES, actual=len(view))  # fmt: skip
+    magic, version, header_bytes, manifest_bytes, _, _, reserved = _HEADER.unpack_from(view, 0)
+    if (magic, version, header_bytes, reserved) != (MAGIC, VERSION, HEADER_BYTES, 0):
+        raise CorruptEnvelopeError(1, "magic", "not a FLYSESS1 header", offset=0,
+                                   expected=MAGIC, actual=magic)  # fmt: skip
+    if manifest_bytes > MAX_MANIFEST_BYTES:
+        raise CorruptEnvelopeError(
+            3, "manifest-bytes", "a manifest longer than any writer makes",
+            offset=16, expected=MAX_MANIFEST_BYTES, actual=manifest_bytes,
+        )  # fmt: skip
+    return int(manifest_bytes)
 
 
 def footer_bytes(layout: Layout, prefix_digest: bytes) -> bytes:

@@ -1760,3 +1760,37 @@ async def test_a_forged_lease_revision_never_fences_the_owner_for_good(
             found = await replicator.replicas.pointer("s1")
             assert found is not None and found[0].generation.checkpoint_id == "e1-2"
             assert not replicator.fenced
+
+
+@pytest.mark.asyncio
+async def test_a_replicator_restarting_over_replicated_sessions_reads_no_payload(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A host restarts over sessions whose pointers name their state already: its
+    replicator checks each from the manifest and the objects' metas, and reads
+    (and hashes) no generation; one whose object was lost is made whole again."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with Replicator(bus, store) as replicator:
+            for session in ("s1", "s2", "s3"):
+                await _commit_by_hand(store, session, f"e-{session}", 1, os.urandom(4000))
+            await caught_up(replicator)
+        reads: list[str] = []
+        read = store.read
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            reads.append(args[0] if args else kwargs.get("checkpoint_id"))
+            return await read(*args, **kwargs)
+
+        store.read = counted  # type: ignore[method-assign]
+        async with Replicator(bus, store) as replicator:
+            await caught_up(replicator)
+        assert reads == []
+        found = await replicator.replicas.pointer("s2")
+        assert found is not None
+        lost = await replicator.replicas.content.objects.stored(found[0].generation.payloads[0])
+        assert lost is not None
+        await replicator.replicas.content._delete(lost)  # (a sweep gone wrong, say)
+        async with Replicator(bus, store) as replicator:
+            await caught_up(replicator)
+            assert await _fetch_code(replicator.replicas, "s2") == "ok"
+        assert reads == ["e-s2-1"]

@@ -241,21 +241,17 @@ class Replicator:
                 )
         if lease is not None:
             await lease.check()
+        if (
+            current is not None
+            and current.names(*target.key)
+            and (await self._already(current.generation, target.record))
+        ):  # moved already (by this host, before it went down): its event, if lost
+            self._held[session_id] = target.key
+            await self._announce_again(current, revision, target)
+            return
         started = self._clock()
         with await self.store.read(target.record.checkpoint_id, session_id=session_id) as stored:
             generation, sent = await self._upload(stored)
-            if (
-                current is not None
-                and current.names(*target.key)
-                and (
-                    current.generation == generation  # (not a forged one naming the same state)
-                )
-            ):
-                # Moved already (by this host, before it went down): its objects are
-                # whole and young again now, and its event goes out if it was lost.
-                self._held[session_id] = target.key
-                await self._announce_again(current, revision, target)
-                return
             if lease is not None:
                 await lease.check()
             if not self._on_timeline(session_id, target.record):  # a fork abandoned it:
@@ -274,6 +270,27 @@ class Replicator:
             sent += await self._make_whole(stored, generation, started)
         self._held[session_id] = target.key
         await self._announce(pointer, moved, target, sent, (self._clock() - started) * 1000)
+
+    async def _already(self, named: ReplicatedGeneration, record: GenerationRecord) -> bool:
+        """Whether ``named`` is exactly what replicating ``record`` would make (not a
+        forged pointer naming the same state) and every object it names is whole:
+        checked from the manifest alone, no pass over the payloads."""
+        manifest = await self.store.manifest_bytes(
+            record.checkpoint_id, session_id=record.session_id
+        )
+        try:
+            _, layout = layout_of(parse_canonical(manifest))
+        except (ValueError, CoordinatorError):
+            return False
+        if (
+            named.manifest != hashlib.sha256(manifest).hexdigest()
+            or named.payloads != tuple(entry.digest for entry in layout.entries)
+            or int(named.envelope_bytes) != layout.file_bytes
+        ):
+            return False
+        content = self.replicas.content
+        sizes = {named.manifest: len(manifest), **{e.digest: e.byte_length for e in layout.entries}}
+        return all([await content.live(digest, size) for digest, size in sizes.items()])
 
     async def _make_whole(
         self, stored: StoredCheckpoint, generation: ReplicatedGeneration, started: float

@@ -363,6 +363,14 @@ class FileStore:
             raise
         return stored
 
+    async def manifest_bytes(self, checkpoint_id: str, *, session_id: str) -> bytes:
+        """A listed generation's manifest bytes, as written (a small read, nothing
+        verified; see ``SyncStore.manifest_bytes``)."""
+        async with self._lock:
+            record = self.core.select(checkpoint_id, session_id=session_id)
+            data: bytes = await self._run(self.core.manifest_bytes, record)
+            return data
+
     async def read_newest_valid(self, *, session_id: str | None = None) -> StoredCheckpoint:
         read = functools.partial(self.core.read_newest_valid, session_id=session_id)
         async with self._lock:

@@ -16,10 +16,11 @@ from typing import Literal, Self
 import msgspec
 
 from ..buffers import BytesLike
-from ..envelope import plan
+from ..envelope import HEADER_BYTES, manifest_length, plan
 from ..errors import (
     CommitError,
     CoordinatorError,
+    CorruptEnvelopeError,
     GenerationCorruptError,
     GenerationNotFoundError,
     StoreClosedError,
@@ -340,6 +341,28 @@ class SyncStore:
         """Open, check and decode one generation (see ``_verify``)."""
         self._check_open()
         return read_generation(self._fs, self._join(record.file), record)
+
+    def manifest_bytes(self, record: GenerationRecord) -> bytes:
+        """The manifest bytes of ``record``'s file, as written (nothing else read,
+        nothing verified: what a follower compares with what it holds elsewhere).
+        ``GenerationCorruptError`` for a file that does not even begin as one."""
+        self._check_open()
+        path = self._join(record.file)
+        try:
+            fd = self._fs.open(path)
+            try:
+                head = self._fs.read(fd, HEADER_BYTES)
+                length = manifest_length(head)
+                data = self._fs.read(fd, length)  # (it follows the header)
+            finally:
+                self._fs.close(fd)
+        except (OSError, CorruptEnvelopeError) as error:
+            raise GenerationCorruptError(
+                record.checkpoint_id, path, "manifest", str(error)
+            ) from None
+        if len(data) != length:
+            raise GenerationCorruptError(record.checkpoint_id, path, "length", "truncated")
+        return data
 
     def map(self, record: GenerationRecord) -> tuple[str, mmap.mmap]:
         """One generation's file mapped (its length checked) and its path: what
