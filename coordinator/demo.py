@@ -150,7 +150,10 @@ def _show(event: Event, out: TextIO) -> None:
         extra = f"into {event.epoch} ({event.reason}); abandoned "
         extra += _abandoned_text(event)
     elif isinstance(event, Replicated):
-        extra = f"-> {event.object} (pointer revision {event.pointer_revision})"
+        why = "" if event.cause == "commit" else f", after the {event.cause}"
+        sent = int(event.uploaded_bytes) / (1 << 20)
+        extra = f"in the cluster (pointer revision {event.pointer_revision}{why}): "
+        extra += f"{sent:.1f} MiB sent"
     _say(out, f"  {event.seq:4}  {kind:10}  {event.checkpoint_id:12}  {extra}")
 
 
