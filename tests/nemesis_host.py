@@ -20,34 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from test_replication import Part  # (this script's directory is on sys.path)
 
 from coordinator import Coordinator, FileStore, HostDescription
 from coordinator.bus import NatsBus
 from coordinator.errors import BusUnavailableError, CoordinatorError
-from coordinator.participant import CaptureScope
 from coordinator.replicate import LeaseLostError, Replicator, SessionLease, SessionLeasedError
-from coordinator.session import RestoreScope
 
 LEASE_TTL = 3.0
 GRACE = float(os.environ.get("NEMESIS_GRACE", "12"))
-
-
-class Part:
-    def __init__(self, name: str, data: bytes) -> None:
-        self.name = name
-        self.data = data
-
-    async def capture(self, scope: CaptureScope) -> bytes:
-        return self.data
-
-    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
-        return bytes(payload)
-
-    async def activate_restore(self, token: bytes) -> None:
-        self.data = token
-
-    async def abort_restore(self, token: bytes) -> None:
-        pass
 
 
 class History:

@@ -193,12 +193,7 @@ import anyio, json, sys
 from coordinator.bus import connect
 from coordinator.replicate import Replicas
 from coordinator.store import export_payloads
-
-def status_mib(field):
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
+from coordinator.bench.replicate import status_mib
 
 async def main(url, session, target):
     client = await connect([url], 5.0, error_cb=None)
@@ -217,14 +212,8 @@ _RESUME_PROBE = """
 import anyio, json, sys
 from coordinator import Coordinator, FileStore
 from coordinator.bus import NatsBus
-from coordinator.bench.replicate import _describe_host, _Sink
+from coordinator.bench.replicate import _describe_host, _Sink, status_mib
 from coordinator.replicate import Replicas
-
-def status_mib(field):
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
 
 async def main(url, session, store_dir):
     async with NatsBus(url) as bus, FileStore(store_dir) as store:
@@ -238,6 +227,15 @@ async def main(url, session, store_dir):
 
 anyio.run(main, *sys.argv[1:])
 """
+
+
+def status_mib(field: str) -> float:
+    """A figure of this process's ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in MiB."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise LookupError(field)
 
 
 class _Sink:
