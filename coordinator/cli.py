@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -41,6 +42,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREADABLE = 3
 EXIT_NOT_CHECKPOINT = 4
+EXIT_ADDRESS = 5
 EXIT_INTERRUPTED = 130
 EXIT_PIPE_CLOSED = 141
 EXIT_TERMINATED = 143
@@ -52,6 +54,7 @@ EXIT_STATUSES = f"""exit status:
   {EXIT_USAGE}    usage: bad arguments
   {EXIT_UNREADABLE}    unreadable: no such file or directory, permission denied, not a regular file
   {EXIT_NOT_CHECKPOINT}    not a checkpoint: a directory that is no store (store.not_a_store)
+  {EXIT_ADDRESS}    the dashboard cannot listen there (the address is in use, or not this host's)
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
   {EXIT_PIPE_CLOSED}  the reader of the output went away (a closed pipe: `| head`)
   {EXIT_TERMINATED}  terminated (SIGTERM)"""
@@ -361,6 +364,19 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _bind(host: str, port: int, err: TextIO) -> Any:
+    """The dashboard's socket, listening; ``None`` and one line on ``err`` if it
+    cannot be had (the address in use: another dashboard, or another program)."""
+    from .dashboard import listening_socket
+
+    try:
+        return listening_socket(host, port)
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        print(f"coordinator: cannot listen on {host}:{port}: {reason}", file=err)
+        return None
+
+
 def _dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Serve the live save-state page until Ctrl-C."""
     import anyio
@@ -371,12 +387,24 @@ def _dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if address is None:
         return EXIT_USAGE
     host, port = address
+    sock = _bind(host, port, err)
+    if sock is None:
+        return EXIT_ADDRESS
 
     async def run() -> None:
         ready = anyio.Event()
         async with anyio.create_task_group() as group:
             group.start_soon(
-                lambda: serve(args.nats, host, port, ready=ready, remote=args.allow_remote)
+                partial(
+                    serve,
+                    args.nats,
+                    host,
+                    port,
+                    ready=ready,
+                    remote=args.allow_remote,
+                    sock=sock,
+                    max_sessions=args.metrics_sessions,
+                )
             )
             await ready.wait()
             print(f"dashboard: http://{host}:{port}/ (following {args.nats}; Ctrl-C to stop)",
@@ -400,6 +428,9 @@ def _demo_with_dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> 
     if address is None:
         return EXIT_USAGE
     host, port = address
+    sock = _bind(host, port, err)
+    if sock is None:
+        return EXIT_ADDRESS
 
     async def run() -> None:
         async with contextlib.AsyncExitStack() as stack:
@@ -407,7 +438,7 @@ def _demo_with_dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> 
             ready = anyio.Event()
             async with anyio.create_task_group() as group:
                 group.start_soon(
-                    lambda: serve(url, host, port, ready=ready, remote=args.allow_remote)
+                    lambda: serve(url, host, port, ready=ready, remote=args.allow_remote, sock=sock)
                 )
                 await ready.wait()
                 print(f"dashboard: http://{host}:{port}/", file=out, flush=True)
@@ -626,6 +657,24 @@ def _agent_parser() -> argparse.ArgumentParser:
     return agent
 
 
+def _add_dashboard(commands: Any) -> None:
+    dashboard = commands.add_parser(
+        "dashboard",
+        help="a live web page of save state on a NATS server (read-only)",
+        description="Example: coordinator dashboard --nats nats://127.0.0.1:4222 "
+        "--listen 127.0.0.1:8321",
+    )
+    dashboard.add_argument("--nats", default="nats://127.0.0.1:4222", help="the NATS server URL")
+    dashboard.add_argument("--listen", type=_listen, default=("127.0.0.1", 8321),
+                           metavar="HOST:PORT", help="where to serve (127.0.0.1:8321)")  # fmt: skip
+    dashboard.add_argument("--metrics-sessions", type=_positive, default=1000,
+                           help="sessions with series of their own on /metrics (1000); "
+                           "the rest count in the fleet's totals")  # fmt: skip
+    dashboard.add_argument("--allow-remote", action="store_true",
+                           help="listen on an address that is not loopback")  # fmt: skip
+    dashboard.set_defaults(run=_dashboard, dashboard=None)
+
+
 def _parser() -> argparse.ArgumentParser:
     from .bench import GROUPS
 
@@ -659,18 +708,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="the dashboard may listen on a non-loopback address")  # fmt: skip
     demo.set_defaults(run=_demo)
 
-    dashboard = commands.add_parser(
-        "dashboard",
-        help="a live web page of save state on a NATS server (read-only)",
-        description="Example: coordinator dashboard --nats nats://127.0.0.1:4222 "
-        "--listen 127.0.0.1:8321",
-    )
-    dashboard.add_argument("--nats", default="nats://127.0.0.1:4222", help="the NATS server URL")
-    dashboard.add_argument("--listen", type=_listen, default=("127.0.0.1", 8321),
-                           metavar="HOST:PORT", help="where to serve (127.0.0.1:8321)")  # fmt: skip
-    dashboard.add_argument("--allow-remote", action="store_true",
-                           help="listen on an address that is not loopback")  # fmt: skip
-    dashboard.set_defaults(run=_dashboard, dashboard=None)
+    _add_dashboard(commands)
 
     inspect = commands.add_parser(
         "inspect",

@@ -29,7 +29,7 @@ from .ids import U64, Id
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["SaveState", "SessionState", "render"]
+__all__ = ["SaveState", "SessionState", "fold_event", "render"]
 
 
 class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -46,11 +46,19 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     last_committed_bytes: int | None = None
     last_failure: str | None = None  # "code: reason"
     epoch: str | None = None  # the newest epoch seen
+    epochs: tuple[str, ...] = ()  # the latest RECENT_EPOCHS epochs seen, newest last
+    closed_out: int = 0  # captures that left in flight because a newer run began (rule 5)
+    last_committed_time: str | None = None  # the host's time of the newest commit
+    last_failure_time: str | None = None
+    last_event_time: str | None = None  # the host's time of the newest current event
+    recent_commits: tuple[tuple[str, str], ...] = ()  # (checkpointId, time), newest last
     restores: int = 0
     last_restore: str | None = None  # "<checkpoint> into <epoch> (<reason>; abandoned a-b)"
     replicated: int = 0  # generations that reached the replicated tier
     replicated_high_water: str | None = None
     replicated_seq: int = 0
+    unreplicated: int = 0  # commits after the replicated one (rule 6, replicated)
+    oldest_unreplicated_time: str | None = None  # the host's time of the first of them
     last_seq: int = 0
     missing: frozenset[int] = frozenset()  # seqs skipped over and not seen yet (rule 3)
     lost: int = 0  # seqs skipped beyond MAX_MISSING: counted, not kept
@@ -60,6 +68,8 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 
 FOLDED_IDS = 1024
+RECENT_EPOCHS = 8
+RECENT_COMMITS = 64  # commits remembered to tell how far the replicated tier is behind
 MAX_MISSING = 4096  # the most missed seqs kept by number (rule 3)
 MAX_SEQ = 2**53 - 1  # the largest seq every language reads exactly (rule 1)
 
@@ -69,7 +79,8 @@ class SaveState(msgspec.Struct, frozen=True, kw_only=True):
     skipped: int = 0  # messages that were not events (rule 1)
 
     def apply(self, event: Event) -> SaveState:
-        """The state after ``event``; ``self`` is left as it was."""
+        """The state after ``event``; ``self`` is left as it was. It copies the
+        sessions' dict: a fleet's reader folds with ``fold_event`` instead (O(1))."""
         return self._with(event.session_id, event.seq, event.event_id, event)
 
     def apply_message(self, data: bytes | str) -> SaveState:
@@ -100,6 +111,16 @@ class SaveState(msgspec.Struct, frozen=True, kw_only=True):
         return SaveState(sessions=sessions, skipped=self.skipped)
 
 
+def fold_event(
+    state: SessionState | None, event: Event, *, keep_ids: int = FOLDED_IDS
+) -> SessionState:
+    """One session's state after ``event``: what ``SaveState.apply`` does for that
+    session, at a cost that does not grow with the number of sessions.
+    ``keep_ids``: how many eventIds rule 2 remembers (a fleet keeps fewer)."""
+    before = state or SessionState(session_id=event.session_id)
+    return _fold(before, event.seq, event.event_id, event, keep_ids)
+
+
 class _Envelope(msgspec.Struct, rename="camel"):
     """The fields every event has, whatever its kind (rule 1)."""
 
@@ -118,6 +139,7 @@ class _Read(msgspec.Struct, frozen=True, kw_only=True, rename="camel", tag_field
 
     checkpoint_id: Id
     epoch: Id
+    time: Any = None  # read when it is a string: for ages, never a reason for rule 4
 
 
 class _ReadCaptured(_Read, frozen=True, kw_only=True, tag="captured"):
@@ -172,14 +194,84 @@ def _kind(event: Event | _Read) -> str:
 
 
 def _fold(
-    state: SessionState, seq: int, event_id: str, event: Event | _Read | None
+    state: SessionState,
+    seq: int,
+    event_id: str,
+    event: Event | _Read | None,
+    keep_ids: int = FOLDED_IDS,
 ) -> SessionState:
     if event_id in state.folded:  # rule 2: a re-publication
         return msgspec.structs.replace(state, duplicates=state.duplicates + 1)
-    changes: dict[str, object] = {"folded": (*state.folded[-(FOLDED_IDS - 1) :], event_id)}
-    # Rule 3. Late: behind one already seen (the stream may hold a few events out
-    # of order after a connection drop); it fills the gap its number left.
+    changes: dict[str, object] = {"folded": (*state.folded[-(keep_ids - 1) :], event_id)}
     late = 0 < seq < state.last_seq
+    changes.update(_sequence(state, seq, late))
+    if event is None:  # rule 4: a kind this version does not know
+        return msgspec.structs.replace(state, **changes)
+    kind = _kind(event)
+    open_ids = set(state.in_flight)
+    when = event.time if isinstance(event.time, str) else None
+    current = not late and seq > 0
+    if current and kind != "replicated":  # the host's epoch, not the replica's
+        changes["last_event_time"] = when
+        if event.epoch not in state.epochs:  # a new run: the older runs' captures are over
+            changes.update(epoch=event.epoch, epochs=(*state.epochs[-(RECENT_EPOCHS - 1) :],
+                           event.epoch), closed_out=state.closed_out + len(open_ids))  # fmt: skip
+            open_ids.clear()
+    # The high water moves to what a committed or restored event names only if it
+    # comes after the event that set it: one stored late behind it, or a seq-0
+    # re-announcement (outside the sequence), never moves it back. One stored
+    # late behind other kinds of event still does.
+    newest = state.high_water is None or (seq > 0 and seq >= state.high_water_seq)
+    if isinstance(event, Restored | _ReadRestored):
+        changes.update(restores=state.restores + 1, last_restore=_restore_text(event))
+        if newest:  # the store's high water is the checkpoint restored now
+            changes.update(
+                high_water=event.checkpoint_id,
+                high_water_boundary=event.boundary,
+                high_water_seq=seq,
+            )
+            # The abandoned commits are no lag: the tier is to hold the restored one.
+            held = state.replicated_high_water == event.checkpoint_id
+            changes.update(
+                recent_commits=((event.checkpoint_id, when or ""),),
+                unreplicated=0 if held else 1,
+                oldest_unreplicated_time=None if held else when,
+            )
+    elif kind == "replicated":
+        changes["replicated"] = state.replicated + 1
+        if state.replicated_high_water is None or (seq > 0 and seq >= state.replicated_seq):
+            changes.update(replicated_high_water=event.checkpoint_id, replicated_seq=seq)
+            changes.update(_behind(state.recent_commits, event.checkpoint_id))
+        changes["in_flight"] = state.in_flight
+        return msgspec.structs.replace(state, **changes)
+    elif kind == "captured":
+        if not late:  # a late one may already be over
+            open_ids.add(event.checkpoint_id)
+    elif isinstance(event, Queued | _ReadQueued):
+        if not late:
+            changes["queue_depth"] = event.queue_depth
+    else:
+        open_ids.discard(event.checkpoint_id)
+        if isinstance(event, Committed | _ReadCommitted):
+            changes["committed"] = state.committed + 1
+            if newest:
+                changes.update(_newest_commit(state, seq, event, when))
+        elif kind == "superseded":
+            changes["superseded"] = state.superseded + 1
+        elif isinstance(event, Failed | _ReadFailed):
+            changes.update(failed=state.failed + 1, last_failure=f"{event.code}: {event.reason}",
+                           last_failure_time=when)  # fmt: skip
+        # What is queued waits behind what is in flight: never more of it.
+        changes["queue_depth"] = min(state.queue_depth, len(open_ids))
+    changes["in_flight"] = frozenset(open_ids)
+    return msgspec.structs.replace(state, **changes)
+
+
+def _sequence(state: SessionState, seq: int, late: bool) -> dict[str, object]:
+    """Rule 3: what ``seq`` changes in ``lastSeq``, ``missing`` and ``lost``. Late:
+    behind one already seen (the stream may hold a few events out of order after
+    a connection drop); it fills the gap its number left."""
+    changes: dict[str, object] = {}
     missing, lost = state.missing, state.lost
     if late:
         missing = missing - {seq}
@@ -194,55 +286,36 @@ def _fold(
                 missing = kept
         changes["last_seq"] = seq
     changes.update(missing=missing, lost=lost, gaps=len(missing) + lost)
-    if event is None:  # rule 4: a kind this version does not know
-        return msgspec.structs.replace(state, **changes)
-    kind = _kind(event)
-    if not late and seq > 0 and kind != "replicated":  # the host's epoch, not the replica's
-        changes["epoch"] = event.epoch
-    open_ids = set(state.in_flight)
-    # The high water moves to what a committed or restored event names only if it
-    # comes after the event that set it: one stored late behind it, or a seq-0
-    # re-announcement (outside the sequence), never moves it back. One stored
-    # late behind other kinds of event still does.
-    newest = state.high_water is None or (seq > 0 and seq >= state.high_water_seq)
-    if isinstance(event, Restored | _ReadRestored):
-        changes.update(restores=state.restores + 1, last_restore=_restore_text(event))
-        if newest:  # the store's high water is the checkpoint restored now
-            changes.update(
-                high_water=event.checkpoint_id,
-                high_water_boundary=event.boundary,
-                high_water_seq=seq,
-            )
-    elif kind == "replicated":
-        changes["replicated"] = state.replicated + 1
-        if state.replicated_high_water is None or (seq > 0 and seq >= state.replicated_seq):
-            changes.update(replicated_high_water=event.checkpoint_id, replicated_seq=seq)
-        changes["in_flight"] = state.in_flight
-        return msgspec.structs.replace(state, **changes)
-    elif kind == "captured":
-        if not late:  # a late one may already be over
-            open_ids.add(event.checkpoint_id)
-    elif isinstance(event, Queued | _ReadQueued):
-        if not late:
-            changes["queue_depth"] = event.queue_depth
-    else:
-        open_ids.discard(event.checkpoint_id)
-        if isinstance(event, Committed | _ReadCommitted):
-            changes["committed"] = state.committed + 1
-            if newest:
-                changes.update(
-                    high_water=event.high_water,
-                    high_water_boundary=event.boundary,
-                    high_water_seq=seq,
-                    last_committed_ms=_total_ms(event.timings),
-                    last_committed_bytes=_count(event.envelope_bytes),
-                )
-        elif kind == "superseded":
-            changes["superseded"] = state.superseded + 1
-        elif isinstance(event, Failed | _ReadFailed):
-            changes.update(failed=state.failed + 1, last_failure=f"{event.code}: {event.reason}")
-    changes["in_flight"] = frozenset(open_ids)
-    return msgspec.structs.replace(state, **changes)
+    return changes
+
+
+def _newest_commit(
+    state: SessionState, seq: int, event: Committed | _ReadCommitted, when: str | None
+) -> dict[str, object]:
+    """What a committed event newer than the high water changes."""
+    recent = (*state.recent_commits[-(RECENT_COMMITS - 1) :], (event.checkpoint_id, when or ""))
+    return {
+        "high_water": event.high_water,
+        "high_water_boundary": event.boundary,
+        "high_water_seq": seq,
+        "last_committed_ms": _total_ms(event.timings),
+        "last_committed_bytes": _count(event.envelope_bytes),
+        "last_committed_time": when,
+        "recent_commits": recent,
+        "unreplicated": state.unreplicated + 1,
+        "oldest_unreplicated_time": state.oldest_unreplicated_time or when,
+    }
+
+
+def _behind(commits: tuple[tuple[str, str], ...], replicated: str) -> dict[str, object]:
+    """How far the replicated tier is behind once it holds ``replicated``: the
+    commits after it, and the host's time of the first of them."""
+    for index in range(len(commits) - 1, -1, -1):
+        if commits[index][0] == replicated:
+            after = commits[index + 1 :]
+            return {"unreplicated": len(after),
+                    "oldest_unreplicated_time": after[0][1] or None if after else None}  # fmt: skip
+    return {}  # older than what is remembered: the count goes on
 
 
 def _total_ms(timings: object) -> float | None:

@@ -42,7 +42,9 @@ it, and a lost reply, from the store manifest, and never saves again.
 
 from __future__ import annotations
 
+import os
 import secrets
+import socket
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -80,7 +82,7 @@ from .errors import (
     WriterClosedError,
     release_frames,
 )
-from .events import Committed, Restored
+from .events import Committed, Restored, rfc3339_now
 from .host import HostDescription
 from .identity import (
     Identity,
@@ -100,6 +102,8 @@ from .participant import (
     check_reply,
 )
 from .policy import CapturePolicy
+from .presence import DEFAULT_INTERVAL_S, Presence
+from .presence import MAX_TEXT as MAX_PRESENCE_TEXT
 from .reconcile import restored_event, unannounced_restore
 from .store import FileStore, GenerationRecord, StoredCheckpoint
 from .writer import Outcome, RetryPolicy, Ticket, Writer, WriterLimits
@@ -212,6 +216,7 @@ class Coordinator:
         self._ids: set[str] = set()  # the checkpoint ids this coordinator reserved or used
         self._at_step: dict[int, Ticket] = {}  # this epoch's latest capture of each step
         self._last_step: int | None = None  # the newest step captured in this epoch
+        self._host_step: int | None = None  # the newest step the host told us of
         self._acted = False  # captured or restored in this run: a restore is a rollback
         self._open = False
         self._claimed = False  # this coordinator holds its session on the store
@@ -250,6 +255,7 @@ class Coordinator:
             self.writer.announce(unannounced)
         self._open = True
         self._entering.set()
+        self.bus.keep_alive(self.session_id, self._presence)
         return self
 
     async def __aexit__(
@@ -320,6 +326,7 @@ class Coordinator:
                 if self._claimed:
                     self._claimed = False
                     self.store.release_session(self.session_id)
+                self.bus.farewell(self._presence(ended=True, error=error))
                 self._shut.set()
 
     async def _final_capture(self, step: int) -> None:
@@ -340,6 +347,19 @@ class Coordinator:
                 return
             except WriterBusyError:
                 await self.writer.wait_for_room()
+
+    def _presence(self, *, ended: bool = False, error: BaseException | None = None) -> Presence:
+        """This session's beat, now (docs/events.md, "Presence")."""
+        writer = self.writer.statistics()
+        code = getattr(error, "code", None) or (type(error).__name__ if error else None)
+        return Presence(
+            session_id=self.session_id, epoch=self.epoch, state="ended" if ended else "running",
+            time=rfc3339_now(), interval_s=getattr(self.bus, "heartbeat_s", DEFAULT_INTERVAL_S),
+            step=None if self._host_step is None else str(self._host_step),
+            queue_depth=writer.queued, in_flight=writer.outstanding,
+            error=None if code is None else str(code)[:MAX_PRESENCE_TEXT],
+            host=_HOSTNAME, pid=os.getpid(),
+        )  # fmt: skip
 
     # --- capture -------------------------------------------------------------------
 
@@ -372,6 +392,7 @@ class Coordinator:
         """
         self._check_capturing(closing)
         format_u64(step)
+        self._host_step = step
         if checkpoint_id is not None:
             self._check_explicit_id(check_id(checkpoint_id), step)
         checkpoint_id = check_id(checkpoint_id or f"{self.epoch}-{step}")
@@ -546,6 +567,8 @@ class Coordinator:
         policy = self.policy
         if policy is None:
             raise UsageError("at_boundary() needs a Coordinator made with a policy=")
+        format_u64(step)
+        self._host_step = step
         now = time.monotonic()
         if not policy.due(step, now):
             return None
@@ -822,6 +845,7 @@ class Coordinator:
                 raise self._fenced from error
         self.epoch = new_epoch
         self._last_step = None
+        self._host_step = int(record.boundary)  # the host goes on from the restored step
         self._at_step.clear()
         if self.policy is not None:  # its step rule counts from the restored boundary
             self.policy.restored(int(record.boundary))
@@ -842,6 +866,9 @@ class Coordinator:
 
 # Room for "-<step>" (up to 20 digits) in a default checkpoint id of 64 characters.
 MAX_EPOCH_LENGTH = ID_MAX_LENGTH - 1 - len(str(U64_MAX))
+
+
+_HOSTNAME = socket.gethostname()[:255]
 
 
 def _check_epoch(epoch: str) -> str:

@@ -19,7 +19,7 @@ def test_fold_is_pure_and_tracks_the_high_water() -> None:
     committed = queued.apply(make("committed", 3)).sessions["session-1"]
     assert (committed.high_water, committed.high_water_boundary) == ("ckpt-7", "7")
     assert committed.in_flight == frozenset()
-    assert committed.queue_depth == 1
+    assert committed.queue_depth == 0  # nothing in flight: nothing queued
     assert committed.committed == 1
     assert captured.sessions["session-1"].committed == 0  # unchanged
 

@@ -7,11 +7,13 @@ truth for durability: the store manifest is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from ..events import Event, Restored
+from ..presence import Presence
 from .memory import MemoryBus, Subscription
 
 if TYPE_CHECKING:
@@ -57,6 +59,15 @@ class Bus(Protocol):
     async def last_seq(self, session_id: str) -> int:
         """The highest ``seq`` the bus holds for a session; 0 if none, or if it
         cannot tell (then a new writer's sequence starts again at 1)."""
+        ...
+
+    def keep_alive(self, session_id: str, report: Callable[[], Presence]) -> None:
+        """Announce the session's host alive, with ``report()``'s beat, until
+        ``farewell`` (docs/events.md, "Presence")."""
+        ...
+
+    def farewell(self, presence: Presence) -> None:
+        """The session's last beat: its coordinator closed."""
         ...
 
     def statistics(self) -> BusStatistics: ...

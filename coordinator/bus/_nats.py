@@ -33,7 +33,7 @@ import itertools
 import logging
 import re
 import urllib.parse
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
@@ -72,6 +72,13 @@ from ..events import (
     subject_token,
 )
 from ..ids import check_id, is_id
+from ..presence import (
+    DEFAULT_INTERVAL_S,
+    PRESENCE_BUCKET,
+    Presence,
+    decode_presence,
+    encode_presence,
+)
 from . import BusStatistics
 from .memory import Subscription
 
@@ -96,6 +103,8 @@ TRANSIENT = (
     NoStreamResponseError,  # the stream has no leader for a moment (a cluster election)
     TooManyStalledMsgsError,  # nats-py's in-flight publishes are all waiting for acks
 )
+# A host's presence entry is kept this long after its last beat, then forgotten.
+PRESENCE_KEPT_S = 7 * 24 * 3600.0
 # How many recent event ids a live subscription remembers, to drop re-publications.
 _RECENT_IDS = 4096
 
@@ -124,9 +133,13 @@ class NatsBus:
         publish_window: int = PUBLISH_WINDOW,
         max_attempts: int = 5,
         read_only: bool = False,
+        presence_bucket: str = PRESENCE_BUCKET,
+        heartbeat_s: float = DEFAULT_INTERVAL_S,
         **connect_options: Any,
     ) -> None:
         self.read_only = read_only
+        self.presence_bucket = presence_bucket
+        self.heartbeat_s = heartbeat_s  # between two presence beats of a session
         self.servers = [servers] if isinstance(servers, str) else list(servers)
         self.prefix = prefix
         self.stream = stream
@@ -154,6 +167,10 @@ class NatsBus:
         self._group: TaskGroup | None = None
         self._subscriptions: dict[Subscription, NatsSubscription] = {}
         self._counts = collections.Counter[str]()
+        self._presence: KeyValue | None = None
+        self._reporters: dict[str, Callable[[], Presence]] = {}
+        self._last_words: dict[str, Presence] = {}
+        self._beat_now = anyio.Event()
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -178,6 +195,7 @@ class NatsBus:
         try:
             await self._ensure_stream()
             await self._ensure_bucket()
+            await self._ensure_presence_bucket()
         except BaseException as error:
             await self._close_connection()
             if isinstance(error, ServiceUnavailableError):
@@ -198,6 +216,8 @@ class NatsBus:
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
         await self._group.start(self._run_outbox)
+        if not self.read_only:
+            await self._group.start(self._run_beats)
         return self
 
     async def __aexit__(
@@ -216,6 +236,7 @@ class NatsBus:
         self._closing = True
         self._flush_deadline = anyio.current_time() + flush_timeout
         self._outbox.wake()
+        self._beat_now.set()
         for wake in self._on_close:
             wake()
         try:
@@ -263,6 +284,87 @@ class NatsBus:
             self._kv = await self._js.create_key_value(
                 bucket=self.bucket, history=1, replicas=self.replicas
             )
+
+    async def _ensure_presence_bucket(self) -> None:
+        """The hosts' presence bucket. A writer that may not create it still
+        publishes events (its beats are counted as ``presence_errors``)."""
+        assert self._js is not None
+        try:
+            self._presence = await self._js.key_value(self.presence_bucket)
+        except BucketNotFoundError:
+            if self.read_only:
+                return
+            try:
+                self._presence = await self._js.create_key_value(
+                    bucket=self.presence_bucket, history=1, replicas=self.replicas,
+                    ttl=PRESENCE_KEPT_S,
+                )  # fmt: skip
+            except APIError as error:
+                _log.warning("no presence bucket %s: %s", self.presence_bucket, error.description)
+
+    # --- presence ------------------------------------------------------------------
+
+    def keep_alive(self, session_id: str, report: Callable[[], Presence]) -> None:
+        """Beat for ``session_id`` every ``heartbeat_s`` (``report()``: the beat,
+        made now) until ``farewell``; the first beat goes out at once."""
+        self._reporters[session_id] = report
+        self._last_words.pop(session_id, None)
+        self._beat_now.set()
+
+    def farewell(self, presence: Presence) -> None:
+        """The session's last beat (``state: "ended"``): sent at once, and before
+        the bus closes."""
+        self._reporters.pop(presence.session_id, None)
+        self._last_words[presence.session_id] = presence
+        self._beat_now.set()
+
+    async def _run_beats(
+        self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            with anyio.move_on_after(self.heartbeat_s):
+                await self._beat_now.wait()
+            self._beat_now = anyio.Event()
+            beats = [report() for report in list(self._reporters.values())]
+            words, self._last_words = self._last_words, {}
+            for beat in [*beats, *words.values()]:
+                await self._put_presence(beat)
+            if self._closing:
+                return
+
+    async def _put_presence(self, beat: Presence) -> None:
+        if self._presence is None:
+            self._counts["presence_errors"] += 1
+            return
+        try:
+            with anyio.fail_after(self.publish_timeout):
+                await self._presence.put(subject_token(beat.session_id), encode_presence(beat))
+            self._counts["presence"] += 1
+        except Exception:  # the next beat tries again; a reader sees the host late
+            self._counts["presence_errors"] += 1
+
+    async def presence(self) -> AsyncIterator[Presence]:
+        """Every session's latest beat, then each new one as it is put, for ever.
+        Nothing if no host ever beat on this server (no bucket: nothing is made).
+        A beat that is no ``Presence`` is counted (``invalid``) and skipped."""
+        assert self._js is not None
+        try:
+            bucket = await self._js.key_value(self.presence_bucket)
+        except BucketNotFoundError:
+            return
+        watcher = await bucket.watchall()
+        try:
+            async for entry in watcher:
+                if entry is None or entry.value is None or entry.operation is not None:
+                    continue
+                try:
+                    yield decode_presence(entry.value)
+                except msgspec.MsgspecError:
+                    self._counts["invalid"] += 1
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await watcher.stop()  # type: ignore[no-untyped-call]
 
     async def _on_error(self, error: Exception) -> None:
         """nats-py's asynchronous errors: counted (its default would only log them)."""
@@ -667,38 +769,55 @@ class NatsBus:
         until the consumer has nothing pending, never "until a quiet moment", so a
         slow server cannot cut the history short. ``BusUnavailableError`` if the
         stream cannot be read now (the server away, a cluster electing a leader)."""
+        events: list[Event] = []
+        async for batch in self.history_batches(session_id):
+            events.extend(batch)
+        return events
+
+    async def history_batches(
+        self, session_id: str | None = None, *, size: int = 512
+    ) -> AsyncIterator[list[Event]]:
+        """``history``, a batch of at most ``size`` events at a time, as the server
+        sends them: a reader of a long history folds one batch while the next is
+        on its way, and never holds the whole history in memory."""
         assert self._js is not None
         subjects = session_subjects(session_id, prefix=self.prefix)
-        events: list[Event] = []
         try:
             if self.read_only:
                 try:
                     await self._js.stream_info(self.stream)
                 except NotFoundError:
-                    return events  # no stream yet: nothing was published
+                    return  # no stream yet: nothing was published
             consumer = await self._js.pull_subscribe(
                 subjects, stream=self.stream, config=_read_once()
             )
-            try:
-                pending = (await consumer.consumer_info()).num_pending or 0
-                while pending:
-                    batch = await consumer.fetch(min(pending, 512), timeout=self.publish_timeout)
-                    for message in batch:
-                        try:
-                            events.append(decode_event(message.data))
-                        except msgspec.MsgspecError:  # a foreign message on our subjects
-                            self._counts["invalid"] += 1
-                        pending = message.metadata.num_pending
-            finally:  # deleted, not left for its inactivity threshold (readers pile up)
-                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                    with anyio.move_on_after(2):
-                        await self._js.delete_consumer(self.stream, consumer._consumer)
-                    await consumer.unsubscribe()
         except TRANSIENT as error:
             raise BusUnavailableError(
                 f"cannot read stream {self.stream} now ({type(error).__name__}); try again"
             ) from None
-        return events
+        try:
+            try:
+                pending = (await consumer.consumer_info()).num_pending or 0
+                while pending:
+                    wanted = min(pending, size)
+                    messages = await consumer.fetch(wanted, timeout=self.publish_timeout)
+                    batch: list[Event] = []
+                    for message in messages:
+                        try:
+                            batch.append(decode_event(message.data))
+                        except msgspec.MsgspecError:  # a foreign message on our subjects
+                            self._counts["invalid"] += 1
+                        pending = message.metadata.num_pending
+                    yield batch
+            except TRANSIENT as error:
+                raise BusUnavailableError(
+                    f"cannot read stream {self.stream} now ({type(error).__name__}); try again"
+                ) from None
+        finally:  # deleted, not left for its inactivity threshold (readers pile up)
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                with anyio.move_on_after(2):
+                    await self._js.delete_consumer(self.stream, consumer._consumer)
+                await consumer.unsubscribe()
 
     def statistics(self) -> BusStatistics:
         return BusStatistics(

@@ -7,7 +7,7 @@ way a NATS slow consumer is. A subscriber sees events in publication order.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, Self
 
@@ -17,6 +17,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..events import Committed, Event, Restored
 from ..ids import check_id
+from ..presence import Presence
 
 if TYPE_CHECKING:
     from . import BusStatistics
@@ -90,6 +91,21 @@ class MemoryBus:
         self._committed: dict[str, Committed] = {}
         self._restored: dict[str, Restored] = {}
         self._last_seq: dict[str, int] = {}
+        self._reporters: dict[str, Callable[[], Presence]] = {}
+        self._last_words: dict[str, Presence] = {}
+
+    def keep_alive(self, session_id: str, report: Callable[[], Presence]) -> None:
+        self._reporters[session_id] = report
+        self._last_words.pop(session_id, None)
+
+    def farewell(self, presence: Presence) -> None:
+        self._reporters.pop(presence.session_id, None)
+        self._last_words[presence.session_id] = presence
+
+    def presence_now(self) -> dict[str, Presence]:
+        """Every session's beat as it would be sent now (a NatsBus sends it)."""
+        beats = {session: report() for session, report in self._reporters.items()}
+        return {**self._last_words, **beats}
 
     async def latest_committed(self, session_id: str) -> Committed | None:
         """The last ``committed`` event of a session this bus carried."""

@@ -1,0 +1,421 @@
+"""The dashboard's state: every session's fold, its host's presence, and a bounded
+history, at a cost per event that does not grow with the number of sessions.
+
+An event changes one session: its fold (``monitor.fold_event``), its history
+row, and its cached overview row, nothing else. An overview is then built from
+the cached rows, with the time-based parts (host state, ages, lag in seconds)
+worked out at the moment it is asked for, so a dead host turns ``gone`` with no
+new event. Memory is bounded by budgets shared by all sessions (see
+``ROW_BUDGET`` and ``ID_BUDGET``; docs/operations.md, "Watching a fleet").
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import anyio
+import msgspec
+
+from ..events import (
+    Captured,
+    Committed,
+    Event,
+    Failed,
+    Queued,
+    Replicated,
+    Restored,
+    Superseded,
+    Timings,
+    event_name,
+)
+from ..monitor import FOLDED_IDS, SessionState, fold_event
+from ..presence import GONE_AFTER_BEATS, LATE_AFTER_BEATS, Presence, epoch_seconds
+
+__all__ = [
+    "HEALTH_ORDER",
+    "HISTORY",
+    "ID_BUDGET",
+    "ROW_BUDGET",
+    "STALE_AFTER_S",
+    "Dashboard",
+    "Health",
+]
+
+HISTORY = 100  # checkpoints kept per session at most; older ones only count
+ROW_BUDGET = 200_000  # history rows kept over all sessions (10k sessions: 20 each)
+MIN_HISTORY = 10
+ID_BUDGET = 400_000  # eventIds rule 2 remembers over all sessions (10k sessions: 40 each)
+MIN_IDS = 32
+MAX_TEXT = 500  # characters of a code or reason kept (the bus does not bound them)
+MAX_MS = 1e12  # a phase longer than this is no measurement (the schema's maximum)
+FAILURES = 10  # failures kept per session
+RESTORES = 10
+CODES = 16  # distinct failure codes counted per session; more count as "other"
+STALE_AFTER_S = 60.0  # captures in flight and no event for this long: stale
+PAGE_LIMIT = 1000  # the most rows one overview holds
+
+Health = Literal["failing", "gone", "stale", "ok", "finished"]
+HEALTH_ORDER: dict[str, int] = {"failing": 0, "gone": 1, "stale": 2, "ok": 3, "finished": 4}
+
+
+class Stats:
+    """Running count, min, max and sum: nothing kept per value."""
+
+    __slots__ = ("count", "high", "low", "total")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.low: float | None = None
+        self.high: float | None = None
+        self.total = 0.0
+
+    def add(self, value: float) -> None:
+        if not 0 <= value <= MAX_MS:  # (not finite, or no measurement: not a statistic)
+            return
+        self.count += 1
+        self.total += value
+        self.low = value if self.low is None else min(self.low, value)
+        self.high = value if self.high is None else max(self.high, value)
+
+    def view(self) -> dict[str, float | int | None]:
+        average = self.total / self.count if self.count else None
+        return {"count": self.count, "min": self.low, "avg": average, "max": self.high}
+
+
+class Row(msgspec.Struct, kw_only=True, rename="camel"):
+    """One checkpoint of a session's history."""
+
+    checkpoint_id: str
+    epoch: str
+    boundary: str
+    status: str
+    time: str
+    timings: Timings | None = None
+    bytes: int = 0
+    envelope_bytes: int | None = None
+    replicated: bool = False
+    abandoned: bool = False  # a restore abandoned it (``coordinator ls`` marks it x)
+    code: str | None = None
+    superseded_by: str | None = None
+
+
+class Session:
+    __slots__ = (
+        "abandoned",
+        "cached",
+        "codes",
+        "failures",
+        "history",
+        "kinds",
+        "last_commit_s",
+        "last_event_s",
+        "last_failure_s",
+        "latency",
+        "presence",
+        "presence_s",
+        "restores",
+        "size",
+        "state",
+        "unreplicated_s",
+    )
+
+    def __init__(self, session_id: str) -> None:
+        self.state = SessionState(session_id=session_id)
+        self.history: collections.OrderedDict[str, Row] = collections.OrderedDict()
+        self.failures: collections.deque[dict[str, Any]] = collections.deque(maxlen=FAILURES)
+        self.restores: collections.deque[dict[str, Any]] = collections.deque(maxlen=RESTORES)
+        self.abandoned: collections.deque[tuple[str, int, int]] = collections.deque(maxlen=RESTORES)
+        self.kinds: collections.Counter[str] = collections.Counter()
+        self.codes: collections.Counter[str] = collections.Counter()
+        self.latency = Stats()
+        self.size = Stats()
+        self.presence: Presence | None = None
+        # The host's times, as seconds since 1970 (parsed once, not per overview).
+        self.presence_s: float | None = None
+        self.last_event_s: float | None = None
+        self.last_commit_s: float | None = None
+        self.last_failure_s: float | None = None
+        self.unreplicated_s: float | None = None
+        self.cached: dict[str, Any] | None = None  # the overview row's event-made part
+
+    def health(self, now: float) -> tuple[Health, str]:
+        """The host's state at ``now`` (seconds since 1970, the reader's clock,
+        against the host's times of its beats and events), and why."""
+        presence, beat, event = self.presence, self.presence_s, self.last_event_s
+        ended = presence is not None and presence.state == "ended"
+        if presence is not None and ended and (event is None or beat is None or beat >= event):
+            if presence.error:
+                return "failing", f"its coordinator closed on {presence.error}"
+            return "finished", "its coordinator closed cleanly"
+        times = [t for t in (beat, event) if t is not None]
+        if times:
+            age = now - max(times)
+            if presence is not None:
+                if age > GONE_AFTER_BEATS * presence.interval_s:
+                    return "gone", f"no heartbeat for {age:.0f} s"
+                if age > LATE_AFTER_BEATS * presence.interval_s:
+                    return "stale", f"heartbeat late: {age:.0f} s"
+            elif age > STALE_AFTER_S:
+                return "gone", f"no event for {age:.0f} s (its host sends no heartbeat)"
+        if self.last_outcome() == "failed":
+            return "failing", "its newest outcome is a failure"
+        if self.state.in_flight and event is not None and now - event > STALE_AFTER_S:
+            return "stale", f"captures in flight, no outcome for {now - event:.0f} s"
+        return "ok", ""
+
+    def last_outcome(self) -> str | None:
+        for row in reversed(self.history.values()):
+            if row.status not in ("captured", "queued") and not row.abandoned:
+                return row.status
+        return None
+
+
+def _age(now: float, then: float | None) -> float | None:
+    return None if then is None else round(max(0.0, now - then), 3)
+
+
+class Dashboard:
+    """Every session's save state, presence and recent history."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        self.version = 0  # moves with every change: the pages are told when it does
+        self.bus = "connecting"
+        self.events = 0
+        self.beats = 0
+        self._changed = anyio.Event()
+
+    # --- changes -------------------------------------------------------------------
+
+    def touch(self) -> None:
+        """Something changed: the pages waiting are told at once."""
+        self.version += 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def changed(self, seen: int) -> None:
+        """Return once ``version`` is past ``seen``."""
+        if self.version == seen:
+            await self._changed.wait()
+
+    def _session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = self.sessions[session_id] = Session(session_id)
+        return session
+
+    def _history_cap(self) -> int:
+        return max(MIN_HISTORY, min(HISTORY, ROW_BUDGET // max(1, len(self.sessions))))
+
+    def _ids_cap(self) -> int:
+        return max(MIN_IDS, min(FOLDED_IDS, ID_BUDGET // max(1, len(self.sessions))))
+
+    def apply_all(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self.apply(event)
+
+    def apply(self, event: Event) -> None:
+        session = self._session(event.session_id)
+        before = session.state
+        session.state = after = fold_event(before, event, keep_ids=self._ids_cap())
+        if after.duplicates > before.duplicates:
+            return  # the fold's rule 2: a re-publication changes nothing, here either
+        late = 0 < event.seq < before.last_seq
+        kind = event_name(event)
+        session.kinds[kind] += 1
+        session.cached = None
+        self.events += 1
+        self.touch()
+        when = epoch_seconds(event.time)
+        if not late and not isinstance(event, Replicated) and when is not None:
+            session.last_event_s = when
+        if after.last_committed_time != before.last_committed_time:
+            session.last_commit_s = epoch_seconds(after.last_committed_time or "")
+        if after.oldest_unreplicated_time != before.oldest_unreplicated_time:
+            session.unreplicated_s = epoch_seconds(after.oldest_unreplicated_time or "")
+        if isinstance(event, Restored):
+            self._restored(session, event)
+            return
+        row = session.history.get(event.checkpoint_id)
+        if row is None and late:
+            return  # a checkpoint already aggregated (or never seen): not the newest row
+        if row is None:
+            row = Row(checkpoint_id=event.checkpoint_id, epoch=event.epoch,
+                      boundary=event.boundary, status=kind, time=event.time[:64],
+                      bytes=int(event.byte_length),
+                      abandoned=_abandoned(session, event.epoch, event.boundary))  # fmt: skip
+            session.history[event.checkpoint_id] = row
+            cap = self._history_cap()
+            while len(session.history) > cap:
+                session.history.popitem(last=False)
+        if isinstance(event, Replicated):
+            row.replicated = True
+            return
+        if isinstance(event, Captured | Queued) and row.status not in ("captured", "queued"):
+            return  # a late captured or queued: the outcome's timings stay
+        row.status = kind
+        row.timings = event.timings
+        if isinstance(event, Committed):
+            row.envelope_bytes = int(event.envelope_bytes)
+            session.size.add(int(event.envelope_bytes))
+            if event.timings.total_ms is not None:
+                session.latency.add(event.timings.total_ms)
+        elif isinstance(event, Failed):
+            code = event.code[:MAX_TEXT]
+            row.code = code
+            session.codes[code if code in session.codes or len(session.codes) < CODES
+                          else "other"] += 1  # fmt: skip
+            session.last_failure_s = when
+            session.failures.append({"checkpointId": event.checkpoint_id, "code": code,
+                                     "reason": event.reason[:MAX_TEXT],
+                                     "time": event.time[:64]})  # fmt: skip
+        elif isinstance(event, Superseded):
+            row.superseded_by = event.superseded_by
+
+    def _restored(self, session: Session, event: Restored) -> None:
+        session.restores.append({
+            "checkpointId": event.checkpoint_id, "epoch": event.epoch,
+            "previousEpoch": event.previous_epoch, "reason": event.reason,
+            "time": event.time[:64], "abandoned": [event.abandoned_from, event.abandoned_to],
+        })  # fmt: skip
+        if event.abandoned_from is None or event.abandoned_to is None:
+            return
+        lost = (event.previous_epoch, int(event.abandoned_from), int(event.abandoned_to))
+        session.abandoned.append(lost)
+        for row in session.history.values():
+            if row.epoch == lost[0] and lost[1] <= int(row.boundary) <= lost[2]:
+                row.abandoned = True
+
+    def apply_presence(self, presence: Presence) -> None:
+        """A host's beat (docs/events.md, "Presence")."""
+        session = self._session(presence.session_id)
+        session.presence = presence
+        session.presence_s = epoch_seconds(presence.time)
+        session.cached = None
+        self.beats += 1
+        self.touch()
+
+    def adopt(self, fresh: Dashboard) -> None:
+        """Take ``fresh``'s sessions (a history folded again), keeping the beats."""
+        for old in self.sessions.values():
+            if old.presence is not None:
+                fresh.apply_presence(old.presence)
+        self.sessions = fresh.sessions
+        self.events = fresh.events
+        self.touch()
+
+    # --- views ---------------------------------------------------------------------
+
+    def row(self, session: Session, now: float) -> dict[str, Any]:
+        """One session's overview row at ``now`` (seconds since 1970)."""
+        if session.cached is None:
+            session.cached = self._cached_row(session)
+        health, why = session.health(now)
+        folded = session.state
+        failure = None
+        if folded.last_failure is not None:
+            failure = {"text": folded.last_failure[:MAX_TEXT],
+                       "ageS": _age(now, session.last_failure_s)}  # fmt: skip
+        lag = None
+        if folded.replicated_high_water is not None:
+            behind = folded.unreplicated
+            lag = {"checkpoints": behind,
+                   "seconds": _age(now, session.unreplicated_s) if behind else 0.0}  # fmt: skip
+        seen = [t for t in (session.presence_s, session.last_event_s) if t is not None]
+        return {
+            **session.cached, "health": health, "why": why,
+            "lastCommitAgeS": _age(now, session.last_commit_s),
+            "lastSeenAgeS": _age(now, max(seen)) if seen else None,
+            "lastFailure": failure, "replicationLag": lag,
+        }  # fmt: skip
+
+    def _cached_row(self, session: Session) -> dict[str, Any]:
+        folded = session.state
+        presence = session.presence
+        queue = folded.queue_depth
+        host_step = None
+        if presence is not None:
+            host_step = presence.step
+            if session.presence_s is not None and (
+                session.last_event_s is None or session.presence_s >= session.last_event_s
+            ):
+                queue = presence.queue_depth  # the newer word on it
+        return {
+            "sessionId": folded.session_id, "epoch": folded.epoch,
+            "highWater": folded.high_water, "durableStep": folded.high_water_boundary,
+            "hostStep": host_step, "inFlight": len(folded.in_flight), "queue": queue,
+            "committed": folded.committed, "superseded": folded.superseded,
+            "failed": folded.failed, "restores": folded.restores,
+            "closedOut": folded.closed_out, "gaps": folded.gaps,
+            "lastCommitMs": folded.last_committed_ms,
+            "lastCommitBytes": folded.last_committed_bytes,
+            "replicated": folded.replicated_high_water,
+            "host": presence.host if presence is not None else None,
+            "heartbeatS": presence.interval_s if presence is not None else None,
+        }  # fmt: skip
+
+    def overview(
+        self,
+        *,
+        query: str = "",
+        health: str = "",
+        offset: int = 0,
+        limit: int = 100,
+        now: float | None = None,
+    ) -> dict[str, Any]:
+        """The sessions matching ``query`` (a part of the id) and ``health``,
+        failing first, then gone, stale, ok and finished; ``limit`` of them from
+        ``offset``; and the fleet's totals by host state."""
+        now = time.time() if now is None else now
+        limit = max(0, min(limit, PAGE_LIMIT))
+        counts = dict.fromkeys(HEALTH_ORDER, 0)
+        ranked: list[tuple[int, str, Session, Health]] = []
+        for session_id, session in self.sessions.items():
+            state, _ = session.health(now)
+            counts[state] += 1
+            if query and query not in session_id:
+                continue
+            if health and state != health:
+                continue
+            ranked.append((HEALTH_ORDER[state], session_id, session, state))
+        ranked.sort(key=lambda item: (item[0], item[1]))
+        page = ranked[max(0, offset) : max(0, offset) + limit]
+        return {
+            "bus": self.bus, "events": self.events, "beats": self.beats,
+            "version": self.version, "now": now, "total": len(self.sessions),
+            "matched": len(ranked), "offset": offset, "limit": limit, "counts": counts,
+            "sessions": [self.row(session, now) for _, _, session, _ in page],
+        }  # fmt: skip
+
+    def ranked(self, now: float) -> list[tuple[Health, Session]]:
+        """Every session with its host state, in the overview's order."""
+        states = [(session.health(now)[0], session) for session in self.sessions.values()]
+        states.sort(key=lambda item: (HEALTH_ORDER[item[0]], item[1].state.session_id))
+        return states
+
+    def session(self, session_id: str, now: float | None = None) -> dict[str, Any] | None:
+        session = self.sessions.get(session_id)
+        if session is None:
+            return None
+        now = time.time() if now is None else now
+        return {
+            "sessionId": session_id,
+            "row": self.row(session, now),
+            "history": msgspec.to_builtins(list(session.history.values())),
+            "failures": list(session.failures),
+            "restores": list(session.restores),
+            "latencyMs": session.latency.view(),
+            "envelopeBytes": session.size.view(),
+            "kinds": dict(session.kinds),
+            "presence": msgspec.to_builtins(session.presence),
+        }
+
+
+def _abandoned(session: Session, epoch: str, boundary: str) -> bool:
+    if not session.abandoned or not boundary.isdigit():
+        return False
+    step = int(boundary)
+    return any(e == epoch and low <= step <= high for e, low, high in session.abandoned)

@@ -1,0 +1,114 @@
+"""``/metrics``: the dashboard's fold in the Prometheus exposition format, made by
+``prometheus_client`` from the same sessions the page shows, at scrape time.
+
+Cardinality is bounded: per-session series for at most ``max_sessions``
+sessions (the overview's order: failing, gone and stale ones first, so the
+sessions worth an alert are the ones listed), about 20 series each; the rest
+count only in the fleet's totals, and ``coordinator_sessions_unlisted`` says
+how many. Failure codes are the library's stable codes, at most 16 per session.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from ._fleet import HEALTH_ORDER, Dashboard, Health, Session
+
+__all__ = ["MAX_SESSIONS", "registry"]
+
+MAX_SESSIONS = 1000
+
+
+# Per-session gauges and counters: (name, help, counter?, value from the overview row).
+_PER_SESSION: tuple[tuple[str, str, bool, Callable[[dict[str, Any]], float | None]], ...] = (
+    ("coordinator_session_commits", "Checkpoints committed", True, lambda r: r["committed"]),
+    ("coordinator_session_supersedes", "Checkpoints superseded", True, lambda r: r["superseded"]),
+    ("coordinator_session_restores", "Restores announced", True, lambda r: r["restores"]),
+    ("coordinator_session_last_commit_duration_seconds",
+     "Capture to committed, of the newest commit",
+     False, lambda r: None if r["lastCommitMs"] is None else r["lastCommitMs"] / 1000),
+    ("coordinator_session_last_commit_bytes", "Envelope bytes of the newest commit",
+     False, lambda r: r["lastCommitBytes"]),
+    ("coordinator_session_seconds_since_last_commit",
+     "Age of the newest commit, by the host's clock", False, lambda r: r["lastCommitAgeS"]),
+    ("coordinator_session_in_flight", "Captures with no outcome yet",
+     False, lambda r: r["inFlight"]),
+    ("coordinator_session_queue_depth", "Captures queued for the writer",
+     False, lambda r: r["queue"]),
+    ("coordinator_session_replication_lag_checkpoints",
+     "Commits the replicated tier does not hold yet",
+     False, lambda r: None if r["replicationLag"] is None else r["replicationLag"]["checkpoints"]),
+    ("coordinator_session_replication_lag_seconds",
+     "Age of the oldest commit the replicated tier does not hold",
+     False, lambda r: None if r["replicationLag"] is None else r["replicationLag"]["seconds"]),
+)  # fmt: skip
+
+
+class _FleetCollector(Collector):
+    def __init__(self, dashboard: Dashboard, max_sessions: int) -> None:
+        self.dashboard = dashboard
+        self.max_sessions = max_sessions
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.time()
+        ranked = self.dashboard.ranked(now)
+        listed = ranked[: self.max_sessions]
+        yield from self._per_session(listed, now)
+        fleet = GaugeMetricFamily("coordinator_sessions", "Sessions, by their host's state",
+                                  labels=["state"])  # fmt: skip
+        counts = dict.fromkeys(HEALTH_ORDER, 0)
+        for health, _ in ranked:
+            counts[health] += 1
+        for each, count in counts.items():
+            fleet.add_metric([each], count)
+        yield fleet
+        yield GaugeMetricFamily("coordinator_sessions_unlisted",
+                                "Sessions beyond the per-session series' cap",
+                                value=len(ranked) - len(listed))  # fmt: skip
+        connected = 1.0 if self.dashboard.bus == "connected" else 0.0
+        yield GaugeMetricFamily(
+            "coordinator_bus_connected", "1 while the dashboard follows NATS", value=connected
+        )
+        yield CounterMetricFamily("coordinator_events", "Events folded since the last rebuild",
+                                  value=self.dashboard.events)  # fmt: skip
+
+    def _per_session(self, listed: list[tuple[Health, Session]], now: float) -> Iterator[Metric]:
+        families: list[tuple[GaugeMetricFamily | CounterMetricFamily, Callable[..., Any]]] = []
+        for name, text, is_counter, value in _PER_SESSION:
+            kind = CounterMetricFamily if is_counter else GaugeMetricFamily
+            families.append((kind(name, text, labels=["session"]), value))
+        failures = CounterMetricFamily(
+            "coordinator_session_failures",
+            "Checkpoints failed, by code",
+            labels=["session", "code"],
+        )
+        state = GaugeMetricFamily("coordinator_session_state",
+                                  "The host's state: 1 for the one it is in",
+                                  labels=["session", "state"])  # fmt: skip
+        for health, entry in listed:
+            row = self.dashboard.row(entry, now)
+            label = [row["sessionId"]]
+            for family, value in families:
+                measured = value(row)
+                if measured is not None:
+                    family.add_metric(label, measured)
+            for code, count in entry.codes.items():
+                failures.add_metric([*label, code], count)
+            for each in HEALTH_ORDER:
+                state.add_metric([*label, each], 1.0 if each == health else 0.0)
+        yield from (family for family, _ in families)
+        yield failures
+        yield state
+
+
+def registry(dashboard: Dashboard, *, max_sessions: int = MAX_SESSIONS) -> CollectorRegistry:
+    """A registry of the dashboard's metrics only (no process metrics: one
+    dashboard's numbers, whoever scrapes them)."""
+    made = CollectorRegistry(auto_describe=False)
+    made.register(_FleetCollector(dashboard, max_sessions))
+    return made

@@ -1,0 +1,244 @@
+"""The dashboard's server: it follows the bus and serves the page, the JSON reads,
+the live stream and ``/metrics``. No endpoint changes anything.
+
+The bus is followed as ``watch`` does: the stream's history first, folded a batch
+at a time (the loop serves requests between batches), then live events; the
+hosts' beats come from the presence bucket. A reconnection, or a live feed that
+lost events, folds the history again into a new state while the old one is
+served, then swaps them.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from functools import partial
+from importlib import resources
+from typing import Any
+
+import anyio
+
+from ._fleet import HEALTH_ORDER, PAGE_LIMIT, Dashboard
+from ._metrics import MAX_SESSIONS, registry
+
+__all__ = ["LOOPBACK_NAMES", "app", "follow", "serve"]
+
+PUSH_INTERVAL_S = 0.02  # between two updates sent to one page, at least
+PUSH_BUSY_FACTOR = 5  # ... and at least this many times what the last one took to make
+REFRESH_S = 1.0  # a page gets an update this often with no event: time-based states move
+MAX_STREAMS = 64  # pages following at once; more are refused (503), never queued
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+async def follow(
+    dashboard: Dashboard,
+    url: str,
+    *,
+    retry_s: float = 1.0,
+    connect_options: dict[str, Any] | None = None,
+) -> None:
+    """Follow the bus for ever. A dead server is shown on the page and retried;
+    on each reconnection the state is folded again from the stream's history,
+    so nothing is counted twice."""
+    from ..bus import NatsBus
+
+    while True:
+        try:
+            async with NatsBus(
+                url, connect_timeout=2, read_only=True, **(connect_options or {})
+            ) as bus:
+                subscription = await bus.subscribe(buffer=16384)
+                async with subscription, anyio.create_task_group() as group:
+                    group.start_soon(_follow_presence, dashboard, bus)
+                    fresh = Dashboard()
+                    async for batch in bus.history_batches():
+                        fresh.apply_all(batch)
+                        await anyio.sleep(0)  # (requests are answered between batches)
+                    dashboard.adopt(fresh)
+                    dashboard.bus = "connected"
+                    dashboard.touch()
+                    group.start_soon(
+                        _watch_connection, dashboard, bus, subscription, group.cancel_scope
+                    )
+                    async for event in subscription:
+                        dashboard.apply(event)
+        except Exception as error:  # shown on the page, never a traceback
+            dashboard.bus = f"unavailable: {type(error).__name__}: {error}"[:300]
+            dashboard.touch()
+        await anyio.sleep(retry_s)
+
+
+async def _follow_presence(dashboard: Dashboard, bus: Any) -> None:
+    """The hosts' beats; a server with no presence bucket yet is asked again
+    later (the first host of this version makes it)."""
+    while True:
+        async for presence in bus.presence():
+            dashboard.apply_presence(presence)
+        await anyio.sleep(10)
+
+
+async def _watch_connection(
+    dashboard: Dashboard, bus: Any, subscription: Any, scope: anyio.CancelScope
+) -> None:
+    """Say so while the connection is down; once it is back, or once the live
+    subscription lost events (a burst filled its buffer), end the live follow so
+    the state is folded again from the stream, which has them all."""
+    down = False
+    while True:
+        await anyio.sleep(0.25)
+        if subscription.dropped:
+            scope.cancel()
+            return
+        if not bus.client.is_connected:
+            if not down:
+                dashboard.bus = "unavailable: the connection to NATS is lost; reconnecting"
+                dashboard.touch()
+            down = True
+        elif down:
+            scope.cancel()
+            return
+
+
+def _view_options(params: Any) -> dict[str, Any]:
+    """An overview's options from a query string: bad ones are left at their defaults."""
+
+    def number(name: str, default: int) -> int:
+        text = params.get(name, "")
+        return int(text) if text.isdigit() else default
+
+    health = params.get("health", "")
+    return {
+        "query": params.get("q", "")[:128],
+        "health": health if health in HEALTH_ORDER else "",
+        "offset": number("offset", 0),
+        "limit": min(number("limit", 100), PAGE_LIMIT),
+    }
+
+
+def app(
+    dashboard: Dashboard, hosts: list[str] | None = None, *, max_sessions: int = MAX_SESSIONS
+) -> Any:
+    """The Starlette application. ``hosts``: the Host headers it answers (a page
+    of another site resolving its name to 127.0.0.1 is refused: DNS rebinding);
+    ``None``: any."""
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.trustedhost import TrustedHostMiddleware
+    from starlette.requests import Request
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    page = resources.files("coordinator").joinpath("static/dashboard.html").read_text()
+    metrics = registry(dashboard, max_sessions=max_sessions)
+
+    async def index(request: Request) -> Response:
+        return HTMLResponse(page)
+
+    async def overview(request: Request) -> Response:
+        return JSONResponse(dashboard.overview(**_view_options(request.query_params)))
+
+    async def session(request: Request) -> Response:
+        found = dashboard.session(request.path_params["session_id"])
+        return JSONResponse(found) if found is not None else JSONResponse({}, status_code=404)
+
+    async def scrape(request: Request) -> Response:
+        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
+
+    streams = 0
+
+    async def stream(request: Request) -> Response:
+        nonlocal streams
+        if streams >= MAX_STREAMS:
+            return JSONResponse({"error": "too many pages follow this dashboard"},
+                                status_code=503)  # fmt: skip
+        options = _view_options(request.query_params)
+
+        async def changes() -> Any:
+            nonlocal streams
+            streams += 1
+            try:
+                async for update in _updates(request, options):
+                    yield update
+            finally:
+                streams -= 1
+
+        return StreamingResponse(changes(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store"})  # fmt: skip
+
+    async def _updates(request: Request, options: dict[str, Any]) -> Any:
+        seen, sent_at, pause = -1, 0.0, PUSH_INTERVAL_S
+        while not await request.is_disconnected():
+            with anyio.move_on_after(min(1.0, max(0.0, sent_at + REFRESH_S - time.monotonic()))):
+                await dashboard.changed(seen)
+            if dashboard.version != seen or time.monotonic() - sent_at >= REFRESH_S:
+                seen = dashboard.version
+                started = time.monotonic()
+                update = json.dumps(dashboard.overview(**options))
+                took = time.monotonic() - started
+                sent_at = time.monotonic()
+                yield f"data: {update}\n\n"
+                # A fleet's overview takes a while to make: never more than a
+                # fifth of the loop for one page.
+                pause = max(PUSH_INTERVAL_S, PUSH_BUSY_FACTOR * took)
+                await anyio.sleep(pause)
+
+    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=hosts)] if hosts else []
+    return Starlette(routes=[
+        Route("/", index), Route("/sessions/{session_id}", index),
+        Route("/api/overview", overview), Route("/api/sessions/{session_id}", session),
+        Route("/stream", stream), Route("/metrics", scrape),
+    ], middleware=middleware)  # fmt: skip
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The dashboard's socket, bound and listening: ``OSError`` (e.g. the address
+    is in use) before anything else starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    made = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        made.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        made.bind((host, port))
+        made.listen(128)
+        made.setblocking(False)
+    except BaseException:
+        made.close()
+        raise
+    return made
+
+
+async def serve(
+    url: str,
+    host: str,
+    port: int,
+    *,
+    ready: anyio.Event | None = None,
+    remote: bool = False,
+    connect_options: dict[str, Any] | None = None,
+    sock: socket.socket | None = None,
+    dashboard: Dashboard | None = None,
+    max_sessions: int = MAX_SESSIONS,
+) -> None:
+    """Run the dashboard until cancelled. Unless ``remote``, it answers only
+    requests naming a loopback host: ``localhost``, ``127.0.0.1``, ``[::1]``,
+    and the address it listens on. ``sock``: a socket bound already
+    (``listening_socket``); without one it binds ``host:port`` itself."""
+    import uvicorn
+
+    dashboard = dashboard if dashboard is not None else Dashboard()
+    hosts = None if remote else sorted({*LOOPBACK_NAMES, host, f"[{host}]"})
+    sock = sock if sock is not None else listening_socket(host, port)
+    served = app(dashboard, hosts, max_sessions=max_sessions)
+    config = uvicorn.Config(served, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(partial(follow, dashboard, url, connect_options=connect_options))
+            group.start_soon(partial(server.serve, sockets=[sock]))
+            while not server.started:
+                await anyio.sleep(0.02)
+            if ready is not None:
+                ready.set()
+    finally:
+        sock.close()
