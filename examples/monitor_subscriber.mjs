@@ -65,6 +65,8 @@ class Session {
     this.failures = [];
     this.restores = [];
     this.epoch = null;
+    this.epochs = []; // the latest 8 epochs seen
+    this.closedOut = 0; // captures of an older run, ended by the next run's start (rule 5)
     this.lastSeq = 0;
     this.missing = new Set();
     this.lost = 0; // seqs skipped beyond MAX_MISSING: counted only
@@ -102,7 +104,13 @@ class Session {
     if (!KINDS.has(kind) || !fits(event)) { // rule 4: its seq counted, no more
       return note + `  (a kind or body this monitor does not know: ${kind})`;
     }
-    if (!late && seq > 0) this.epoch = event.epoch; // rule 5
+    if (!late && seq > 0 && kind !== "replicated" && !this.epochs.includes(event.epoch)) {
+      // rule 5: a new run; the older runs' captures are over
+      this.epoch = event.epoch;
+      this.epochs = [...this.epochs.slice(-7), event.epoch];
+      this.closedOut += this.inFlight.size;
+      this.inFlight.clear();
+    }
     const newest = this.highWater === null || (seq > 0 && seq >= this.highWaterSeq);
     if (kind === "replicated") { // the replicated tier: never the local high water
       this.replicated += 1;
@@ -138,6 +146,7 @@ class Session {
         this.failures.push({ checkpointId: ckpt, code: event.code });
         note += `  ${event.code}: ${event.reason}`;
       }
+      this.queueDepth = Math.min(this.queueDepth, this.inFlight.size); // queued is in flight
     }
     return note;
   }
@@ -156,7 +165,8 @@ class Session {
   summary() {
     return {
       kv: this.kv, highWater: this.highWater, boundary: this.boundary,
-      inFlight: [...this.inFlight].sort(), committed: this.committed,
+      inFlight: [...this.inFlight].sort(), closedOut: this.closedOut,
+      committed: this.committed,
       superseded: this.superseded, failed: this.failures, restores: this.restores,
       lastSeq: this.lastSeq, gaps: this.gaps(), lost: this.lost,
       replicated: this.replicated, replicatedHighWater: this.replicatedHighWater,

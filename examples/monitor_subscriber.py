@@ -45,6 +45,8 @@ class Session:
     high_water: str | None = None  # the newest durable checkpoint, from the events
     boundary: str | None = None  # its step (a u64, as a decimal string)
     in_flight: set[str] = field(default_factory=set)  # captured, no terminal event yet
+    epochs: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=8))
+    closed_out: int = 0  # captures of an older run, ended by the next run's start (rule 5)
     committed: int = 0
     superseded: int = 0
     failures: list[dict[str, str]] = field(default_factory=list)
@@ -80,6 +82,10 @@ class Session:
             self.last_seq = seq
         if kind not in KINDS or not fits(event):  # rule 4: its seq counted, no more
             return note + f"  (a kind or body this monitor does not know: {kind})"
+        if not late and seq > 0 and kind != "replicated" and event["epoch"] not in self.epochs:
+            self.epochs.append(event["epoch"])  # rule 5: a new run; the older ones are over
+            self.closed_out += len(self.in_flight)
+            self.in_flight.clear()
         if kind == "replicated":  # the replicated tier: never the local high water
             self.replicated += 1
             if self.replicated_high_water is None or (seq > 0 and seq >= self.replicated_seq):
@@ -121,7 +127,8 @@ class Session:
     def summary(self) -> dict:
         return {
             "kv": self.kv, "highWater": self.high_water, "boundary": self.boundary,
-            "inFlight": sorted(self.in_flight), "committed": self.committed,
+            "inFlight": sorted(self.in_flight), "closedOut": self.closed_out,
+            "committed": self.committed,
             "superseded": self.superseded, "failed": self.failures, "restores": self.restores,
             "lastSeq": self.last_seq, "gaps": self.gaps(), "lost": self.lost,
             "replicated": self.replicated, "replicatedHighWater": self.replicated_high_water,

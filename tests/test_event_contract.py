@@ -297,6 +297,14 @@ async def test_the_three_folds_agree_on_one_stream(tmp_path: Path, node: str) ->
         hostile = [b"not json", b"[]", b'{"event":"captured","seq":"5"}',
                    b'{"event":"captured","seq":true,"sessionId":"session-1","eventId":"x"}',
                    json.dumps(bad_body).encode(), json.dumps(odd_time).encode()]  # fmt: skip
+        # A capture the run never ends, then a new run (a crash, a restart): rule 5
+        # closes it out.
+        orphan = {"event": "captured", "seq": last.seq + 4, "sessionId": "session-1",
+                  "eventId": "session-1:e:ckpt-10:captured", "checkpointId": "ckpt-10",
+                  "epoch": last.epoch}  # fmt: skip
+        next_run = {**orphan, "seq": last.seq + 5, "eventId": "session-1:run-2:ckpt-11:captured",
+                    "checkpointId": "ckpt-11", "epoch": "run-2"}  # fmt: skip
+        hostile += [json.dumps(orphan).encode(), json.dumps(next_run).encode()]
         for index, data in enumerate(hostile):
             await js.publish("ckpt.session-1.captured", data, headers={"Nats-Msg-Id": f"h{index}"})
         raw = await stream_messages(client)
@@ -311,11 +319,13 @@ async def test_the_three_folds_agree_on_one_stream(tmp_path: Path, node: str) ->
     lost_seq = json.loads(lost.data)["seq"]
     # A field the fold does not read (time) never makes a committed rule 4.
     assert folded["highWater"] == library.high_water == "ckpt-9" != high_water
-    assert folded["lastSeq"] == library.last_seq == last.seq + 3  # the bad body's seq counts
+    assert folded["lastSeq"] == library.last_seq == last.seq + 5
     assert state.skipped == 4
     assert folded["gaps"] == [[lost_seq, lost_seq]] and library.missing == {lost_seq}
     assert python["duplicates"] == library.duplicates == 1
     assert folded["committed"] == library.committed and folded["superseded"] == library.superseded
+    assert folded["closedOut"] == library.closed_out == 1
+    assert folded["inFlight"] == sorted(library.in_flight) == ["ckpt-11"]
 
 
 def test_a_huge_jump_in_seq_keeps_memory_bounded() -> None:

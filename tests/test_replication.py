@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -883,7 +884,10 @@ async def test_watch_and_the_dashboard_create_nothing_and_need_only_read_rights(
             finally:
                 await client.close()
             await replicated_run(writer, tmp_path / "a", 2)
-            await until(lambda: "s1" in dashboard.state.sessions)
+            await until(lambda: "s1" in dashboard.sessions)
+            # The hosts' beats too, with the same rights: the session ended cleanly.
+            await until(lambda: dashboard.sessions["s1"].presence is not None)
+            assert dashboard.row(dashboard.sessions["s1"], time.time())["health"] == "finished"
             group.cancel_scope.cancel()
         done = subprocess.run(
             [sys.executable, "-m", "coordinator", "watch", "--nats", reader, "--json",

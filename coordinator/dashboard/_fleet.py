@@ -184,9 +184,11 @@ class Dashboard:
         self.sessions: dict[str, Session] = {}
         self.version = 0  # moves with every change: the pages are told when it does
         self.bus = "connecting"
+        self.presence = "following"  # the hosts' beats: or why not
         self.events = 0
         self.beats = 0
         self._changed = anyio.Event()
+        self._trim_next: collections.deque[Session] = collections.deque()
 
     # --- changes -------------------------------------------------------------------
 
@@ -205,7 +207,24 @@ class Dashboard:
         session = self.sessions.get(session_id)
         if session is None:
             session = self.sessions[session_id] = Session(session_id)
+            self._trim_next.append(session)
         return session
+
+    def _trim_one(self) -> None:
+        """Bring one session (in turn) down to the budgets of a fleet this size: a
+        session that went quiet while the fleet was small is trimmed too, at O(1)
+        an event."""
+        if not self._trim_next:
+            return
+        session = self._trim_next.popleft()
+        self._trim_next.append(session)
+        cap = self._history_cap()
+        while len(session.history) > cap:
+            session.history.popitem(last=False)
+        ids = self._ids_cap()
+        if len(session.state.folded) > ids:
+            folded = session.state.folded[-ids:]
+            session.state = msgspec.structs.replace(session.state, folded=folded)
 
     def _history_cap(self) -> int:
         return max(MIN_HISTORY, min(HISTORY, ROW_BUDGET // max(1, len(self.sessions))))
@@ -219,6 +238,7 @@ class Dashboard:
 
     def apply(self, event: Event) -> None:
         session = self._session(event.session_id)
+        self._trim_one()
         before = session.state
         session.state = after = fold_event(before, event, keep_ids=self._ids_cap())
         if after.duplicates > before.duplicates:
@@ -384,7 +404,8 @@ class Dashboard:
         ranked.sort(key=lambda item: (item[0], item[1]))
         page = ranked[max(0, offset) : max(0, offset) + limit]
         return {
-            "bus": self.bus, "events": self.events, "beats": self.beats,
+            "bus": self.bus, "presence": self.presence, "events": self.events,
+            "beats": self.beats,
             "version": self.version, "now": now, "total": len(self.sessions),
             "matched": len(ranked), "offset": offset, "limit": limit, "counts": counts,
             "sessions": [self.row(session, now) for _, _, session, _ in page],

@@ -73,8 +73,12 @@ async def _follow_presence(dashboard: Dashboard, bus: Any) -> None:
     """The hosts' beats; a server with no presence bucket yet is asked again
     later (the first host of this version makes it)."""
     while True:
-        async for presence in bus.presence():
-            dashboard.apply_presence(presence)
+        try:
+            async for presence in bus.presence():
+                dashboard.apply_presence(presence)
+            dashboard.presence = "no presence bucket yet"
+        except Exception as error:  # (no right to read it): the events are still followed
+            dashboard.presence = f"unavailable: {type(error).__name__}: {error}"[:300]
         await anyio.sleep(10)
 
 

@@ -1,0 +1,417 @@
+"""Watching a fleet (issue 28): a host's presence, the host states the overview
+derives from it and from the events (at the reader's time, with no new event),
+lag, abandoned checkpoints, order, filter, paging and bounded memory; and the
+server's loose ends (its own loopback literal as a Host, a port in use, read-only
+credentials) against a real nats-server."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+
+import anyio
+import nats
+import pytest
+from hostkit import coordinator, parts
+
+from coordinator.bus import MemoryBus, NatsBus
+from coordinator.dashboard import Dashboard, follow
+from coordinator.dashboard import _fleet as fleet
+from coordinator.events import Captured, Committed, Failed, Queued, Replicated, Restored, Timings
+from coordinator.identity import identity_of
+from coordinator.presence import Presence, liveness
+from coordinator.sample import sample_body
+from coordinator.server import EmbeddedServer
+from coordinator.store import FileStore
+
+NOW = 1_800_000_000.0
+
+
+def at(seconds: float) -> str:
+    """The RFC 3339 time ``seconds`` after NOW."""
+    when = datetime.fromtimestamp(NOW + seconds, UTC)
+    return when.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def common(session: str, checkpoint: str, seq: int, when: float, epoch: str) -> dict[str, object]:
+    return {"seq": seq, "event_id": f"{session}:{epoch}:{checkpoint}:{seq}", "time": at(when),
+            "checkpoint_id": checkpoint, "session_id": session, "epoch": epoch,
+            "episode_id": "ep", "boundary": checkpoint.rsplit("-", 1)[-1],
+            "byte_length": "10"}  # fmt: skip
+
+
+def captured(session: str, checkpoint: str, seq: int, when: float, epoch: str = "e1") -> Captured:
+    return Captured(payloads=(), **common(session, checkpoint, seq, when, epoch))  # type: ignore[arg-type]
+
+
+def committed(session: str, checkpoint: str, seq: int, when: float, epoch: str = "e1") -> Committed:
+    return Committed(timings=Timings(total_ms=12.0), generation=f"{checkpoint}.flysess",
+                     envelope_digest="0" * 64, envelope_bytes="100", high_water=checkpoint,
+                     **common(session, checkpoint, seq, when, epoch))  # type: ignore[arg-type]  # fmt: skip
+
+
+def failed(session: str, checkpoint: str, seq: int, when: float, epoch: str = "e1") -> Failed:
+    return Failed(code="store.fsync", reason="EIO", attempt=1,
+                  **common(session, checkpoint, seq, when, epoch))  # type: ignore[arg-type]  # fmt: skip
+
+
+def replicated(session: str, checkpoint: str, seq: int, when: float) -> Replicated:
+    return Replicated(generation=f"{checkpoint}.flysess", envelope_digest="0" * 64,
+                      envelope_bytes="100", object="o", pointer_revision=seq,
+                      **common(session, checkpoint, seq, when, "e1"))  # type: ignore[arg-type]  # fmt: skip
+
+
+def beat(session: str, when: float, state: str = "running", **fields: object) -> Presence:
+    return Presence(session_id=session, epoch="e1", state=state, time=at(when),  # type: ignore[arg-type]
+                    interval_s=5.0, **fields)  # type: ignore[arg-type]  # fmt: skip
+
+
+def health(board: Dashboard, session: str, now: float) -> str:
+    return str(board.row(board.sessions[session], NOW + now)["health"])
+
+
+def test_a_beat_is_alive_late_gone_or_ended_by_the_hosts_time() -> None:
+    assert liveness(beat("s", 0), NOW + 9.9) == "alive"
+    assert liveness(beat("s", 0), NOW + 10.1) == "late"
+    assert liveness(beat("s", 0), NOW + 15.1) == "gone"
+    assert liveness(beat("s", 0, state="ended"), NOW + 1e6) == "ended"
+
+
+def test_the_host_state_moves_with_time_alone() -> None:
+    """No event after the last beat: ok, then stale, then gone, as the reader's
+    clock passes the host's beat by 2 and 3 intervals."""
+    board = Dashboard()
+    board.apply(committed("s", "e1-1", 1, 0))
+    board.apply_presence(beat("s", 1, step="7"))
+    assert health(board, "s", 2) == "ok"
+    assert health(board, "s", 12) == "stale"
+    assert health(board, "s", 17) == "gone"
+    row = board.row(board.sessions["s"], NOW + 17)
+    assert row["why"] == "no heartbeat for 16 s" and row["lastCommitAgeS"] == 17
+    assert (row["hostStep"], row["durableStep"]) == ("7", "1")
+
+
+def test_a_dashboard_started_late_sees_a_long_dead_host_gone_at_once() -> None:
+    """Staleness is the host's time, not the moment the reader read it."""
+    board = Dashboard()
+    board.apply(committed("s", "e1-1", 1, -3600))
+    board.apply_presence(beat("s", -3600))
+    assert health(board, "s", 0) == "gone"
+
+
+def test_ended_cleanly_is_finished_and_on_an_error_is_failing() -> None:
+    board = Dashboard()
+    board.apply_presence(beat("clean", 0, state="ended"))
+    board.apply_presence(beat("broken", 0, state="ended", error="store.fsync"))
+    assert health(board, "clean", 1e6) == "finished"
+    assert health(board, "broken", 1) == "failing"
+    # A newer run's event is newer news than the last beat of the old one.
+    board.apply(captured("clean", "e2-1", 1, 5, epoch="e2"))
+    assert health(board, "clean", 6) == "ok"
+
+
+def test_without_a_heartbeat_a_quiet_host_is_gone_after_a_minute() -> None:
+    board = Dashboard()
+    board.apply(committed("old-host", "e1-1", 1, 0))
+    assert health(board, "old-host", 59) == "ok"
+    assert health(board, "old-host", 61) == "gone"
+
+
+def test_a_failure_is_shown_with_its_age_and_a_later_commit_clears_failing() -> None:
+    board = Dashboard()
+    board.apply_presence(beat("s", 100))
+    board.apply(failed("s", "e1-1", 1, 90))
+    row = board.row(board.sessions["s"], NOW + 101)
+    assert row["health"] == "failing" and row["lastFailure"]["ageS"] == 11
+    board.apply(committed("s", "e1-2", 2, 100))
+    assert health(board, "s", 101) == "ok"
+
+
+def test_a_new_run_closes_out_the_dead_runs_captures() -> None:
+    board = Dashboard()
+    for seq, checkpoint in enumerate(("e1-1", "e1-2", "e1-3"), start=1):
+        board.apply(captured("s", checkpoint, seq, seq))
+    assert board.row(board.sessions["s"], NOW)["inFlight"] == 3
+    board.apply(captured("s", "e2-4", 5, 10, epoch="e2"))  # the next run, after a crash
+    row = board.row(board.sessions["s"], NOW + 11)
+    assert (row["inFlight"], row["closedOut"], row["epoch"]) == (1, 3, "e2")
+    # An old run's late word changes the counts, never the epoch back.
+    board.apply(failed("s", "e1-3", 6, 11, epoch="e1"))
+    assert board.sessions["s"].state.epoch == "e2"
+
+
+def test_replication_lag_in_checkpoints_and_seconds() -> None:
+    board = Dashboard()
+    board.apply(committed("s", "e1-1", 1, 0))
+    board.apply(replicated("s", "e1-1", 2, 1))
+    assert board.row(board.sessions["s"], NOW + 2)["replicationLag"] == {
+        "checkpoints": 0, "seconds": 0.0}  # fmt: skip
+    board.apply(committed("s", "e1-2", 3, 10))
+    board.apply(committed("s", "e1-3", 4, 20))
+    assert board.row(board.sessions["s"], NOW + 30)["replicationLag"] == {
+        "checkpoints": 2, "seconds": 20.0}  # fmt: skip
+    board.apply(replicated("s", "e1-2", 5, 31))
+    assert board.row(board.sessions["s"], NOW + 32)["replicationLag"] == {
+        "checkpoints": 1, "seconds": 12.0}  # fmt: skip
+
+
+def restored(seq: int, when: float) -> Restored:
+    identity = identity_of(sample_body("e1-2"))
+    fields = common("s", "e1-2", seq, when, "e2")
+    return Restored(previous_epoch="e1", reason="rollback", abandoned_from="3", abandoned_to="4",
+                    identity=identity, **fields)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_a_restore_marks_what_it_abandoned_and_its_commits_are_no_lag() -> None:
+    board = Dashboard()
+    for seq, step in enumerate((2, 3, 4), start=1):
+        board.apply(committed("s", f"e1-{step}", seq, seq))
+    board.apply(replicated("s", "e1-2", 4, 4))
+    board.apply(restored(5, 5))
+    view = board.session("s", NOW + 6)
+    assert view is not None
+    marks = {row["checkpointId"]: row["abandoned"] for row in view["history"]}
+    assert marks == {"e1-2": False, "e1-3": True, "e1-4": True}
+    assert view["row"]["replicationLag"]["checkpoints"] == 0
+    assert view["row"]["durableStep"] == "2"
+
+
+def test_the_queue_is_as_it_is_now() -> None:
+    board = Dashboard()
+    board.apply(captured("s", "e1-1", 1, 0))
+    board.apply(captured("s", "e1-2", 2, 0))
+    board.apply(Queued(queue_depth=2, queued_bytes="20", **common("s", "e1-2", 3, 0, "e1")))  # type: ignore[arg-type]
+    assert board.row(board.sessions["s"], NOW + 1)["queue"] == 2
+    board.apply(committed("s", "e1-1", 4, 1))
+    assert board.row(board.sessions["s"], NOW + 2)["queue"] == 1
+    board.apply(committed("s", "e1-2", 5, 2))
+    assert board.row(board.sessions["s"], NOW + 3)["queue"] == 0
+    board.apply_presence(beat("s", 4, queue_depth=2, in_flight=2))  # the newer word on it
+    assert board.row(board.sessions["s"], NOW + 5)["queue"] == 2
+
+
+def test_the_overview_is_sorted_filtered_paged_and_counted() -> None:
+    board = Dashboard()
+    for number in range(30):
+        session = f"host-{number:02d}"
+        last = 0 if number % 3 else -100  # every third: gone
+        board.apply(committed(session, "e1-1", 1, last))
+        board.apply_presence(beat(session, last))
+    board.apply(failed("host-07", "e1-2", 2, 0))
+    board.apply_presence(beat("host-08", 0, state="ended"))
+    view = board.overview(now=NOW + 1, limit=5)
+    assert view["counts"] == {"failing": 1, "gone": 10, "stale": 0, "ok": 18, "finished": 1}
+    order = [row["health"] for row in view["sessions"]]
+    assert order == ["failing", "gone", "gone", "gone", "gone"]
+    assert view["sessions"][1]["sessionId"] == "host-00"  # then by id
+    assert (view["total"], view["matched"]) == (30, 30)
+    found = board.overview(query="-1", now=NOW + 1)
+    ids = [row["sessionId"] for row in found["sessions"]]
+    assert sorted(ids) == [f"host-1{n}" for n in range(10)] and ids[:3] == [
+        "host-12",
+        "host-15",
+        "host-18",
+    ]
+    last = board.overview(health="ok", offset=15, limit=10, now=NOW + 1)
+    assert (last["matched"], len(last["sessions"])) == (18, 3)
+
+
+def test_memory_is_bounded_by_budgets_shared_by_every_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session's history and its remembered eventIds shrink as the fleet grows."""
+    monkeypatch.setattr(fleet, "ROW_BUDGET", 100)
+    monkeypatch.setattr(fleet, "ID_BUDGET", 400)
+    board = Dashboard()
+    for number in range(20):
+        for seq in range(1, 60):
+            board.apply(committed(f"s{number}", f"e1-{seq}", seq, seq))
+    for session in board.sessions.values():
+        assert len(session.history) == fleet.MIN_HISTORY
+        assert len(session.state.folded) == fleet.MIN_IDS
+
+
+def test_the_cached_row_is_made_again_only_for_a_session_that_changed() -> None:
+    board = Dashboard()
+    board.apply(committed("a", "e1-1", 1, 0))
+    board.apply(committed("b", "e1-1", 1, 0))
+    board.overview(now=NOW)
+    kept = board.sessions["a"].cached
+    board.apply(committed("b", "e1-2", 2, 1))
+    assert board.sessions["a"].cached is kept and board.sessions["b"].cached is None
+
+
+@pytest.mark.asyncio
+async def test_a_coordinator_beats_while_open_and_says_ended_when_closed(tmp_path: Path) -> None:
+    bus = MemoryBus()
+    async with FileStore(tmp_path / "store") as store:
+        host = coordinator(store, parts(), bus)
+        async with host:
+            await (await host.capture(3)).wait()
+            running = bus.presence_now()["session-1"]
+            assert (running.state, running.step, running.epoch) == ("running", "3", "epoch-1")
+        ended = bus.presence_now()["session-1"]
+        assert (ended.state, ended.error) == ("ended", None)
+
+
+@pytest.mark.asyncio
+async def test_presence_on_a_real_nats_server(tmp_path: Path) -> None:
+    """Beats reach the bucket at the interval; the last says ended; a reader
+    watching the bucket sees each."""
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        async with (
+            FileStore(tmp_path / "store") as store,
+            NatsBus(server.url, heartbeat_s=0.2) as bus,
+        ):
+            host = coordinator(store, parts(), bus)
+            async with NatsBus(server.url, read_only=True) as reader:
+                seen: list[Presence] = []
+
+                async def watch() -> None:
+                    async for presence in reader.presence():
+                        seen.append(presence)
+
+                async with host:
+                    await (await host.capture(1)).wait()
+                    async with anyio.create_task_group() as group:
+                        group.start_soon(watch)
+                        await anyio.sleep(1.0)
+                        running = len(seen)
+                        await host.aclose()
+                        with anyio.fail_after(5):
+                            while seen[-1].state != "ended":
+                                await anyio.sleep(0.05)
+                        group.cancel_scope.cancel()
+        assert running >= 3  # about 5 beats in a second at 0.2 s
+        assert bus.counts()["presence"] >= running
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.asyncio
+async def test_a_killed_host_turns_gone_on_a_dashboard_following_nats(tmp_path: Path) -> None:
+    """A host process beating every 0.3 s is SIGKILLed: the dashboard's fold says
+    gone within 3 intervals, with no event after the kill."""
+    script = tmp_path / "host.py"
+    script.write_text(HOST_SCRIPT)
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        board = Dashboard()
+        async with anyio.create_task_group() as group:
+            group.start_soon(follow, board, server.url)
+            process = subprocess.Popen(
+                [sys.executable, str(script), server.url, str(tmp_path / "store")],
+                env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+            )
+            try:
+                with anyio.fail_after(30):
+                    while (
+                        "killed" not in board.sessions or board.sessions["killed"].presence is None
+                    ):
+                        await anyio.sleep(0.05)
+                    while board.sessions["killed"].state.committed < 2:
+                        await anyio.sleep(0.05)
+            finally:
+                process.kill()
+                process.wait()
+            import time
+
+            killed_at = time.time()
+            assert health(board, "killed", killed_at - NOW) == "ok"
+            with anyio.fail_after(10):
+                while health(board, "killed", time.time() - NOW) != "gone":
+                    await anyio.sleep(0.05)
+            took = time.time() - killed_at
+            group.cancel_scope.cancel()
+    assert took <= 3 * 0.3 + 1.0
+
+
+HOST_SCRIPT = """
+import sys
+import anyio
+from hostkit import coordinator, parts
+from coordinator.bus import NatsBus
+from coordinator.store import FileStore
+
+async def main() -> None:
+    async with FileStore(sys.argv[2]) as store, NatsBus(sys.argv[1], heartbeat_s=0.3) as bus:
+        async with coordinator(store, parts(), bus, session_id="killed") as host:
+            step = 0
+            while True:
+                step += 1
+                await (await host.capture(step)).wait()
+                await anyio.sleep(0.1)
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.asyncio
+async def test_a_loopback_literal_it_listens_on_is_a_host_it_answers(tmp_path: Path) -> None:
+    from coordinator.dashboard import serve
+
+    port = free_port()
+
+    def status(host: str) -> int:
+        request = urllib.request.Request(f"http://127.0.0.2:{port}/api/overview",
+                                         headers={"Host": host})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return int(reply.status)
+        except urllib.error.HTTPError as error:
+            return int(error.code)
+
+    async with anyio.create_task_group() as group:
+        ready = anyio.Event()
+        group.start_soon(lambda: serve("nats://127.0.0.1:1", "127.0.0.2", port, ready=ready))
+        await ready.wait()
+        assert await anyio.to_thread.run_sync(status, f"127.0.0.2:{port}") == 200
+        assert await anyio.to_thread.run_sync(status, f"127.0.0.3:{port}") == 400
+        group.cancel_scope.cancel()
+
+
+def test_a_port_in_use_is_one_line_and_exit_5() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "coordinator", "dashboard", "--nats", "nats://127.0.0.1:1",
+             "--listen", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60,
+            check=False,
+        )  # fmt: skip
+    assert result.returncode == 5
+    assert result.stderr.strip().splitlines() == [
+        f"coordinator: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
+
+
+@pytest.mark.asyncio
+async def test_the_dashboard_creates_nothing_on_the_server(tmp_path: Path) -> None:
+    """Read-only credentials are enough: no stream, no bucket is made."""
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        board = Dashboard()
+        async with anyio.create_task_group() as group:
+            group.start_soon(follow, board, server.url)
+            with anyio.fail_after(10):
+                while board.bus != "connected":
+                    await anyio.sleep(0.05)
+            await anyio.sleep(0.5)
+            group.cancel_scope.cancel()
+        client = await nats.connect(server.url)
+        names = [info.config.name async for info in _streams(client)]
+        await client.close()
+    assert names == []
+
+
+async def _streams(client: nats.NATS):  # type: ignore[no-untyped-def]
+    for info in await client.jetstream().streams_info():
+        yield info
