@@ -7,6 +7,7 @@ credentials) against a real nats-server."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -415,3 +416,18 @@ async def test_the_dashboard_creates_nothing_on_the_server(tmp_path: Path) -> No
 async def _streams(client: nats.NATS):  # type: ignore[no-untyped-def]
     for info in await client.jetstream().streams_info():
         yield info
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="no promtool (apt-get install prometheus)"
+)
+def test_the_documented_alerts_are_valid_prometheus_rules(tmp_path: Path) -> None:
+    """docs/operations.md's alert examples, checked by Prometheus's own promtool."""
+    page = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    block = page.split("Example alerts (`rules.yml`):", 1)[1].split("```yaml\n", 1)[1]
+    rules = tmp_path / "rules.yml"
+    rules.write_text(block.split("```", 1)[0])
+    checked = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True,
+                             text=True, timeout=60, check=False)  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 5 rules found" in checked.stdout
