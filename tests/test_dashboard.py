@@ -4,14 +4,16 @@ system's package manager, driven by Playwright, against a real nats-server, the
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,9 +75,14 @@ def nats_server(tmp_path: Path) -> Iterator[Nats]:
 
 @pytest.fixture
 def dashboard(nats_server: Nats) -> Iterator[str]:
+    yield from serve_dashboard(nats_server.url)
+
+
+def serve_dashboard(url: str) -> Iterator[str]:
+    """`coordinator dashboard` following ``url``: yields the page's address."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "coordinator", "dashboard", "--nats", nats_server.url,
+        [sys.executable, "-m", "coordinator", "dashboard", "--nats", url,
          "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
@@ -110,15 +117,13 @@ def test_the_page_shows_a_running_demo_live_and_its_history(
             executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
         )
         page = chrome.new_page(viewport={"width": 1500, "height": 1100})
+        page.add_init_script(CELL_JS)
         page.goto(dashboard)
         page.wait_for_selector("#bus:text('connected')", timeout=10_000)
         demo(nats_server.url)
         row = page.locator('tr[data-session="demo"]')
         row.wait_for(timeout=5_000)  # it came over the event stream: no reload
-        page.wait_for_function(
-            "() => Number(document.querySelector('tr[data-session=\"demo\"]').cells[5]"
-            ".textContent) > 0", timeout=5_000,
-        )  # fmt: skip
+        wait_cell(page, "demo", "committed", "Number(cell.textContent) > 0", 5)
         page.click('tr[data-session="demo"] a')
         page.wait_for_selector("#history")
         kinds = page.locator(".kinds").inner_text()
@@ -129,12 +134,14 @@ def test_the_page_shows_a_running_demo_live_and_its_history(
         assert "restored" in page.locator("#detail").inner_text()
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
-        committed = row.locator("td").nth(5).inner_text()
+        committed = cell_text(page, "demo", "committed")
+        assert committed is not None and int(committed) > 0
 
         late = chrome.new_page()
+        late.add_init_script(CELL_JS)
         late.goto(dashboard)
         late.wait_for_selector('tr[data-session="demo"]', timeout=5_000)
-        assert late.locator('tr[data-session="demo"] td').nth(5).inner_text() == committed
+        assert cell_text(late, "demo", "committed") == committed
         chrome.close()
 
 
@@ -227,3 +234,469 @@ def test_bench_dashboard_measures_the_page_beside_the_bus() -> None:
     latency = rows["dashboard.event_to_page_p99_ms"]
     assert latency["baseline"] > 0 and latency["ours"] > 0
     assert rows["dashboard.server_rss_mib"]["detail"]["sessions"] == 1000
+
+
+# --- a fleet: presence, many sessions, the page's layout and its clicks -------------------
+
+ROOT = Path(__file__).parent.parent
+HEARTBEAT_S = 1.0
+# window.__cell(session, column): the cell of a session's row under the header named
+# `column` (found by the header's text, as a reader finds it, not by position).
+CELL_JS = """
+window.__cell = (id, name) => {
+  const heads = [...document.querySelectorAll('#sessions thead th')];
+  const index = heads.findIndex((th) => th.textContent.trim() === name);
+  const row = document.querySelector(`#sessions tbody tr[data-session="${CSS.escape(id)}"]`);
+  return row && index >= 0 ? row.cells[index] : null;
+};
+"""
+
+
+def now_text(offset_s: float = 0.0) -> str:
+    from datetime import UTC, datetime, timedelta
+
+    moment = datetime.now(UTC) + timedelta(seconds=offset_s)
+    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def committed(session: str, index: int, age_s: float = 0.0) -> Any:
+    """A committed event as a host's writer makes it, ``age_s`` ago (seq 0: the bus
+    gives it one)."""
+    from coordinator.events import Committed, Timings
+
+    checkpoint = f"e1-{index}"
+    return Committed(
+        seq=0, event_id=f"{session}:e1:{checkpoint}:committed", time=now_text(-age_s),
+        checkpoint_id=checkpoint, session_id=session, epoch="e1", episode_id="episode-1",
+        boundary=str(index), byte_length="4096", timings=Timings(total_ms=1.5),
+        generation=f"{checkpoint}.flysess", envelope_digest="0" * 64, envelope_bytes="8192",
+        high_water=checkpoint,
+    )  # fmt: skip
+
+
+def failed(session: str, index: int, code: str, reason: str) -> Any:
+    from coordinator.events import Failed
+
+    checkpoint = f"e1-{index}"
+    return Failed(
+        seq=0, event_id=f"{session}:e1:{checkpoint}:failed", time=now_text(),
+        checkpoint_id=checkpoint, session_id=session, epoch="e1", episode_id="episode-1",
+        boundary=str(index), byte_length="4096", code=code, reason=reason, attempt=1,
+    )  # fmt: skip
+
+
+def beat(session: str, *, age_s: float = 0.0, interval_s: float = 60.0, ended: bool = False) -> Any:
+    """A host's presence beat, made ``age_s`` ago."""
+    from coordinator.presence import Presence
+
+    return Presence(
+        session_id=session, epoch="e1", state="ended" if ended else "running",
+        time=now_text(-age_s), interval_s=interval_s, step="3", host="sim-host-7", pid=4242,
+    )  # fmt: skip
+
+
+def same(presence: Any) -> Any:
+    return presence
+
+
+def publish(url: str, events: list[Any], beats: Iterable[Any] = ()) -> None:
+    """Publish events and presence beats onto the bus, and wait until they are sent
+    (in a thread: Playwright's sync API owns this one's event loop)."""
+    import threading
+
+    import anyio
+
+    from coordinator.bus import NatsBus
+
+    async def send() -> None:
+        async with NatsBus(url) as bus:
+            for event in events:
+                await bus.publish(event)
+            for presence in beats:
+                if presence.state == "ended":
+                    bus.farewell(presence)
+                else:
+                    bus.keep_alive(presence.session_id, functools.partial(same, presence))
+
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            anyio.run(send)
+        except BaseException as error:  # raised in the test's thread below
+            failure.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "publishing did not end"
+    if failure:
+        raise failure[0]
+
+
+class Stream:
+    """Commits for one session at ``rate`` a second, from a thread, until stopped."""
+
+    def __init__(self, url: str, session: str, rate: float = 20.0, start: int = 1) -> None:
+        import threading
+
+        self.url, self.session, self.pause = url, session, 1.0 / rate
+        self.index = start
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        import anyio
+
+        from coordinator.bus import NatsBus
+
+        async def send() -> None:
+            async with NatsBus(self.url) as bus:
+                while not self.stopped.is_set():
+                    await bus.publish(committed(self.session, self.index))
+                    self.index += 1
+                    await anyio.sleep(self.pause)
+
+        anyio.run(send)
+
+    def __enter__(self) -> Stream:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        self.thread.join(30)
+
+
+@pytest.fixture
+def ready_dashboard(nats_server: Nats) -> Iterator[str]:
+    """A dashboard started once the bus has its stream and buckets (a host of this
+    version ran before): what a page shows of synthetic events and beats then."""
+    publish(nats_server.url, [])
+    yield from serve_dashboard(nats_server.url)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as driver:
+        chrome = driver.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            yield chrome
+        finally:
+            chrome.close()
+
+
+def open_page(browser: Any, url: str, width: int = 1400, height: int = 900) -> Any:
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.add_init_script(CELL_JS)
+    page.goto(url)
+    page.wait_for_selector("#bus:text('connected')", timeout=10_000)
+    page.evaluate("() => { window.__sameDocument = true; }")  # a reload would lose it
+    return page
+
+
+def cell_text(page: Any, session: str, column: str) -> str | None:
+    return page.evaluate(  # type: ignore[no-any-return]
+        "([id, name]) => { const c = window.__cell(id, name); return c && c.textContent; }",
+        [session, column],
+    )
+
+
+def wait_cell(page: Any, session: str, column: str, test: str, timeout_s: float) -> None:
+    """Wait until ``test`` (a JS expression of ``cell``) holds for the cell."""
+    page.wait_for_function(
+        f"([id, name]) => {{ const cell = window.__cell(id, name); return !!cell && ({test}); }}",
+        arg=[session, column], timeout=timeout_s * 1000,
+    )  # fmt: skip
+
+
+def events_shown(page: Any) -> int:
+    return int(page.evaluate("() => window.updates.at(-1)[1]"))
+
+
+def still_same_document(page: Any) -> bool:
+    return bool(page.evaluate("() => window.__sameDocument === true"))
+
+
+HOST = """
+import sys
+from pathlib import Path
+
+import anyio
+
+from coordinator import CapturePolicy, Coordinator, FileStore, HostDescription
+from coordinator.bus import NatsBus
+
+
+class Part:
+    def __init__(self, name):
+        self.name = name
+        self.state = b"0"
+
+    async def capture(self, scope):
+        return self.state
+
+    async def stage_restore(self, payload, scope):
+        return bytes(payload)
+
+    async def activate_restore(self, token):
+        self.state = token
+
+    async def abort_restore(self, token):
+        pass
+
+
+async def main(url, store_dir, session, stop):
+    parts = [Part("world"), Part("agent-a")]
+    async with NatsBus(url, heartbeat_s=float(sys.argv[5])) as bus, FileStore(store_dir) as store:
+        host = Coordinator(store, bus, parts, session_id=session, epoch=session + "-1",
+                           describe=HostDescription(agents=["a"]),
+                           policy=CapturePolicy(every_steps=2))
+        async with host:
+            print("ready", flush=True)
+            step = 0
+            while not Path(stop).exists():
+                step += 1
+                parts[0].state = str(step).encode()
+                await host.at_boundary(step)
+                await anyio.sleep(0.1)
+    print("closed", flush=True)
+
+
+anyio.run(main, *sys.argv[1:5])
+"""
+
+
+def start_host(url: str, folder: Path, session: str) -> tuple[subprocess.Popen[str], Path]:
+    script = folder / "host.py"
+    if not script.exists():
+        script.write_text(HOST)
+    stop = folder / f"{session}.stop"
+    process = subprocess.Popen(
+        [sys.executable, str(script), url, str(folder / session), session, str(stop),
+         str(HEARTBEAT_S)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    return process, stop
+
+
+def wait_line(process: subprocess.Popen[str], wanted: str) -> None:
+    assert process.stdout is not None
+    line = process.stdout.readline().strip()
+    if line != wanted:
+        process.kill()
+        raise AssertionError(f"host said {line!r}, not {wanted!r}: {process.communicate()[1]}")
+
+
+def test_a_killed_host_turns_gone_and_a_closed_one_finished(
+    nats_server: Nats, dashboard: str, browser: Any, tmp_path: Path
+) -> None:
+    """Two real hosts beat every second. One closes cleanly: `finished`. The other is
+    SIGKILLed: `gone` within 3 heartbeat intervals (and the page's refresh), with no
+    event arriving and no reload: the state is worked out from time alone. (The
+    dashboard starts before any host made the presence bucket: it must find the
+    bucket within seconds, not 10 s later as it once did.)"""
+    page = open_page(browser, dashboard)
+    killed, _ = start_host(nats_server.url, tmp_path, "host-killed")
+    clean, stop = start_host(nats_server.url, tmp_path, "host-clean")
+    try:
+        wait_line(killed, "ready")
+        wait_line(clean, "ready")
+        for session in ("host-killed", "host-clean"):
+            wait_cell(page, session, "state", "cell.textContent === 'ok'", 10)
+            wait_cell(page, session, "committed", "Number(cell.textContent) > 0", 10)
+
+        stop.touch()
+        wait_line(clean, "closed")
+        assert clean.wait(timeout=10) == 0
+        wait_cell(page, "host-clean", "state", "cell.textContent === 'finished'", 5)
+        assert cell_text(page, "host-killed", "state") == "ok"
+
+        killed.kill()  # SIGKILL: no farewell, no last event
+        killed.wait()
+        killed_at = time.monotonic()
+        time.sleep(0.5)  # (what it had sent before has arrived)
+        events = events_shown(page)
+        wait_cell(page, "host-killed", "state", "cell.textContent === 'gone'",
+                  3 * HEARTBEAT_S + 3)  # fmt: skip
+        took = time.monotonic() - killed_at
+        assert took > 2 * HEARTBEAT_S - 0.5, f"gone after {took:.1f} s: not from time alone"
+        assert events_shown(page) == events, "an event arrived: gone was not time-based"
+        assert still_same_document(page), "the page reloaded"
+        for session, state in (("host-killed", "gone"), ("host-clean", "finished")):
+            assert cell_text(page, session, "state") == state
+            cell, row = page.evaluate(
+                "(id) => [window.__cell(id, 'state').className,"
+                " window.__cell(id, 'state').parentElement.className]", session,
+            )  # fmt: skip
+            assert state in cell.split() and row == state, (session, cell, row)
+    finally:
+        for process in (killed, clean):
+            if process.poll() is None:
+                process.kill()
+            _, err = process.communicate(timeout=10)
+            assert "Traceback" not in err, err
+
+
+def test_a_fleet_of_1000_sessions_pages_filters_routes_and_stays_live(
+    nats_server: Nats, ready_dashboard: str, browser: Any
+) -> None:
+    """1,000 sessions: the first page of 100; the filter finds one by a part of its
+    id; its URL opened cold shows it; a row's link and the back button route; a
+    commit published after the page loaded shows without a reload."""
+    publish(nats_server.url, [committed(f"fleet-{n:04}", 0) for n in range(1000)])
+    page = open_page(browser, ready_dashboard)
+    page.wait_for_selector("#range:text-is('1-100 of 1000')", timeout=10_000)
+    assert page.locator("#sessions tbody tr").count() == 100
+
+    page.locator("#filter").press_sequentially("0421")
+    page.wait_for_selector("#range:text-is('1-1 of 1 (1000 sessions)')", timeout=5_000)
+    rows = page.locator("#sessions tbody tr")
+    assert rows.count() == 1 and rows.first.get_attribute("data-session") == "fleet-0421"
+
+    page.click('tr[data-session="fleet-0421"] a')
+    page.wait_for_url("**/sessions/fleet-0421", timeout=5_000)
+    page.wait_for_selector("#detail h2:has-text('session fleet-0421')", timeout=5_000)
+    assert page.locator("#fleet").is_hidden()
+    page.go_back()
+    page.wait_for_url(ready_dashboard, timeout=5_000)
+    page.wait_for_selector('#fleet tr[data-session="fleet-0421"]', state="visible", timeout=5_000)
+    assert page.locator("#detail").is_hidden()
+
+    cold = browser.new_page()
+    cold.goto(f"{ready_dashboard}sessions/fleet-0777")
+    cold.wait_for_selector("#detail h2:has-text('session fleet-0777')", timeout=10_000)
+    assert cold.locator("#fleet").is_hidden()
+    assert "committed 1" in cold.locator("#detail .kinds").inner_text()
+    cold.close()
+
+    assert cell_text(page, "fleet-0421", "committed") == "1"
+    publish(nats_server.url, [committed("fleet-0421", 1)])
+    wait_cell(page, "fleet-0421", "committed", "cell.textContent === '2'", 5)
+    assert still_same_document(page), "the page reloaded"
+
+
+def every_state() -> tuple[list[Any], list[Any], dict[str, int]]:
+    """Events and beats of a fleet with sessions in every host state, long ids and
+    long failure reasons among them; and how many of each state it has."""
+    reason = ("the store refused the write: No space left on device (errno 28) while "
+              "writing tmp+e1-2.flysess in /var/lib/coordinator/store/generations")  # fmt: skip
+    counts = {"failing": 4, "gone": 5, "stale": 3, "ok": 6, "finished": 3}
+    events: list[Any] = []
+    beats: list[Any] = []
+    for n in range(counts["failing"]):
+        name = f"training-run-{n}-eu-west-canary-rollout-with-a-rather-long-id"
+        events += [committed(name, 1), failed(name, 2, "store.commit", reason)]
+        beats.append(beat(name))
+    for n in range(counts["gone"]):  # its last beat and event long past 3 intervals
+        events.append(committed(f"sim-gone-{n}", 1, age_s=40))
+        beats.append(beat(f"sim-gone-{n}", age_s=30, interval_s=HEARTBEAT_S))
+    for n in range(counts["stale"]):  # 2.5 intervals of 60 s
+        events.append(committed(f"sim-stale-{n}", 1, age_s=150))
+        beats.append(beat(f"sim-stale-{n}", age_s=150))
+    for n in range(counts["ok"]):
+        events += [committed(f"sim-ok-{n}", i) for i in range(1, 4)]
+        beats.append(beat(f"sim-ok-{n}"))
+    for n in range(counts["finished"]):
+        events.append(committed(f"sim-done-{n}", 1))
+        beats.append(beat(f"sim-done-{n}", ended=True))
+    return events, beats, counts
+
+
+def test_the_fleet_table_fits_the_window_and_its_screenshot(
+    nats_server: Nats, ready_dashboard: str, browser: Any
+) -> None:
+    """At 1280x800 and 1600x900 the state and last failure columns are wholly inside
+    the window (no column pushed off its right edge), with long ids and long failure
+    reasons; the fleet view, every state in it, is saved as a screenshot."""
+    events, beats, counts = every_state()
+    publish(nats_server.url, events, beats)
+    page = open_page(browser, ready_dashboard, 1280, 800)
+    total = sum(counts.values())
+    page.wait_for_selector(f"#range:text-is('1-{total} of {total}')", timeout=10_000)
+    for state, count in counts.items():
+        page.wait_for_selector(f"#counts :text-is('{state} {count}')", timeout=5_000)
+
+    for width, height in ((1280, 800), (1600, 900)):
+        page.set_viewport_size({"width": width, "height": height})
+        page.wait_for_timeout(300)
+        boxes = page.evaluate(
+            """(names) => {
+              const heads = [...document.querySelectorAll('#sessions thead th')];
+              const found = names.map((n) => heads.findIndex((th) => th.textContent.trim() === n));
+              const rows = [document.querySelector('#sessions thead tr'),
+                            ...document.querySelectorAll('#sessions tbody tr')];
+              return {
+                found, width: innerWidth, height: innerHeight,
+                scroll: document.documentElement.scrollWidth,
+                spilled: heads.filter((th) => th.scrollWidth > th.clientWidth)
+                  .map((th) => th.textContent),
+                cells: rows.flatMap((row) => found.map((i) => {
+                  const r = row.cells[i].getBoundingClientRect();
+                  return [row.dataset.session || 'header', names[found.indexOf(i)],
+                          r.left, r.right, r.top, r.bottom];
+                })),
+              };
+            }""",
+            ["state", "last failure"],
+        )  # fmt: skip
+        assert -1 not in boxes["found"], boxes["found"]
+        assert not boxes["spilled"], f"{width}px: headers wider than their columns"
+        assert boxes["scroll"] <= width, (
+            f"{width}px: the page scrolls sideways to {boxes['scroll']}px"
+        )
+        for session, column, left, right, _, _ in boxes["cells"]:
+            assert 0 <= left < right <= width, (width, session, column, left, right)
+        header = boxes["cells"][:2]
+        for _, column, _, _, top, bottom in header:
+            assert 0 <= top < bottom <= height, (height, column, top, bottom)
+
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.wait_for_timeout(300)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "fleet.png"))
+    if os.environ.get("COORDINATOR_DOCS_SCREENSHOTS"):
+        page.screenshot(path=str(ROOT / "docs" / "fleet.png"))
+
+
+def human_click(page: Any, selector: str) -> None:
+    """A person's click: the pointer moves onto the link, the button stays down a
+    little (a rebuild in between detaches what it pressed), then comes up."""
+    box = None
+    for _ in range(50):  # (a page that rebuilds its rows detaches it now and then)
+        box = page.locator(selector).bounding_box(timeout=2_000)
+        if box is not None:
+            break
+    assert box is not None, selector
+    page.mouse.move(box["x"] + min(box["width"] / 2, 20), box["y"] + box["height"] / 2)
+    page.mouse.down()
+    page.wait_for_timeout(150)
+    page.mouse.up()
+
+
+def test_a_click_is_never_lost_while_events_flow(
+    nats_server: Nats, ready_dashboard: str, browser: Any
+) -> None:
+    """20 commits a second for the session clicked (the page updates as often):
+    every click on its link navigates, and so does the title's link back."""
+    publish(nats_server.url, [committed(f"click-{n}", 0) for n in range(8)])
+    page = open_page(browser, ready_dashboard)
+    page.wait_for_selector("#range:text-is('1-8 of 8')", timeout=10_000)
+    link = 'tr[data-session="click-3"] a'
+    with Stream(nats_server.url, "click-3", rate=20):
+        wait_cell(page, "click-3", "committed", "Number(cell.textContent) > 10", 10)
+        for attempt in range(4):
+            before = events_shown(page)
+            human_click(page, link)
+            page.wait_for_url("**/sessions/click-3", timeout=2_000)
+            page.wait_for_selector("#detail h2:has-text('session click-3')", timeout=5_000)
+            human_click(page, "h1 a")
+            page.wait_for_url(ready_dashboard, timeout=2_000)
+            page.wait_for_selector(link, state="visible", timeout=5_000)
+            assert events_shown(page) > before, f"attempt {attempt}: no events flowed"
+        page.click(link)  # and Playwright's own click
+        page.wait_for_url("**/sessions/click-3", timeout=2_000)
+    assert still_same_document(page), "a click reloaded the page"
