@@ -38,6 +38,7 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     high_water_boundary: str | None = None
     high_water_seq: int = 0  # the seq of the committed event that set it
     in_flight: frozenset[str] = frozenset()  # captured, not yet committed/failed/superseded
+    untracked: int = 0  # captures beyond MAX_IN_FLIGHT: counted, not kept
     queue_depth: int = 0
     committed: int = 0
     superseded: int = 0
@@ -71,6 +72,7 @@ FOLDED_IDS = 1024
 RECENT_EPOCHS = 8
 RECENT_COMMITS = 64  # commits remembered to tell how far the replicated tier is behind
 MAX_MISSING = 4096  # the most missed seqs kept by number (rule 3)
+MAX_IN_FLIGHT = 1024  # the most captures kept in flight (a host has a few; more is hostile)
 MAX_SEQ = 2**53 - 1  # the largest seq every language reads exactly (rule 1)
 
 
@@ -112,13 +114,18 @@ class SaveState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def fold_event(
-    state: SessionState | None, event: Event, *, keep_ids: int = FOLDED_IDS
+    state: SessionState | None,
+    event: Event,
+    *,
+    keep_ids: int = FOLDED_IDS,
+    keep_missing: int = MAX_MISSING,
 ) -> SessionState:
     """One session's state after ``event``: what ``SaveState.apply`` does for that
     session, at a cost that does not grow with the number of sessions.
-    ``keep_ids``: how many eventIds rule 2 remembers (a fleet keeps fewer)."""
+    ``keep_ids`` and ``keep_missing``: how many eventIds rule 2 and missed seqs
+    rule 3 remember (a fleet keeps fewer)."""
     before = state or SessionState(session_id=event.session_id)
-    return _fold(before, event.seq, event.event_id, event, keep_ids)
+    return _fold(before, event.seq, event.event_id, event, keep_ids, keep_missing=keep_missing)
 
 
 class _Envelope(msgspec.Struct, rename="camel"):
@@ -199,16 +206,18 @@ def _fold(
     event_id: str,
     event: Event | _Read | None,
     keep_ids: int = FOLDED_IDS,
+    *,
+    keep_missing: int = MAX_MISSING,
 ) -> SessionState:
     if event_id in state.folded:  # rule 2: a re-publication
         return msgspec.structs.replace(state, duplicates=state.duplicates + 1)
     changes: dict[str, object] = {"folded": (*state.folded[-(keep_ids - 1) :], event_id)}
     late = 0 < seq < state.last_seq
-    changes.update(_sequence(state, seq, late))
+    changes.update(_sequence(state, seq, late, keep_missing))
     if event is None:  # rule 4: a kind this version does not know
         return msgspec.structs.replace(state, **changes)
     kind = _kind(event)
-    open_ids = set(state.in_flight)
+    open_ids = state.in_flight  # a new set only where it changes (at most MAX_IN_FLIGHT)
     when = event.time if isinstance(event.time, str) else None
     current = not late and seq > 0
     if current and kind != "replicated":  # the host's epoch, not the replica's
@@ -216,7 +225,7 @@ def _fold(
         if event.epoch not in state.epochs:  # a new run: the older runs' captures are over
             changes.update(epoch=event.epoch, epochs=(*state.epochs[-(RECENT_EPOCHS - 1) :],
                            event.epoch), closed_out=state.closed_out + len(open_ids))  # fmt: skip
-            open_ids.clear()
+            open_ids = frozenset()
     # The high water moves to what a committed or restored event names only if it
     # comes after the event that set it: one stored late behind it, or a seq-0
     # re-announcement (outside the sequence), never moves it back. One stored
@@ -245,13 +254,17 @@ def _fold(
         changes["in_flight"] = state.in_flight
         return msgspec.structs.replace(state, **changes)
     elif kind == "captured":
-        if not late:  # a late one may already be over
-            open_ids.add(event.checkpoint_id)
+        if not late and event.checkpoint_id not in open_ids:  # a late one may be over
+            if len(open_ids) < MAX_IN_FLIGHT:
+                open_ids = open_ids | {event.checkpoint_id}
+            else:
+                changes["untracked"] = state.untracked + 1
     elif isinstance(event, Queued | _ReadQueued):
         if not late:
             changes["queue_depth"] = event.queue_depth
     else:
-        open_ids.discard(event.checkpoint_id)
+        if event.checkpoint_id in open_ids:
+            open_ids = open_ids - {event.checkpoint_id}
         if isinstance(event, Committed | _ReadCommitted):
             changes["committed"] = state.committed + 1
             if newest:
@@ -261,13 +274,16 @@ def _fold(
         elif isinstance(event, Failed | _ReadFailed):
             changes.update(failed=state.failed + 1, last_failure=f"{event.code}: {event.reason}",
                            last_failure_time=when)  # fmt: skip
-        # What is queued waits behind what is in flight: never more of it.
-        changes["queue_depth"] = min(state.queue_depth, len(open_ids))
-    changes["in_flight"] = frozenset(open_ids)
+    # What is queued waits behind what is in flight: never more of it.
+    depth = changes.get("queue_depth", state.queue_depth)
+    assert isinstance(depth, int)
+    changes.update(queue_depth=min(depth, len(open_ids)), in_flight=open_ids)
     return msgspec.structs.replace(state, **changes)
 
 
-def _sequence(state: SessionState, seq: int, late: bool) -> dict[str, object]:
+def _sequence(
+    state: SessionState, seq: int, late: bool, keep: int = MAX_MISSING
+) -> dict[str, object]:
     """Rule 3: what ``seq`` changes in ``lastSeq``, ``missing`` and ``lost``. Late:
     behind one already seen (the stream may hold a few events out of order after
     a connection drop); it fills the gap its number left."""
@@ -277,11 +293,11 @@ def _sequence(state: SessionState, seq: int, late: bool) -> dict[str, object]:
         missing = missing - {seq}
     elif seq > 0:  # seq 0: a re-announcement by an older version, outside the sequence
         if state.last_seq and seq > state.last_seq + 1:
-            skipped = range(max(state.last_seq + 1, seq - MAX_MISSING), seq)
+            skipped = range(max(state.last_seq + 1, seq - keep), seq)
             lost += seq - state.last_seq - 1 - len(skipped)
             missing = missing | frozenset(skipped)
-            if len(missing) > MAX_MISSING:  # keep the newest numbers: bounded memory
-                kept = frozenset(sorted(missing)[-MAX_MISSING:])
+            if len(missing) > keep:  # keep the newest numbers: bounded memory
+                kept = frozenset(sorted(missing)[-keep:])
                 lost += len(missing) - len(kept)
                 missing = kept
         changes["last_seq"] = seq

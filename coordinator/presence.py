@@ -17,6 +17,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from .ids import U64, Id
+
 __all__ = [
     "DEFAULT_INTERVAL_S",
     "GONE_AFTER_BEATS",
@@ -44,12 +46,12 @@ class Presence(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     on the last beat of a coordinator closed by an exception, its code."""
 
     presence_version: Literal[1] = 1
-    session_id: str
-    epoch: str
+    session_id: Id
+    epoch: Id
     state: Literal["running", "ended"]
     time: str  # the host's clock, RFC 3339, UTC
     interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
-    step: str | None = None
+    step: U64 | None = None
     queue_depth: Annotated[int, msgspec.Meta(ge=0)] = 0
     in_flight: Annotated[int, msgspec.Meta(ge=0)] = 0
     error: Annotated[str, msgspec.Meta(max_length=MAX_TEXT)] | None = None

@@ -326,7 +326,9 @@ class Coordinator:
                 if self._claimed:
                     self._claimed = False
                     self.store.release_session(self.session_id)
-                self.bus.farewell(self._presence(ended=True, error=error))
+                # An unseen save failure is raised after this: the last beat says it.
+                unseen = error or self._earlier_failure or self.writer.unseen_failure
+                self.bus.farewell(self._presence(ended=True, error=unseen))
                 self._shut.set()
 
     async def _final_capture(self, step: int) -> None:

@@ -1022,6 +1022,11 @@ class Writer:
         if self._failure is None:
             self._failure = SaveFailedError(job.checkpoint_id, code, reason)
 
+    @property
+    def unseen_failure(self) -> SaveFailedError | None:
+        """The last save failure nobody has seen yet, left where it is."""
+        return self._failure
+
     def take_failure(self) -> SaveFailedError | None:
         """The last save failure nobody has seen yet, handed over (and forgotten)."""
         failure, self._failure = self._failure, None

@@ -232,11 +232,20 @@ async function readDurable(js, session) {
     return new Map();
   }
   const keys = [];
-  if (session) keys.push(token(session));
-  else for await (const key of await kv.keys()) if (!key.includes(".")) keys.push(key);
+  try { // (a view bound to no bucket throws only here)
+    if (session) keys.push(token(session));
+    else for await (const key of await kv.keys()) if (!key.includes(".")) keys.push(key);
+  } catch {
+    return new Map();
+  }
   const durable = new Map();
   for (const key of keys) {
-    const entry = await kv.get(key);
+    let entry;
+    try {
+      entry = await kv.get(key);
+    } catch {
+      return durable; // no bucket: nothing durable known yet
+    }
     if (!entry || entry.operation !== "PUT") continue;
     let event;
     try {

@@ -366,3 +366,19 @@ async def test_the_node_example_follows_a_demo_like_the_python_one(
     assert python == javascript
     (session,) = python["sessions"].values()
     assert session["restores"] and session["committed"] > 0 and session["failed"]
+
+
+@pytest.mark.asyncio
+async def test_both_examples_fold_a_stream_with_no_kv_bucket(tmp_path: Path, node: str) -> None:
+    """Events from a writer that may not make buckets (a stream, no CKPT_COMMITTED):
+    both examples fold them, neither crashes on the missing bucket."""
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        client = await nats.connect(server.url)
+        js = client.jetstream()
+        await js.add_stream(name="CKPT", subjects=["ckpt.>"])
+        event = {"event": "captured", "seq": 1, "sessionId": "s", "eventId": "s:e:c1:captured",
+                 "checkpointId": "c1", "epoch": "e"}  # fmt: skip
+        await js.publish("ckpt.s.captured", json.dumps(event).encode())
+        await client.close()
+        python, javascript = await both_examples(server.url, node)
+    assert python == javascript and python["sessions"]["s"]["inFlight"] == ["c1"]

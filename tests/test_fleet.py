@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import anyio
+import msgspec
 import nats
 import pytest
 from hostkit import coordinator, parts
@@ -30,7 +31,7 @@ from coordinator.sample import sample_body
 from coordinator.server import EmbeddedServer
 from coordinator.store import FileStore
 
-NOW = 1_800_000_000.0
+NOW = 1_700_000_000.0  # (in the past: a time ahead of the clock is no measurement)
 
 
 def at(seconds: float) -> str:
@@ -338,6 +339,7 @@ async def test_a_killed_host_turns_gone_on_a_dashboard_following_nats(tmp_path: 
 HOST_SCRIPT = """
 import sys
 import anyio
+import msgspec
 from hostkit import coordinator, parts
 from coordinator.bus import NatsBus
 from coordinator.store import FileStore
@@ -431,3 +433,115 @@ def test_the_documented_alerts_are_valid_prometheus_rules(tmp_path: Path) -> Non
                              text=True, timeout=60, check=False)  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "SUCCESS: 5 rules found" in checked.stdout
+
+
+# --- the attack round: every break a test ---------------------------------------------
+
+
+def test_hostile_overview_parameters_are_defaults_never_a_500() -> None:
+    from coordinator.dashboard._web import _view_options
+
+    for hostile in ("²", "¹²", "³", "9" * 5000, "-1", "1e9", ""):
+        options = _view_options({"offset": hostile, "limit": hostile})
+        assert isinstance(options["offset"], int) and 0 <= options["limit"] <= 1000
+
+
+def test_a_rebuilt_state_is_trimmed_and_the_old_one_is_let_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fleet, "ROW_BUDGET", 100)
+    board = Dashboard()
+    board.apply(committed("old", "e1-1", 1, 0))
+    fresh = Dashboard()
+    fresh.apply_all(committed("a", f"e1-{seq}", seq, seq) for seq in range(1, 60))
+    board.adopt(fresh)
+    for number in range(20):
+        board.apply(committed(f"s{number}", "e1-1", 1, 0))
+    assert len(board.sessions["a"].history) == fleet.MIN_HISTORY
+    assert {id(s) for s in board._trim_next} == {id(s) for s in board.sessions.values()}
+
+
+def test_a_time_from_the_future_never_keeps_a_dead_host_alive() -> None:
+    """A host's clock glitch (or a forged beat) a year ahead: taken as the
+    reader's time of reading, so the host still turns gone."""
+    import time
+
+    board = Dashboard()
+    now = time.time()
+    board.apply(committed("s", "e1-1", 1, now - NOW + 365 * 86400))
+    board.apply_presence(beat("s", now - NOW + 365 * 86400))
+    assert board.row(board.sessions["s"], now + 16)["health"] == "gone"
+    assert board.row(board.sessions["s"], now + 16)["lastSeenAgeS"] >= 15
+
+
+def test_a_forged_beat_is_refused_by_its_form() -> None:
+    from coordinator.presence import decode_presence
+
+    good = msgspec.json.encode(beat("s", 0))
+    decode_presence(good)
+    for field, value in (("sessionId", "x" * 900_000), ("epoch", "A B"), ("step", "-1"),
+                         ("step", "9" * 30), ("sessionId", "victim.>")):  # fmt: skip
+        forged = {**msgspec.json.decode(good), field: value}
+        with pytest.raises(msgspec.ValidationError):
+            decode_presence(msgspec.json.encode(forged))
+
+
+def test_many_captures_with_no_outcome_stay_bounded() -> None:
+    from coordinator.monitor import MAX_IN_FLIGHT
+
+    board = Dashboard()
+    for seq in range(1, MAX_IN_FLIGHT + 101):
+        board.apply(captured("s", f"e1-{seq}", seq, seq))
+    state = board.sessions["s"].state
+    assert len(state.in_flight) == MAX_IN_FLIGHT and state.untracked == 100
+
+
+def test_missed_seqs_are_in_the_fleets_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet, "MISSING_BUDGET", 1000)
+    board = Dashboard()
+    for number in range(100):
+        board.apply(committed(f"s{number}", "e1-1", 1, 0))
+        board.apply(committed(f"s{number}", "e1-2", 100_000, 1))
+    for session in board.sessions.values():
+        assert len(session.state.missing) <= fleet.MIN_MISSING
+        assert session.state.gaps == 100_000 - 2
+
+
+def test_a_failed_newest_outcome_is_failing_even_after_a_clean_farewell() -> None:
+    board = Dashboard()
+    board.apply(failed("s", "e1-1", 1, 0))
+    board.apply_presence(beat("s", 1, state="ended"))
+    assert health(board, "s", 2) == "failing"
+
+
+def test_the_queue_never_exceeds_in_flight_after_a_new_run() -> None:
+    board = Dashboard()
+    for seq in (1, 2, 3):
+        board.apply(captured("s", f"e1-{seq}", seq, seq))
+    board.apply(Queued(queue_depth=3, queued_bytes="30", **common("s", "e1-3", 4, 4, "e1")))  # type: ignore[arg-type]
+    board.apply(captured("s", "e2-1", 5, 5, epoch="e2"))
+    row = board.row(board.sessions["s"], NOW + 6)
+    assert (row["inFlight"], row["queue"]) == (1, 1)
+    board.apply(Queued(queue_depth=7, queued_bytes="30", **common("s", "e2-1", 6, 6, "e2")))  # type: ignore[arg-type]
+    assert board.row(board.sessions["s"], NOW + 7)["queue"] == 1
+
+
+@pytest.mark.asyncio
+async def test_an_unseen_save_failure_is_on_the_farewell(tmp_path: Path) -> None:
+    """A coordinator whose block ends cleanly but raises an unseen save failure
+    says so on its last beat: failing, not finished."""
+    from fsmodel import fail_nth
+
+    from coordinator.errors import SaveFailedError
+    from hostkit import GateFS
+
+    bus = MemoryBus()
+    fs = GateFS()
+    fs.open_all()
+    fs.rule = fail_nth("fsync", 1, 5, "tmp+epoch-1-1")
+    with pytest.raises(SaveFailedError):
+        async with FileStore(tmp_path / "store", fs=fs) as store:
+            async with coordinator(store, parts(), bus) as host:
+                await (await host.capture(1)).wait()
+    ended = bus.presence_now()["session-1"]
+    assert ended.state == "ended" and ended.error is not None

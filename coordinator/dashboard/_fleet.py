@@ -31,7 +31,7 @@ from ..events import (
     Timings,
     event_name,
 )
-from ..monitor import FOLDED_IDS, SessionState, fold_event
+from ..monitor import FOLDED_IDS, MAX_MISSING, SessionState, fold_event
 from ..presence import GONE_AFTER_BEATS, LATE_AFTER_BEATS, Presence, epoch_seconds
 
 __all__ = [
@@ -49,6 +49,9 @@ ROW_BUDGET = 200_000  # history rows kept over all sessions (10k sessions: 20 ea
 MIN_HISTORY = 10
 ID_BUDGET = 400_000  # eventIds rule 2 remembers over all sessions (10k sessions: 40 each)
 MIN_IDS = 32
+MISSING_BUDGET = 400_000  # missed seqs rule 3 keeps by number, over all sessions
+MIN_MISSING = 64
+FUTURE_S = 5.0  # a host time further ahead of ours is no measurement: taken as now
 MAX_TEXT = 500  # characters of a code or reason kept (the bus does not bound them)
 MAX_MS = 1e12  # a phase longer than this is no measurement (the schema's maximum)
 FAILURES = 10  # failures kept per session
@@ -149,6 +152,8 @@ class Session:
         if presence is not None and ended and (event is None or beat is None or beat >= event):
             if presence.error:
                 return "failing", f"its coordinator closed on {presence.error}"
+            if self.last_outcome() == "failed":
+                return "failing", "it closed after a failure no later commit made good"
             return "finished", "its coordinator closed cleanly"
         times = [t for t in (beat, event) if t is not None]
         if times:
@@ -221,16 +226,24 @@ class Dashboard:
         cap = self._history_cap()
         while len(session.history) > cap:
             session.history.popitem(last=False)
-        ids = self._ids_cap()
-        if len(session.state.folded) > ids:
-            folded = session.state.folded[-ids:]
-            session.state = msgspec.structs.replace(session.state, folded=folded)
+        ids, missed = self._ids_cap(), self._missing_cap()
+        state = session.state
+        if len(state.folded) > ids:
+            state = msgspec.structs.replace(state, folded=state.folded[-ids:])
+        if len(state.missing) > missed:
+            kept = frozenset(sorted(state.missing)[-missed:])
+            lost = state.lost + len(state.missing) - len(kept)
+            state = msgspec.structs.replace(state, missing=kept, lost=lost)
+        session.state = state
 
     def _history_cap(self) -> int:
         return max(MIN_HISTORY, min(HISTORY, ROW_BUDGET // max(1, len(self.sessions))))
 
     def _ids_cap(self) -> int:
         return max(MIN_IDS, min(FOLDED_IDS, ID_BUDGET // max(1, len(self.sessions))))
+
+    def _missing_cap(self) -> int:
+        return max(MIN_MISSING, min(MAX_MISSING, MISSING_BUDGET // max(1, len(self.sessions))))
 
     def apply_all(self, events: Iterable[Event]) -> None:
         for event in events:
@@ -240,7 +253,9 @@ class Dashboard:
         session = self._session(event.session_id)
         self._trim_one()
         before = session.state
-        session.state = after = fold_event(before, event, keep_ids=self._ids_cap())
+        session.state = after = fold_event(
+            before, event, keep_ids=self._ids_cap(), keep_missing=self._missing_cap()
+        )
         if after.duplicates > before.duplicates:
             return  # the fold's rule 2: a re-publication changes nothing, here either
         late = 0 < event.seq < before.last_seq
@@ -249,13 +264,13 @@ class Dashboard:
         session.cached = None
         self.events += 1
         self.touch()
-        when = epoch_seconds(event.time)
+        when = _host_time(event.time)
         if not late and not isinstance(event, Replicated) and when is not None:
             session.last_event_s = when
         if after.last_committed_time != before.last_committed_time:
-            session.last_commit_s = epoch_seconds(after.last_committed_time or "")
+            session.last_commit_s = _host_time(after.last_committed_time or "")
         if after.oldest_unreplicated_time != before.oldest_unreplicated_time:
-            session.unreplicated_s = epoch_seconds(after.oldest_unreplicated_time or "")
+            session.unreplicated_s = _host_time(after.oldest_unreplicated_time or "")
         if isinstance(event, Restored):
             self._restored(session, event)
             return
@@ -313,7 +328,7 @@ class Dashboard:
         """A host's beat (docs/events.md, "Presence")."""
         session = self._session(presence.session_id)
         session.presence = presence
-        session.presence_s = epoch_seconds(presence.time)
+        session.presence_s = _host_time(presence.time)
         session.cached = None
         self.beats += 1
         self.touch()
@@ -324,6 +339,7 @@ class Dashboard:
             if old.presence is not None:
                 fresh.apply_presence(old.presence)
         self.sessions = fresh.sessions
+        self._trim_next = fresh._trim_next  # (the old sessions are let go)
         self.events = fresh.events
         self.touch()
 
@@ -433,6 +449,16 @@ class Dashboard:
             "kinds": dict(session.kinds),
             "presence": msgspec.to_builtins(session.presence),
         }
+
+
+def _host_time(rfc3339: str) -> float | None:
+    """A host's time in seconds since 1970; one ahead of ours by more than
+    ``FUTURE_S`` (a clock glitch, a forged beat) counts as the moment we read it,
+    so it can never keep a dead host alive."""
+    when = epoch_seconds(rfc3339)
+    if when is None:
+        return None
+    return min(when, time.time()) if when > time.time() + FUTURE_S else when
 
 
 def _abandoned(session: Session, epoch: str, boundary: str) -> bool:

@@ -109,7 +109,8 @@ def _view_options(params: Any) -> dict[str, Any]:
 
     def number(name: str, default: int) -> int:
         text = params.get(name, "")
-        return int(text) if text.isdigit() else default
+        ascii_digits = text.isascii() and text.isdigit() and len(text) <= 9  # ("²".isdigit())
+        return int(text) if ascii_digits else default
 
     health = params.get("health", "")
     return {
