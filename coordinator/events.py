@@ -17,7 +17,7 @@ Only ``durable: true`` on ``committed`` means saved.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -99,7 +99,7 @@ class Captured(_Event, frozen=True, kw_only=True, tag="captured"):
 class Queued(_Event, frozen=True, kw_only=True, tag="queued"):
     """The capture is in the writer's queue."""
 
-    queue_depth: int
+    queue_depth: Annotated[int, msgspec.Meta(ge=0)]
     queued_bytes: U64
 
 

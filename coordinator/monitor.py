@@ -29,7 +29,7 @@ from .ids import U64, Id
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["SaveState", "SessionState", "fold_event", "render"]
+__all__ = ["SaveState", "SessionState", "fold_event", "fold_message", "read_message", "render"]
 
 
 class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -89,20 +89,11 @@ class SaveState(msgspec.Struct, frozen=True, kw_only=True):
         """The state after one message as it came off the wire (rules 1-6): an event
         of a kind this version does not know, or whose fields the fold reads do not
         fit its kind, still counts in the sequence (rule 4)."""
-        try:
-            fields = msgspec.json.decode(data, type=_Envelope)
-        except msgspec.MsgspecError:
-            fields = None
-        seq = fields.seq if fields is not None else -1.0
-        if fields is None or isinstance(seq, bool) or not float(seq).is_integer():
+        read = read_message(data)
+        if read is None:
             return msgspec.structs.replace(self, skipped=self.skipped + 1)
-        read: _Read | None = None
-        if fields.event in EVENT_NAMES:
-            try:
-                read = _READ.decode(data)
-            except msgspec.MsgspecError:  # rule 4: its body does not fit its kind
-                read = None
-        return self._with(fields.session_id, int(seq), fields.event_id, read)
+        session_id, seq, event_id, event = read
+        return self._with(session_id, seq, event_id, event)
 
     def _with(
         self, session_id: str, seq: int, event_id: str, event: Event | _Read | None
@@ -111,6 +102,42 @@ class SaveState(msgspec.Struct, frozen=True, kw_only=True):
         sessions = dict(self.sessions)
         sessions[session_id] = _fold(before, seq, event_id, event)
         return SaveState(sessions=sessions, skipped=self.skipped)
+
+
+Message = tuple[str, int, str, "Event | _Read | None"]
+
+
+def read_message(data: bytes | str) -> Message | None:
+    """What the fold reads from a raw message: its session, ``seq``, ``eventId``
+    and the fields rule 6 reads (``None``: rule 4, a kind or a body this version
+    does not know); ``None`` for a message that is no event at all (rule 1)."""
+    try:
+        fields = msgspec.json.decode(data, type=_Envelope)
+    except msgspec.MsgspecError:
+        return None
+    seq = fields.seq
+    if isinstance(seq, bool) or not float(seq).is_integer():
+        return None
+    read: _Read | None = None
+    if fields.event in EVENT_NAMES:
+        try:
+            read = _READ.decode(data)
+        except msgspec.MsgspecError:  # rule 4: its body does not fit its kind
+            read = None
+    return fields.session_id, int(seq), fields.event_id, read
+
+
+def fold_message(
+    state: SessionState | None,
+    message: Message,
+    *,
+    keep_ids: int = FOLDED_IDS,
+    keep_missing: int = MAX_MISSING,
+) -> SessionState:
+    """``fold_event`` for a message ``read_message`` read."""
+    session_id, seq, event_id, event = message
+    before = state or SessionState(session_id=session_id)
+    return _fold(before, seq, event_id, event, keep_ids, keep_missing=keep_missing)
 
 
 def fold_event(

@@ -26,6 +26,7 @@ from coordinator.dashboard import Dashboard, follow
 from coordinator.dashboard import _fleet as fleet
 from coordinator.events import Captured, Committed, Failed, Queued, Replicated, Restored, Timings
 from coordinator.identity import identity_of
+from coordinator.monitor import SaveState
 from coordinator.presence import Presence, liveness
 from coordinator.sample import sample_body
 from coordinator.server import EmbeddedServer
@@ -545,3 +546,49 @@ async def test_an_unseen_save_failure_is_on_the_farewell(tmp_path: Path) -> None
                 await (await host.capture(1)).wait()
     ended = bus.presence_now()["session-1"]
     assert ended.state == "ended" and ended.error is not None
+
+
+def wire(kind: str, session: str, seq: object, checkpoint: str, **extra: object) -> dict[str, object]:
+    made: dict[str, object] = {
+        "event": kind, "seq": seq, "sessionId": session, "eventId": f"{session}:{seq}:{kind}",
+        "time": at(0), "checkpointId": checkpoint, "epoch": "e1", "episodeId": "ep",
+        "boundary": "1", "byteLength": "10"}  # fmt: skip
+    if kind == "committed":
+        made.update(timings={"totalMs": 1.0}, generation=f"{checkpoint}.flysess",
+                    envelopeDigest="0" * 64, envelopeBytes="100", highWater=checkpoint)  # fmt: skip
+    if kind == "captured":
+        made["payloads"] = []
+    return {**made, **extra}
+
+
+def test_the_dashboard_folds_what_every_subscriber_folds() -> None:
+    """Rules 1 and 4 from the raw messages: an unknown kind, `seq` 2.0, a negative
+    queueDepth, fields rule 6 never reads: the dashboard agrees with
+    ``SaveState.apply_message`` (and so with both example subscribers)."""
+    import json
+
+    odd_time = wire("committed", "t", 3, "t-2", time=1700000000)
+    del odd_time["episodeId"]
+    messages = [
+        wire("captured", "u", 1, "u-1"), {**wire("captured", "u", 2, "u-2"), "event": "paused"},
+        wire("committed", "u", 3, "u-1"),
+        wire("captured", "f", 1, "f-1"), wire("committed", "f", 2.0, "f-1"),
+        wire("captured", "q", 1, "q-1"), wire("queued", "q", 2, "q-1", queueDepth=-1,
+                                              queuedBytes="1"),
+        wire("committed", "q", 3, "q-1"),
+        wire("captured", "t", 1, "t-1"), wire("committed", "t", 2, "t-1",
+                                              timings={"totalMs": "fast"}), odd_time,
+        {"not": "an event"},
+    ]  # fmt: skip
+    library = SaveState()
+    board = Dashboard()
+    for message in messages:
+        data = json.dumps(message).encode()
+        library = library.apply_message(data)
+        board.apply_message(data)
+    for session in ("u", "f", "q", "t"):
+        row = board.row(board.sessions[session], NOW + 1)
+        folded = library.sessions[session]
+        assert (row["committed"], row["gaps"], row["queue"]) == (
+            folded.committed, folded.gaps, folded.queue_depth), session  # fmt: skip
+    assert board.skipped == library.skipped == 1

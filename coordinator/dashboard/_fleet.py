@@ -29,9 +29,18 @@ from ..events import (
     Restored,
     Superseded,
     Timings,
+    decode_event,
     event_name,
 )
-from ..monitor import FOLDED_IDS, MAX_MISSING, SessionState, fold_event
+from ..ids import is_id
+from ..monitor import (
+    FOLDED_IDS,
+    MAX_MISSING,
+    SessionState,
+    fold_event,
+    fold_message,
+    read_message,
+)
 from ..presence import GONE_AFTER_BEATS, LATE_AFTER_BEATS, Presence, epoch_seconds
 
 __all__ = [
@@ -191,6 +200,7 @@ class Dashboard:
         self.bus = "connecting"
         self.presence = "following"  # the hosts' beats: or why not
         self.events = 0
+        self.skipped = 0  # messages that were no events (the fold's rule 1)
         self.beats = 0
         self._changed = anyio.Event()
         self._trim_next: collections.deque[Session] = collections.deque()
@@ -245,9 +255,40 @@ class Dashboard:
     def _missing_cap(self) -> int:
         return max(MIN_MISSING, min(MAX_MISSING, MISSING_BUDGET // max(1, len(self.sessions))))
 
-    def apply_all(self, events: Iterable[Event]) -> None:
+    def apply_all(self, events: Iterable[Event | bytes]) -> None:
         for event in events:
+            if isinstance(event, bytes):
+                self.apply_message(event)
+            else:
+                self.apply(event)
+
+    def apply_message(self, data: bytes) -> None:
+        """A message as it came off the wire: an event of this version's form gets
+        the full treatment (``apply``); any other still counts, by the fold's
+        rules 1 and 4 (its ``seq`` is no gap), as every subscriber folds it."""
+        try:
+            event = decode_event(data)
+        except msgspec.MsgspecError:
+            pass
+        else:
             self.apply(event)
+            return
+        read = read_message(data)
+        if read is None or not is_id(read[0]):
+            self.skipped += 1  # rule 1: not an event (nor a session a page could name)
+            return
+        session = self._session(read[0])
+        self._trim_one()
+        before = session.state
+        session.state = fold_message(
+            before, read, keep_ids=self._ids_cap(), keep_missing=self._missing_cap()
+        )
+        if session.state.duplicates > before.duplicates:
+            return
+        session.kinds["other"] += 1
+        session.cached = None
+        self.events += 1
+        self.touch()
 
     def apply(self, event: Event) -> None:
         session = self._session(event.session_id)
