@@ -11,6 +11,7 @@ from .errors import ArtifactCorruptError as ArtifactCorruptError
 from .errors import ArtifactReleasedError as ArtifactReleasedError
 from .errors import ArtifactUnavailableError as ArtifactUnavailableError
 from .errors import BusConfigError as BusConfigError
+from .errors import BusRefusedError as BusRefusedError
 from .errors import BusUnavailableError as BusUnavailableError
 from .errors import CaptureFailedError as CaptureFailedError
 from .errors import CommitError as CommitError
@@ -88,6 +89,7 @@ __all__ = [
     "ArtifactReleasedError",
     "ArtifactUnavailableError",
     "BusConfigError",
+    "BusRefusedError",
     "BusUnavailableError",
     "CaptureFailedError",
     "CapturePolicy",

@@ -23,8 +23,11 @@ from typing import Any, TextIO
 
 import msgspec
 
+from .connection import Connection, add_options, given, resolve
 from .envelope import Envelope, decode
 from .errors import (
+    BusRefusedError,
+    BusUnavailableError,
     CommitError,
     CoordinatorError,
     CorruptEnvelopeError,
@@ -301,7 +304,10 @@ def _demo_agent(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     options = {"session": args.session, "name": args.name, "size": args.size, "seed": args.seed}
     url = os.environ["COORDINATOR_NATS_URL"]  # not in argv: `ps` shows argv
-    anyio.run(lambda: serve_agent(url, ready=ready, **options))
+    connection = resolve(args, url=url)  # its credentials and TLS: NATS_* in its environment
+    assert connection is not None
+    connect_options = connection.options()
+    anyio.run(lambda: serve_agent(url, ready=ready, connect_options=connect_options, **options))
     return EXIT_OK
 
 
@@ -317,11 +323,12 @@ def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .demo import run_demo, summary_json, summary_text
 
     live = None if args.json else out
+    connection = resolve(args, default_url=None)  # None: the embedded server
     if args.dashboard is not None:
-        return _demo_with_dashboard(args, out, err)
+        return _demo_with_dashboard(args, connection, out, err)
     summary = anyio.run(
         lambda: run_demo(
-            steps=args.steps, store_dir=args.store, nats_url=args.nats, out=live, keep=args.keep
+            steps=args.steps, store_dir=args.store, out=live, keep=args.keep, connection=connection
         )
     )
     print(summary_json(summary) if args.json else summary_text(summary), file=out)
@@ -387,6 +394,9 @@ def _dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if address is None:
         return EXIT_USAGE
     host, port = address
+    connection = resolve(args)
+    assert connection is not None
+    anyio.run(_check_reader, connection)
     sock = _bind(host, port, err)
     if sock is None:
         return EXIT_ADDRESS
@@ -397,25 +407,45 @@ def _dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             group.start_soon(
                 partial(
                     serve,
-                    args.nats,
+                    connection.url,
                     host,
                     port,
                     ready=ready,
                     remote=args.allow_remote,
                     sock=sock,
                     max_sessions=args.metrics_sessions,
+                    connect_options=connection.options(),
                 )
             )
             await ready.wait()
-            print(f"dashboard: http://{host}:{port}/ (following {args.nats}; Ctrl-C to stop)",
-                  file=out, flush=True)  # fmt: skip
+            print(f"dashboard: http://{host}:{port}/ (following {connection.redacted}; "
+                  "Ctrl-C to stop)", file=out, flush=True)  # fmt: skip
 
     with contextlib.suppress(KeyboardInterrupt):
         anyio.run(run)
     return EXIT_OK
 
 
-def _demo_with_dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+async def _check_reader(connection: Connection) -> None:
+    """Before the dashboard serves: credentials the server refuses, or a user who
+    may not read the events, are one line now, not a page that says "unavailable"
+    for ever. A server that is away is left to the page, which retries."""
+    from .bus import NatsBus
+
+    try:
+        async with NatsBus(
+            connection.url, connect_timeout=5, read_only=True, **connection.options()
+        ) as bus:
+            await (await bus.subscribe()).aclose()
+    except BusRefusedError:
+        raise
+    except BusUnavailableError:
+        return
+
+
+def _demo_with_dashboard(
+    args: argparse.Namespace, connection: Connection | None, out: TextIO, err: TextIO
+) -> int:
     """The demo, with the dashboard beside it (it stays up after: Ctrl-C to stop)."""
     import anyio
 
@@ -434,16 +464,23 @@ def _demo_with_dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> 
 
     async def run() -> None:
         async with contextlib.AsyncExitStack() as stack:
-            url = args.nats or (await stack.enter_async_context(EmbeddedServer())).url
+            if connection is None:
+                url = (await stack.enter_async_context(EmbeddedServer())).url
+                options: dict[str, Any] = {}
+            else:
+                url, options = connection.url, connection.options()
             ready = anyio.Event()
             async with anyio.create_task_group() as group:
                 group.start_soon(
-                    lambda: serve(url, host, port, ready=ready, remote=args.allow_remote, sock=sock)
-                )
+                    partial(serve, url, host, port, ready=ready, remote=args.allow_remote,
+                            sock=sock, connect_options=options)
+                )  # fmt: skip
                 await ready.wait()
                 print(f"dashboard: http://{host}:{port}/", file=out, flush=True)
-                summary = await run_demo(steps=args.steps, store_dir=args.store, nats_url=url,
-                                         out=out, keep=args.keep)  # fmt: skip
+                summary = await run_demo(
+                    steps=args.steps, store_dir=args.store, nats_url=url, out=out, keep=args.keep,
+                    connection=connection,
+                )  # fmt: skip
                 print(summary_text(summary), file=out)
                 print("the dashboard stays up: Ctrl-C to stop", file=out, flush=True)
 
@@ -463,6 +500,9 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return EXIT_USAGE
     if isinstance(args.store, str):
         return _restore_replica(args, target, out, err)
+    if flags := given(args):  # (the environment's NATS_* are for a nats:// source only)
+        print(f"coordinator restore: {flags[0]} is for a nats:// source", file=err)
+        return EXIT_USAGE
     if target.resolve().is_relative_to(args.store.resolve()):
         print(f"coordinator: {target} is inside the store; restore writes elsewhere", file=err)
         return EXIT_USAGE
@@ -505,17 +545,38 @@ def _restore_replica(args: argparse.Namespace, target: Path, out: TextIO, err: T
               "only: leave out --checkpoint", file=err)  # fmt: skip
         return EXIT_USAGE
 
+    connection = resolve(args, url=args.store)
+    assert connection is not None
+    denied: list[str] = []
+    reading: list[anyio.CancelScope] = []  # (made in the event loop)
+
+    async def note_denials(error: Exception) -> None:
+        """nats-py's background errors during a one-shot read: what fails, fails the
+        read; a permissions violation ends it at once (the request would only wait
+        for its timeout), and says why."""
+        if "permissions violation" in str(error).lower():
+            denied.append(str(error).removeprefix("nats: "))
+            for scope in reading:
+                scope.cancel()
+
     async def fetch() -> Any:
         # A plain connection: a read creates nothing (no stream, no bucket), so a
         # read-only credential is enough.
-        client = await connect([args.store], 3.0, error_cb=_ignore_async_errors)
+        client = await connect([connection.url], 3.0, error_cb=note_denials, **connection.options())
         try:
-            return await (await Replicas(client).open()).fetch(args.session)
+            with anyio.CancelScope() as scope:
+                reading.append(scope)
+                return await (await Replicas(client).open()).fetch(args.session)
+        except Exception:
+            if not denied:
+                raise
         finally:
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await client.close()
 
     stored = anyio.run(fetch)
+    if denied:  # (nats-py reports the server's line lowercased)
+        raise BusRefusedError(f"permission denied: the server says {denied[0]}")
     with stored:
         count = export_payloads(stored, str(target))
         size = stored.envelope.layout.file_bytes
@@ -525,10 +586,6 @@ def _restore_replica(args: argparse.Namespace, target: Path, out: TextIO, err: T
         file=out,
     )
     return EXIT_OK
-
-
-async def _ignore_async_errors(error: Exception) -> None:
-    """nats-py's background errors during a one-shot read: what fails, fails the read."""
 
 
 def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -546,6 +603,8 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             error = InvalidScalarError("Id", session_id)
             print(f"coordinator watch: FAILED [{error.code}] --session: {error}", file=err)
             return EXIT_USAGE
+    connection = resolve(args)
+    assert connection is not None
     console = Console(file=out, width=None if out.isatty() else 220)  # pipes: no folding
     display = Live(render(SaveState()), console=console, refresh_per_second=8, transient=False)
 
@@ -562,7 +621,7 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         state = SaveState()
         sessions = args.session or [None]
         async with (
-            NatsBus(args.nats, read_only=True) as bus,
+            NatsBus(connection.url, read_only=True, **connection.options()) as bus,
             contextlib.AsyncExitStack() as showing,
         ):
             if not args.json:  # the table appears once the server answers, not before
@@ -657,6 +716,9 @@ def _agent_parser() -> argparse.ArgumentParser:
     return agent
 
 
+_URL_HELP = "the NATS server URL (default: NATS_URL, else nats://127.0.0.1:4222)"
+
+
 def _add_dashboard(commands: Any) -> None:
     dashboard = commands.add_parser(
         "dashboard",
@@ -664,7 +726,7 @@ def _add_dashboard(commands: Any) -> None:
         description="Example: coordinator dashboard --nats nats://127.0.0.1:4222 "
         "--listen 127.0.0.1:8321",
     )
-    dashboard.add_argument("--nats", default="nats://127.0.0.1:4222", help="the NATS server URL")
+    add_options(dashboard, url_help=_URL_HELP)
     dashboard.add_argument("--listen", type=_listen, default=("127.0.0.1", 8321),
                            metavar="HOST:PORT", help="where to serve (127.0.0.1:8321)")  # fmt: skip
     dashboard.add_argument("--metrics-sessions", type=_positive, default=1000,
@@ -694,9 +756,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--steps", type=_positive, default=60, help="simulation steps (60)")
     demo.add_argument("--store", default=None, help="store directory (default: a new temp dir)")
-    demo.add_argument(
-        "--nats", default=None, help="use this NATS server instead of an embedded one"
-    )
+    add_options(demo, url_help="use this NATS server instead of an embedded one (or NATS_URL)")
     demo.add_argument("--json", action="store_true", help="print only a JSON summary")
     demo.add_argument(
         "--keep", action="store_true", help="keep the temporary store (with --store: always kept)"
@@ -751,6 +811,7 @@ def _parser() -> argparse.ArgumentParser:
         "--session", default=None, help="whose high water (needed when the store has several)"
     )
     restore.add_argument("--to", required=True, help="a new directory for the payload files")
+    add_options(restore, url_help=None)  # (the URL is the source; NATS_URL is not read)
     restore.set_defaults(run=_restore)
 
     watch = commands.add_parser(
@@ -758,7 +819,7 @@ def _parser() -> argparse.ArgumentParser:
         help="follow save state on a NATS server: history first, then live",
         description="Example: coordinator watch --nats nats://127.0.0.1:4222 --session demo",
     )
-    watch.add_argument("--nats", default="nats://127.0.0.1:4222", help="the NATS server URL")
+    add_options(watch, url_help=_URL_HELP)
     watch.add_argument("--session", action="append", help="a session to follow (repeatable)")
     watch.add_argument("--json", action="store_true", help="one folded state line per event")
     watch.add_argument("--replay-only", action="store_true", help="replay the history, then exit")
@@ -793,6 +854,7 @@ def main(
     out = out or sys.stdout
     err = err or sys.stderr
     _TERMINATED.clear()
+    _quiet_asyncio_tls_noise()
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
         if argv[:1] == ["demo-agent"]:
@@ -848,6 +910,21 @@ def main(
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _quiet_asyncio_tls_noise() -> None:
+    """asyncio warns "returning true from eof_received() has no effect when using
+    ssl" each time a TLS server closes a nats-py connection: noise that would make
+    a command's one line two. Only that warning is dropped."""
+    import logging
+
+    class Quiet(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, Quiet) or type(f).__name__ == "Quiet" for f in log.filters):
+        log.addFilter(Quiet())
 
 
 def _pipe_closed(out: TextIO) -> int:

@@ -23,13 +23,14 @@ import sys
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, TextIO
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 import anyio.to_thread
 import msgspec
 
+from .connection import ENVIRONMENT
 from .errors import RemoteWorkerError, SaveFailedError, UsageError, WriterBusyError
 from .events import Committed, Event, Failed, Replicated, Restored, Superseded, event_name
 from .fs import FileSystem
@@ -43,6 +44,7 @@ from .writer import Outcome, Ticket, WriterLimits
 
 if TYPE_CHECKING:
     from .bus import NatsBus
+    from .connection import Connection
 
 __all__ = ["DemoSummary", "run_demo"]
 
@@ -228,16 +230,29 @@ class _RemotePart(_Part):
 
 
 async def serve_agent(
-    url: str, *, session: str, name: str, size: int, seed: int, ready: Callable[[], None]
+    url: str,
+    *,
+    session: str,
+    name: str,
+    size: int,
+    seed: int,
+    ready: Callable[[], None],
+    connect_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Serve the demo's remote agent until cancelled (``coordinator demo-agent``,
-    in the process ``remote_agent`` starts); ``ready()`` once it answers."""
+    in the process ``remote_agent`` starts); ``ready()`` once it answers.
+    ``connect_options``: credentials and TLS for ``nats.connect``."""
     from .remote import serve_participant
 
+    options = dict(connect_options or {})
     async with anyio.create_task_group() as group:
         await group.start(
             lambda task_status: serve_participant(
-                url, _RemotePart(name, size, seed), session_id=session, task_status=task_status
+                url,
+                _RemotePart(name, size, seed),
+                session_id=session,
+                task_status=task_status,
+                **options,
             )
         )
         ready()
@@ -245,10 +260,18 @@ async def serve_agent(
 
 @contextlib.asynccontextmanager
 async def remote_agent(
-    url: str, name: str, size: int, seed: int, *, session: str = "demo"
+    url: str,
+    name: str,
+    size: int,
+    seed: int,
+    *,
+    session: str = "demo",
+    environment: Mapping[str, str] | None = None,
 ) -> AsyncIterator[None]:
     """The demo's remote agent in a process of its own, ready before we go on and
-    stopped (killed if need be) however the demo ends."""
+    stopped (killed if need be) however the demo ends. ``environment``: the
+    connection's ``NATS_*`` variables (``Connection.environment()``), which the
+    worker reads instead of ours: a secret goes to it there, never in its argv."""
     options = {"--session": session, "--name": name, "--size": size, "--seed": seed}
     command = [sys.executable, "-m", "coordinator", "demo-agent"]
     command += [str(item) for pair in options.items() for item in pair]
@@ -257,7 +280,11 @@ async def remote_agent(
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env={**os.environ, "COORDINATOR_NATS_URL": url},  # not in argv: `ps` shows argv
+        env={
+            **{key: value for key, value in os.environ.items() if key not in ENVIRONMENT},
+            **(environment or {}),
+            "COORDINATOR_NATS_URL": url,  # not in argv: `ps` shows argv
+        },
         start_new_session=True,  # Ctrl-C reaches the demo, which stops it in order
     )
     try:
@@ -302,7 +329,13 @@ async def _final_checkpoint(
 
 
 async def _host(
-    bus: NatsBus, url: str, store_dir: str, steps: int, out: TextIO | None
+    bus: NatsBus,
+    url: str,
+    store_dir: str,
+    steps: int,
+    out: TextIO | None,
+    *,
+    agent_environment: Mapping[str, str] | None = None,
 ) -> DemoSummary:
     # Every run gets epochs of its own, so its checkpoint and event ids never repeat
     # an earlier run's (in the same store, or on the same NATS server).
@@ -335,7 +368,7 @@ async def _host(
 
     remote = RemoteParticipant(bus, REMOTE_AGENT)
     async with (
-        remote_agent(url, REMOTE_AGENT, AGENT_BYTES, 4),
+        remote_agent(url, REMOTE_AGENT, AGENT_BYTES, 4, environment=agent_environment),
         FileStore(store_dir, fs=disk) as store,
         Replicator(bus, store) as replicator,  # each commit also to the cluster
         anyio.create_task_group() as group,
@@ -390,16 +423,22 @@ async def _host(
 
 async def run_demo(
     *, steps: int = 60, store_dir: str | None = None, nats_url: str | None = None,
-    out: TextIO | None = None, keep: bool = True,
+    out: TextIO | None = None, keep: bool = True, connection: Connection | None = None,
 ) -> DemoSummary:  # fmt: skip
     """Run the demo; ``out`` gets the live event lines (None: quiet). Without
     ``store_dir`` the store is a new temporary directory, removed at the end
-    unless ``keep``."""
+    unless ``keep``. ``connection`` (``coordinator.connection.resolve``): a
+    secured server, its credentials and TLS; it replaces ``nats_url``."""
     from .bus import NatsBus, server_address
 
     # Checked before anything starts: no server, no directory left behind.
     if store_dir is not None and os.path.exists(store_dir) and not os.path.isdir(store_dir):
         raise UsageError(f"--store {store_dir} is not a directory")
+    options: dict[str, Any] = {}
+    agent_environment: dict[str, str] | None = None
+    if connection is not None:
+        nats_url, options = connection.url, connection.options()
+        agent_environment = connection.environment()
     if nats_url is not None:
         server_address(nats_url)  # a malformed URL: UsageError at once
     async with contextlib.AsyncExitStack() as stack:
@@ -407,13 +446,15 @@ async def run_demo(
             nats_url = (await stack.enter_async_context(EmbeddedServer())).url
             if out is not None:
                 _say(out, f"embedded nats-server at {nats_url}")
-        bus = await stack.enter_async_context(NatsBus(nats_url))
+        bus = await stack.enter_async_context(NatsBus(nats_url, **options))
         temporary = store_dir is None and not keep
         store_dir = store_dir or tempfile.mkdtemp(prefix="coordinator-demo-")
         if out is not None:
             _say(out, f"store {store_dir}")
         try:
-            summary = await _host(bus, nats_url, store_dir, steps, out)
+            summary = await _host(
+                bus, nats_url, store_dir, steps, out, agent_environment=agent_environment
+            )
         finally:
             if temporary:
                 await anyio.to_thread.run_sync(shutil.rmtree, store_dir, True)

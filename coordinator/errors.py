@@ -30,6 +30,8 @@ into typed attributes; the message is built once, here.
     ├── ServerError                       server.unavailable  no embedded nats-server
     ├── BusConfigError                    bus.config       an existing stream/bucket does not fit
     ├── BusUnavailableError               bus.unavailable  the NATS server cannot be reached
+    │   └── BusRefusedError               bus.refused      it refused our credentials, TLS, or a
+    │                                                      subject this user may not use
     ├── ArtifactUnavailableError          artifact.unavailable  a remote object could not be read
     ├── ArtifactCorruptError (ValueError) artifact.corrupt  bytes differ from their length/digest
     ├── RemoteWorkerError                 remote.worker    a remote participant did not do its part
@@ -74,6 +76,7 @@ __all__ = [
     "ArtifactReleasedError",
     "ArtifactUnavailableError",
     "BusConfigError",
+    "BusRefusedError",
     "BusUnavailableError",
     "CaptureFailedError",
     "CommitError",
@@ -378,6 +381,15 @@ class BusUnavailableError(CoordinatorError):
     """The NATS server could not be reached when connecting."""
 
     code: ClassVar[str] = "bus.unavailable"
+
+
+class BusRefusedError(BusUnavailableError):
+    """The NATS server answered and said no: an authorization violation (a wrong
+    password, an unknown or expired credential), a TLS handshake that failed, or a
+    permissions violation on a subject this user may not use. Trying again will
+    not help until the credentials or the server's permissions change."""
+
+    code: ClassVar[str] = "bus.refused"
 
 
 class ArtifactUnavailableError(CoordinatorError):

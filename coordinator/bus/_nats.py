@@ -22,6 +22,9 @@ in a KV bucket. The only module that imports ``nats``.
   waits on the bus: the store manifest is the truth.
 - Subscribers get a bounded buffer each; a full buffer, or nats-py's own slow
   consumer report, is counted, never only logged.
+- A permission the server refuses (a subscription, a history read, the setup's
+  lookups) is ``BusRefusedError`` at once, naming it, and so is a connection it
+  refuses (credentials, TLS): nats-py would only report either on the side.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import json
 import logging
 import re
+import ssl
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from types import TracebackType
@@ -57,7 +62,13 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from ..errors import BusConfigError, BusUnavailableError, InvalidScalarError, UsageError
+from ..errors import (
+    BusConfigError,
+    BusRefusedError,
+    BusUnavailableError,
+    InvalidScalarError,
+    UsageError,
+)
 from ..events import (
     DEFAULT_PREFIX,
     EVENT_NAMES,
@@ -167,6 +178,7 @@ class NatsBus:
         self._group: TaskGroup | None = None
         self._subscriptions: dict[Subscription, NatsSubscription] = {}
         self._counts = collections.Counter[str]()
+        self._denials: list[_Denial] = []  # operations the server's refusals may end
         self._presence: KeyValue | None = None
         self._reporters: dict[str, Callable[[], Presence]] = {}
         self._last_words: dict[str, Presence] = {}
@@ -192,10 +204,14 @@ class NatsBus:
             **self._options,
         )
         self._js = self._nc.jetstream()
-        try:
+
+        async def set_up() -> None:
             await self._ensure_stream()
             await self._ensure_bucket()
             await self._ensure_presence_bucket()
+
+        try:
+            await self._refusable(self._refused_setup, set_up)
         except BaseException as error:
             await self._close_connection()
             if isinstance(error, ServiceUnavailableError):
@@ -370,8 +386,68 @@ class NatsBus:
         """nats-py's asynchronous errors: counted (its default would only log them)."""
         if isinstance(error, nats.errors.SlowConsumerError):
             self._counts["dropped"] += 1
+        elif (violation := _violation(error)) is not None:
+            self._counts["denied"] += 1  # and what was waiting for it is refused
+            for denial in list(self._denials):
+                denial.notice(*violation)
         else:
             self._counts["errors"] += 1
+
+    async def _refusable(
+        self,
+        matches: Callable[[str, str], str | None],
+        operation: Callable[[], Coroutine[Any, Any, T]],
+        *,
+        cancel: bool = True,
+    ) -> T:
+        """``operation()``, ended by ``BusRefusedError`` as soon as the server says
+        this user may not use a subject it needs: the server says so on the side,
+        and the request would only wait for its timeout. ``matches(kind, subject)``
+        (the subject as nats-py reports it: lowercased) gives the permission to
+        name in the error if the refusal is one of this operation's, else None.
+        ``cancel=False``: let the operation finish, then refuse (one that waits
+        for an answer that comes anyway, and must not be cut off in nats-py)."""
+        denial = _Denial(matches)
+        self._denials.append(denial)
+        done: list[T] = []
+        try:
+            with anyio.CancelScope() as scope:
+                denial.scope = scope if cancel else None
+                try:
+                    done.append(await operation())
+                except Exception:
+                    if denial.violation is None:
+                        raise
+        finally:
+            self._denials.remove(denial)
+        if denial.violation is not None:  # (also one that came as it finished)
+            raise self._permission_denied(*denial.violation)
+        return done[0]
+
+    def _refused_setup(self, kind: str, subject: str) -> str | None:
+        """The permission a refusal names while the stream and buckets are looked up
+        (or made): nats-py lowercased the subject, so the names come from here."""
+        if subject.startswith("_inbox."):
+            return "_INBOX.>"
+        if subject == "$js.api.info":
+            return "$JS.API.INFO"
+        buckets = [self.bucket, self.presence_bucket]
+        names = {name.lower(): name for name in [self.stream, *(f"KV_{b}" for b in buckets)]}
+        for call in ("STREAM.INFO", "STREAM.CREATE", "STREAM.UPDATE"):
+            start = f"$js.api.{call.lower()}."
+            if subject.startswith(start):
+                name = subject.removeprefix(start)
+                return f"$JS.API.{call}.{names.get(name, name.upper())}"
+        return None
+
+    def _permission_denied(self, kind: str, subject: str) -> BusRefusedError:
+        user = self._options.get("user")
+        who = f"user {user!r}" if isinstance(user, str) else "this connection"
+        hint = " (replies never reach it)" if subject.startswith("_INBOX.") else ""
+        return BusRefusedError(
+            f"permission denied: {who} may not {kind} to {json.dumps(subject)} on "
+            f"{_redacted(self.servers)}{hint}"
+        )
 
     # --- publishing ----------------------------------------------------------------
 
@@ -656,9 +732,31 @@ class NatsBus:
             else:
                 self._counts["delivered"] += 1
 
-        self._subscriptions[subscription] = await self._nc.subscribe(
-            subjects, cb=deliver, pending_msgs_limit=buffer * 4
-        )
+        def refused(kind: str, subject: str) -> str | None:
+            if kind == "subscribe" and subject.startswith("_inbox."):
+                return "_INBOX.>"
+            return subjects if kind == "subscribe" and subject == subjects.lower() else None
+
+        async def subscribe_and_wait() -> None:
+            # The server refuses a subscription on the side, and accepts it in
+            # silence: a round trip after it (its PONG comes after any refusal) tells.
+            # Two: nats-py writes a flush's PING ahead of what it still buffers (the
+            # SUB), so only the second PING is sure to follow the SUB.
+            assert self._nc is not None
+            self._subscriptions[subscription] = await self._nc.subscribe(
+                subjects, cb=deliver, pending_msgs_limit=buffer * 4
+            )
+            if self._nc.is_connected:
+                with contextlib.suppress(*TRANSIENT):
+                    for _ in range(2):
+                        await self._nc.flush(timeout=max(1, int(self.publish_timeout)))
+
+        try:
+            await self._refusable(refused, subscribe_and_wait, cancel=False)
+        except BusRefusedError:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await self._forget(subscription)
+            raise
         return subscription
 
     async def _forget(self, subscription: Subscription) -> None:
@@ -782,15 +880,32 @@ class NatsBus:
         on its way, and never holds the whole history in memory."""
         assert self._js is not None
         subjects = session_subjects(session_id, prefix=self.prefix)
-        try:
+        stream = self.stream
+        js = self._js
+
+        def refused(kind: str, subject: str) -> str | None:  # what reading the stream needs
+            if subject.startswith("_inbox."):
+                return "_INBOX.>"
+            if subject == f"$js.api.stream.info.{stream.lower()}":
+                return f"$JS.API.STREAM.INFO.{stream}"
+            for call in ("CREATE", "INFO", "MSG.NEXT"):
+                if subject.startswith(f"$js.api.consumer.{call.lower()}.{stream.lower()}."):
+                    create = f".{subjects}" if call == "CREATE" else ""  # (the filter's subjects)
+                    return f"$JS.API.CONSUMER.{call}.{stream}.*{create}"
+            return None
+
+        async def open_reader() -> Any:
             if self.read_only:
                 try:
-                    await self._js.stream_info(self.stream)
+                    await js.stream_info(stream)
                 except NotFoundError:
-                    return  # no stream yet: nothing was published
-            consumer = await self._js.pull_subscribe(
-                subjects, stream=self.stream, config=_read_once()
-            )
+                    return None  # no stream yet: nothing was published
+            return await js.pull_subscribe(subjects, stream=stream, config=_read_once())
+
+        try:
+            consumer = await self._refusable(refused, open_reader)
+            if consumer is None:
+                return
         except TRANSIENT as error:
             raise BusUnavailableError(
                 f"cannot read stream {self.stream} now ({type(error).__name__}); try again"
@@ -843,21 +958,146 @@ async def connect(
     """A nats-py client that, once connected, reconnects forever (what waits for
     the server has its own bounds); the first connection gets ``timeout`` and a
     clear ``BusUnavailableError`` instead of nats-py's endless retries. A server
-    nobody listens for is known at once (a TCP probe, at most ``_PROBE_S``)."""
-    await _probe(servers, min(timeout, _PROBE_S))
+    nobody listens for is known at once (a TCP probe, at most ``_PROBE_S``).
+
+    A server that refuses us while we connect (an authorization violation, a TLS
+    handshake that fails) is ``BusRefusedError`` at once, not a retry until the
+    timeout. TLS asked for (a ``tls://`` URL, a ``tls`` context) from a server
+    that does not require it is refused before anything is sent: nats-py would
+    otherwise go on in plain text, credentials included."""
+    greetings = [await _probe(servers, min(timeout, _PROBE_S))]
+    wants_tls = options.get("tls") is not None or any(
+        urllib.parse.urlsplit(url).scheme == "tls" for url in servers
+    )
+    if wants_tls and len(servers) > 1:  # nats-py may take any of them first: each must
+        each = []
+        for url in servers:
+            with contextlib.suppress(BusUnavailableError):
+                each.append(await _probe([url], min(timeout, _PROBE_S)))
+        greetings = each or greetings
+    if wants_tls and not all(greeting.get("tls_required") for greeting in greetings):
+        raise BusRefusedError(
+            f"TLS was asked for (a tls:// URL or a TLS option), but the NATS server at "
+            f"{_redacted(servers)} does not require it, and nats-py would go on in plain "
+            "text: nothing was sent"
+        )
+    client = Client()
+    refusals: list[str] = []
+    last: list[Exception] = []
+    scope = anyio.CancelScope()
+    connecting = [True]  # then errors are the caller's
+
+    async def on_error(error: Exception) -> None:
+        if connecting[0] and not refusals:
+            last[:] = [error]
+            if (reason := _refusal(error)) is not None:
+                refusals.append(reason)
+                scope.cancel()
+                return
+        if error_cb is not None:
+            await error_cb(error)
+
     try:
-        with anyio.fail_after(timeout):
-            return await nats.connect(
-                list(servers),
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.1,
-                error_cb=error_cb,
-                **options,
-            )
+        with anyio.fail_after(timeout), scope:
+            # (nats-py's annotation says int; it takes a float)
+            retry: dict[str, Any] = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.1}
+            await client.connect(list(servers), error_cb=on_error, **retry, **options)
     except (TimeoutError, OSError, nats.errors.Error) as error:
+        await _abandon(client)
+        why = type(error).__name__
+        if last and not isinstance(last[0], TimeoutError):
+            why += f"; the last attempt: {_scrubbed(last[0], servers, options)}"
+        raise BusUnavailableError(f"cannot reach NATS at {_redacted(servers)} ({why})") from None
+    except ImportError as error:  # a credentials file without the nkeys package
+        await _abandon(client)
         raise BusUnavailableError(
-            f"cannot reach NATS at {_redacted(servers)} ({type(error).__name__})"
+            f"a NATS credentials file needs the {error.name or 'nkeys'} package (pip install nkeys)"
         ) from None
+    except BaseException:
+        await _abandon(client)
+        raise
+    if refusals:
+        await _abandon(client)
+        raise BusRefusedError(
+            f"the NATS server at {_redacted(servers)} refused the connection: {refusals[0]}"
+        )
+    connecting[0] = False
+    return client
+
+
+async def _abandon(client: Client) -> None:
+    """Close a client that never got connected, whatever state it is in."""
+    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+        with anyio.move_on_after(2):
+            await client.close()
+
+
+def _refusal(error: BaseException) -> str | None:
+    """Why the server refused us while connecting, if it did; None for an error
+    that a later attempt can get past (the server away, slow, restarting)."""
+    if isinstance(error, ssl.SSLCertVerificationError):
+        reason = error.verify_message or _ssl_reason(error)
+        return (
+            f"the TLS handshake failed: the server's certificate does not verify ({reason}); "
+            "--tlsca names the CA that signed it"
+        )
+    if isinstance(error, ssl.SSLError):
+        reason = _ssl_reason(error)
+        if "certificate required" in reason:
+            reason += ": the server wants a client certificate, --tlscert and --tlskey"
+        return f"the TLS handshake failed ({reason})"
+    text = str(error).lower().removeprefix("nats: ").strip("' ")
+    if isinstance(error, nats.errors.AuthorizationError) or "authorization violation" in text:
+        return "authorization violation (a wrong user or password, or an unknown credential)"
+    if "authentication" in text:  # expired, revoked, timed out
+        return text
+    if "tls" in text and ("required" in text or "handshake" in text):
+        return text
+    return None
+
+
+def _ssl_reason(error: ssl.SSLError) -> str:
+    return str(error.reason or type(error).__name__).lower().replace("_", " ")
+
+
+def _scrubbed(error: Exception, servers: Sequence[str], options: dict[str, Any]) -> str:
+    """An error's text for a message: no password of the options or the URLs in it."""
+    text = f"{type(error).__name__}: {error}"[:200]
+    secrets = [options.get("password"), options.get("token")]
+    secrets += [urllib.parse.urlsplit(url).password for url in servers]
+    for secret in secrets:
+        if isinstance(secret, str) and secret:
+            text = text.replace(secret, "***")
+    return re.sub(r"//[^@/\s]*@", "//", text)
+
+
+_PERMISSION = re.compile(r"permissions violation for (subscription|publish) to \"([^\"]*)\"")
+
+
+def _violation(error: Exception) -> tuple[str, str] | None:
+    """("subscribe" or "publish", the subject) of a permissions violation the
+    server reported, else None. (nats-py lowercases the server's whole line.)"""
+    if not isinstance(error, nats.errors.Error):
+        return None
+    found = _PERMISSION.search(str(error).lower())
+    if found is None:
+        return None
+    return ("subscribe" if found[1] == "subscription" else "publish"), found[2]
+
+
+class _Denial:
+    """An operation waiting on the server, that a refusal of one of its subjects ends."""
+
+    def __init__(self, matches: Callable[[str, str], str | None]) -> None:
+        self.matches = matches
+        self.violation: tuple[str, str] | None = None  # (kind, the permission it needs)
+        self.scope: anyio.CancelScope | None = None
+
+    def notice(self, kind: str, subject: str) -> None:
+        if self.violation is None and (permission := self.matches(kind, subject)) is not None:
+            self.violation = (kind, permission)
+            if self.scope is not None:
+                self.scope.cancel()
 
 
 _PROBE_S = 1.5
@@ -876,8 +1116,9 @@ def server_address(url: str) -> tuple[str, int]:
     return parts.hostname, port or _SCHEMES[parts.scheme]
 
 
-async def _probe(servers: Sequence[str], timeout: float) -> None:
-    """Raise ``BusUnavailableError`` at once if no server accepts a TCP connection."""
+async def _probe(servers: Sequence[str], timeout: float) -> dict[str, Any]:
+    """Raise ``BusUnavailableError`` at once if no server accepts a TCP connection;
+    else the first one's greeting (its INFO: what it requires, TLS among it)."""
     addresses = [server_address(url) for url in servers]
     reasons = []
     for host, port in addresses:
@@ -886,13 +1127,21 @@ async def _probe(servers: Sequence[str], timeout: float) -> None:
                 stream = await anyio.connect_tcp(host, port)
                 try:  # a NATS server greets at once; a black hole or a proxy does not
                     greeting = await stream.receive(4096)
+                    while greeting.startswith(b"INFO") and b"\r\n" not in greeting:
+                        if len(greeting) > 65536:
+                            break  # (no greeting is that long: parsed below, or refused)
+                        greeting += await stream.receive(65536)
                 finally:
                     await stream.aclose()
         except (OSError, TimeoutError, anyio.EndOfStream) as error:
             reasons.append(getattr(error, "strerror", None) or str(error) or "no answer")
             continue
         if greeting.startswith(b"INFO"):
-            return
+            try:
+                info = json.loads(greeting[4:].split(b"\r\n", 1)[0])
+            except ValueError:
+                info = None
+            return info if isinstance(info, dict) else {}
         reasons.append("it does not speak NATS")
     raise BusUnavailableError(
         f"cannot reach NATS at {_redacted(servers)} ({'; '.join(map(str, reasons))})"
