@@ -532,9 +532,9 @@ async def test_an_unseen_save_failure_is_on_the_farewell(tmp_path: Path) -> None
     """A coordinator whose block ends cleanly but raises an unseen save failure
     says so on its last beat: failing, not finished."""
     from fsmodel import fail_nth
+    from hostkit import GateFS
 
     from coordinator.errors import SaveFailedError
-    from hostkit import GateFS
 
     bus = MemoryBus()
     fs = GateFS()
@@ -548,7 +548,9 @@ async def test_an_unseen_save_failure_is_on_the_farewell(tmp_path: Path) -> None
     assert ended.state == "ended" and ended.error is not None
 
 
-def wire(kind: str, session: str, seq: object, checkpoint: str, **extra: object) -> dict[str, object]:
+def wire(
+    kind: str, session: str, seq: object, checkpoint: str, **extra: object
+) -> dict[str, object]:
     made: dict[str, object] = {
         "event": kind, "seq": seq, "sessionId": session, "eventId": f"{session}:{seq}:{kind}",
         "time": at(0), "checkpointId": checkpoint, "epoch": "e1", "episodeId": "ep",
@@ -592,3 +594,83 @@ def test_the_dashboard_folds_what_every_subscriber_folds() -> None:
         assert (row["committed"], row["gaps"], row["queue"]) == (
             folded.committed, folded.gaps, folded.queue_depth), session  # fmt: skip
     assert board.skipped == library.skipped == 1
+
+
+@pytest.mark.asyncio
+async def test_a_beat_under_another_sessions_key_is_skipped(tmp_path: Path) -> None:
+    """A forger who may write CKPT_HOSTS puts a beat for "victim" under its own key:
+    the reader skips it (a beat's key is its session's token)."""
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        async with NatsBus(server.url) as writer:  # (makes the bucket)
+            pass
+        client = await nats.connect(server.url)
+        bucket = await client.jetstream().key_value("CKPT_HOSTS")
+        await bucket.put("forger", msgspec.json.encode(beat("victim", 0)))
+        await bucket.put("honest", msgspec.json.encode(beat("honest", 0)))
+        await client.close()
+        async with NatsBus(server.url, read_only=True) as reader:
+            seen: list[str] = []
+            with anyio.move_on_after(2):
+                async for presence in reader.presence():
+                    seen.append(presence.session_id)
+            assert seen == ["honest"] and reader.counts()["invalid"] == 1
+    del writer
+
+
+@pytest.mark.asyncio
+async def test_closing_many_sessions_with_nats_dead_takes_one_flush_deadline(
+    tmp_path: Path,
+) -> None:
+    """Ten sessions' last beats with the server killed: the bus closes within its
+    flush deadline, not a timeout per session."""
+    import time
+
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        bus = NatsBus(server.url, heartbeat_s=0.2)
+        async with bus:
+            for number in range(10):
+                bus.keep_alive(f"s{number}", lambda n=number: beat(f"s{n}", 0))
+            await anyio.sleep(0.5)
+            await server.kill()
+            for number in range(10):
+                bus.farewell(beat(f"s{number}", 0, state="ended"))
+            started = time.monotonic()
+            await bus.aclose(flush_timeout=2.0)  # (in the scope the bus was entered in)
+    assert time.monotonic() - started < 2.0 + 1.5
+
+
+@pytest.mark.asyncio
+async def test_following_nats_the_dashboard_counts_what_is_no_event_of_this_version(
+    tmp_path: Path,
+) -> None:
+    """From the history and live: a kind a newer version added is no gap."""
+    import json
+
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        client = await nats.connect(server.url)
+        js = client.jetstream()
+        await js.add_stream(name="CKPT", subjects=["ckpt.>"])
+        await js.publish("ckpt.s.captured", json.dumps(wire("captured", "s", 1, "c-1")).encode())
+        newer = {**wire("captured", "s", 2, "c-2"), "event": "paused"}
+        await js.publish("ckpt.s.paused", json.dumps(newer).encode())
+        board = Dashboard()
+        async with anyio.create_task_group() as group:
+            group.start_soon(follow, board, server.url)
+            with anyio.fail_after(10):
+                while board.bus != "connected":
+                    await anyio.sleep(0.05)
+            newest = {**wire("captured", "s", 4, "c-4"), "event": "paused"}
+            await js.publish(
+                "ckpt.s.captured", json.dumps(wire("captured", "s", 3, "c-3")).encode()
+            )
+            await js.publish("ckpt.s.paused", json.dumps(newest).encode())
+            await js.publish(
+                "ckpt.s.captured", json.dumps(wire("captured", "s", 5, "c-5")).encode()
+            )
+            with anyio.fail_after(10):
+                while board.sessions["s"].state.last_seq < 5:
+                    await anyio.sleep(0.05)
+            group.cancel_scope.cancel()
+        await client.close()
+    state = board.sessions["s"].state
+    assert state.gaps == 0 and state.in_flight == {"c-1", "c-3", "c-5"}

@@ -183,6 +183,7 @@ class NatsBus:
         self._reporters: dict[str, Callable[[], Presence]] = {}
         self._last_words: dict[str, Presence] = {}
         self._beat_now = anyio.Event()
+        self._beat_limit = anyio.CapacityLimiter(64)  # beats in flight at once
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -344,8 +345,17 @@ class NatsBus:
             self._beat_now = anyio.Event()
             beats = [report() for report in list(self._reporters.values())]
             words, self._last_words = self._last_words, {}
-            for beat in [*beats, *words.values()]:
-                await self._put_presence(beat)
+            # All at once (one slow put never delays the others), within the beat's
+            # interval, or by the close's flush deadline: a dead server never
+            # holds a close for a timeout per session.
+            until = anyio.current_time() + self.heartbeat_s
+            if self._closing:
+                until = max(anyio.current_time(), min(until, self._flush_deadline))
+            sent = [*beats, *words.values()]
+            with anyio.move_on_after(until - anyio.current_time()):
+                async with anyio.create_task_group() as group:
+                    for beat in sent:
+                        group.start_soon(self._put_presence, beat)
             if self._closing:
                 return
 
@@ -353,12 +363,15 @@ class NatsBus:
         if self._presence is None:
             self._counts["presence_errors"] += 1
             return
+        self._counts["presence_errors"] += 1  # until it is acknowledged (or cancelled)
         try:
-            with anyio.fail_after(self.publish_timeout):
-                await self._presence.put(subject_token(beat.session_id), encode_presence(beat))
-            self._counts["presence"] += 1
+            async with self._beat_limit:
+                with anyio.fail_after(self.publish_timeout):
+                    await self._presence.put(subject_token(beat.session_id), encode_presence(beat))
         except Exception:  # the next beat tries again; a reader sees the host late
-            self._counts["presence_errors"] += 1
+            return
+        self._counts["presence_errors"] -= 1
+        self._counts["presence"] += 1
 
     async def presence(self) -> AsyncIterator[Presence]:
         """Every session's latest beat, then each new one as it is put, for ever.
@@ -375,9 +388,14 @@ class NatsBus:
                 if entry is None or entry.value is None or entry.operation is not None:
                     continue
                 try:
-                    yield decode_presence(entry.value)
+                    beat = decode_presence(entry.value)
                 except msgspec.MsgspecError:
                     self._counts["invalid"] += 1
+                    continue
+                if entry.key != subject_token(beat.session_id):  # one session's key, another's beat
+                    self._counts["invalid"] += 1
+                    continue
+                yield beat
         finally:
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await watcher.stop()  # type: ignore[no-untyped-call]
@@ -700,8 +718,16 @@ class NatsBus:
 
     # --- reading -------------------------------------------------------------------
 
-    async def subscribe(self, session_id: str | None = None, *, buffer: int = 1024) -> Subscription:
-        """Live events (core NATS) of one session, or all, from now on."""
+    async def subscribe(
+        self,
+        session_id: str | None = None,
+        *,
+        buffer: int = 1024,
+        raw: Callable[[bytes], Coroutine[Any, Any, None]] | None = None,
+    ) -> Subscription:
+        """Live events (core NATS) of one session, or all, from now on. ``raw``:
+        every message, undecoded, goes to it in order instead (a reader that
+        folds by the documented rules); the subscription then only holds it."""
         assert self._nc is not None
         send, receive = anyio.create_memory_object_stream[Event](buffer)
         subscription = Subscription(self, None, send, receive)
@@ -711,6 +737,9 @@ class NatsBus:
         recent_set: set[str] = set()
 
         async def deliver(message: Any) -> None:
+            if raw is not None:
+                await raw(message.data)
+                return
             try:
                 event = decode_event(message.data)
             except msgspec.MsgspecError:  # not one of our events: counted, skipped
@@ -878,6 +907,21 @@ class NatsBus:
         """``history``, a batch of at most ``size`` events at a time, as the server
         sends them: a reader of a long history folds one batch while the next is
         on its way, and never holds the whole history in memory."""
+        async for messages in self.history_messages(session_id, size=size):
+            batch: list[Event] = []
+            for data in messages:
+                try:
+                    batch.append(decode_event(data))
+                except msgspec.MsgspecError:  # a foreign message on our subjects
+                    self._counts["invalid"] += 1
+            yield batch
+
+    async def history_messages(
+        self, session_id: str | None = None, *, size: int = 512
+    ) -> AsyncIterator[list[bytes]]:
+        """``history_batches`` as the raw messages, undecoded: for a reader that
+        folds by the documented rules (docs/events.md), which count even what is
+        no event of this version's form."""
         assert self._js is not None
         subjects = session_subjects(session_id, prefix=self.prefix)
         stream = self.stream
@@ -916,12 +960,9 @@ class NatsBus:
                 while pending:
                     wanted = min(pending, size)
                     messages = await consumer.fetch(wanted, timeout=self.publish_timeout)
-                    batch: list[Event] = []
+                    batch: list[bytes] = []
                     for message in messages:
-                        try:
-                            batch.append(decode_event(message.data))
-                        except msgspec.MsgspecError:  # a foreign message on our subjects
-                            self._counts["invalid"] += 1
+                        batch.append(message.data)
                         pending = message.metadata.num_pending
                     yield batch
             except TRANSIENT as error:

@@ -10,6 +10,7 @@ served, then swaps them.
 
 from __future__ import annotations
 
+import collections
 import json
 import socket
 import time
@@ -27,6 +28,7 @@ __all__ = ["LOOPBACK_NAMES", "app", "follow", "serve"]
 PUSH_INTERVAL_S = 0.02  # between two updates sent to one page, at least
 PUSH_BUSY_FACTOR = 5  # ... and at least this many times what the last one took to make
 REFRESH_S = 1.0  # a page gets an update this often with no event: time-based states move
+LIVE_BUFFER = 16384  # live messages held while the history is folded
 MAX_STREAMS = 64  # pages following at once; more are refused (503), never queued
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
 
@@ -48,25 +50,55 @@ async def follow(
             async with NatsBus(
                 url, connect_timeout=2, read_only=True, **(connect_options or {})
             ) as bus:
-                subscription = await bus.subscribe(buffer=16384)
+                live = _Live(dashboard)
+                subscription = await bus.subscribe(buffer=LIVE_BUFFER, raw=live.receive)
                 async with subscription, anyio.create_task_group() as group:
                     group.start_soon(_follow_presence, dashboard, bus)
                     fresh = Dashboard()
-                    async for batch in bus.history_batches():
+                    async for batch in bus.history_messages():
                         fresh.apply_all(batch)
                         await anyio.sleep(0)  # (requests are answered between batches)
                     dashboard.adopt(fresh)
                     dashboard.bus = "connected"
+                    await live.start()
                     dashboard.touch()
-                    group.start_soon(
-                        _watch_connection, dashboard, bus, subscription, group.cancel_scope
-                    )
-                    async for event in subscription:
-                        dashboard.apply(event)
+                    await _watch_connection(dashboard, bus, live)
+                    group.cancel_scope.cancel()
         except Exception as error:  # shown on the page, never a traceback
             dashboard.bus = f"unavailable: {type(error).__name__}: {error}"[:300]
             dashboard.touch()
         await anyio.sleep(retry_s)
+
+
+class _Live:
+    """The live messages: held (at most ``LIVE_BUFFER``) while the history is
+    folded, then folded as they come, in order, yielding to the loop now and then."""
+
+    def __init__(self, dashboard: Dashboard) -> None:
+        self.dashboard = dashboard
+        self.held: collections.deque[bytes] | None = collections.deque()
+        self.overflowed = False
+        self.count = 0
+
+    async def receive(self, data: bytes) -> None:
+        if self.held is not None:
+            if len(self.held) >= LIVE_BUFFER:
+                self.overflowed = True  # the history, read again, has them all
+            else:
+                self.held.append(data)
+            return
+        self.dashboard.apply_message(data)
+        self.count += 1
+        if self.count % 64 == 0:
+            await anyio.sleep(0)
+
+    async def start(self) -> None:
+        """Fold what was held, then each message as it comes."""
+        while self.held:  # (what the history already had counts once: rule 2)
+            for _ in range(min(256, len(self.held))):
+                self.dashboard.apply_message(self.held.popleft())
+            await anyio.sleep(0)
+        self.held = None
 
 
 async def _follow_presence(dashboard: Dashboard, bus: Any) -> None:
@@ -82,17 +114,16 @@ async def _follow_presence(dashboard: Dashboard, bus: Any) -> None:
         await anyio.sleep(2)
 
 
-async def _watch_connection(
-    dashboard: Dashboard, bus: Any, subscription: Any, scope: anyio.CancelScope
-) -> None:
+async def _watch_connection(dashboard: Dashboard, bus: Any, live: _Live) -> None:
     """Say so while the connection is down; once it is back, or once the live
-    subscription lost events (a burst filled its buffer), end the live follow so
-    the state is folded again from the stream, which has them all."""
+    feed lost messages (held too many, or nats-py dropped some for a slow
+    consumer), return, so the state is folded again from the stream, which has
+    them all."""
     down = False
+    dropped = bus.counts().get("dropped", 0)
     while True:
         await anyio.sleep(0.25)
-        if subscription.dropped:
-            scope.cancel()
+        if live.overflowed or bus.counts().get("dropped", 0) > dropped:
             return
         if not bus.client.is_connected:
             if not down:
@@ -100,7 +131,6 @@ async def _watch_connection(
                 dashboard.touch()
             down = True
         elif down:
-            scope.cancel()
             return
 
 
