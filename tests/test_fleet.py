@@ -674,3 +674,18 @@ async def test_following_nats_the_dashboard_counts_what_is_no_event_of_this_vers
         await client.close()
     state = board.sessions["s"].state
     assert state.gaps == 0 and state.in_flight == {"c-1", "c-3", "c-5"}
+
+
+def test_the_host_step_is_the_newest_word_on_it() -> None:
+    """A beat every few seconds, events in between: the host's step is never
+    behind the durable one because the beat is older; a restore sets it back."""
+    board = Dashboard()
+    board.apply_presence(beat("s", 0, step="3"))
+    for seq, step in enumerate((4, 5, 6), start=1):
+        board.apply(committed("s", f"e1-{step}", seq, seq))
+    row = board.row(board.sessions["s"], NOW + 7)
+    assert (row["hostStep"], row["durableStep"]) == ("6", "6")
+    board.apply(restored(4, 8))
+    assert board.row(board.sessions["s"], NOW + 9)["hostStep"] == "2"
+    board.apply_presence(beat("s", 10, step="9"))
+    assert board.row(board.sessions["s"], NOW + 11)["hostStep"] == "9"

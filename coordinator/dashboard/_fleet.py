@@ -119,6 +119,7 @@ class Session:
         "abandoned",
         "cached",
         "codes",
+        "event_step",
         "failures",
         "history",
         "kinds",
@@ -152,6 +153,7 @@ class Session:
         self.last_failure_s: float | None = None
         self.unreplicated_s: float | None = None
         self.cached: dict[str, Any] | None = None  # the overview row's event-made part
+        self.event_step: int | None = None  # the newest step the events say the host reached
 
     def health(self, now: float) -> tuple[Health, str]:
         """The host's state at ``now`` (seconds since 1970, the reader's clock,
@@ -305,13 +307,7 @@ class Dashboard:
         session.cached = None
         self.events += 1
         self.touch()
-        when = _host_time(event.time)
-        if not late and not isinstance(event, Replicated) and when is not None:
-            session.last_event_s = when
-        if after.last_committed_time != before.last_committed_time:
-            session.last_commit_s = _host_time(after.last_committed_time or "")
-        if after.oldest_unreplicated_time != before.oldest_unreplicated_time:
-            session.unreplicated_s = _host_time(after.oldest_unreplicated_time or "")
+        when = self._note_times(session, event, before, late)
         if isinstance(event, Restored):
             self._restored(session, event)
             return
@@ -350,6 +346,26 @@ class Dashboard:
                                      "time": event.time[:64]})  # fmt: skip
         elif isinstance(event, Superseded):
             row.superseded_by = event.superseded_by
+
+    def _note_times(
+        self, session: Session, event: Event, before: SessionState, late: bool
+    ) -> float | None:
+        """The host's times (parsed once) and step an event tells; its time."""
+        after = session.state
+        when = _host_time(event.time)
+        if not late and not isinstance(event, Replicated):
+            if when is not None:
+                session.last_event_s = when
+            if event.boundary.isdigit():  # the host reached it; a restore sets it back
+                step = int(event.boundary)
+                known = session.event_step
+                keep = known is not None and known > step and not isinstance(event, Restored)
+                session.event_step = known if keep else step
+        if after.last_committed_time != before.last_committed_time:
+            session.last_commit_s = _host_time(after.last_committed_time or "")
+        if after.oldest_unreplicated_time != before.oldest_unreplicated_time:
+            session.unreplicated_s = _host_time(after.oldest_unreplicated_time or "")
+        return when
 
     def _restored(self, session: Session, event: Restored) -> None:
         session.restores.append({
@@ -413,13 +429,15 @@ class Dashboard:
         folded = session.state
         presence = session.presence
         queue = folded.queue_depth
-        host_step = None
+        host_step = None if session.event_step is None else str(session.event_step)
         if presence is not None:
-            host_step = presence.step
             if session.presence_s is not None and (
                 session.last_event_s is None or session.presence_s >= session.last_event_s
             ):
                 queue = presence.queue_depth  # the newer word on it
+                host_step = presence.step or host_step
+            elif host_step is None:
+                host_step = presence.step
         return {
             "sessionId": folded.session_id, "epoch": folded.epoch,
             "highWater": folded.high_water, "durableStep": folded.high_water_boundary,
