@@ -12,6 +12,7 @@ new event. Memory is bounded by budgets shared by all sessions (see
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -122,6 +123,7 @@ class Session:
         "event_step",
         "failures",
         "history",
+        "judged",
         "kinds",
         "last_commit_s",
         "last_event_s",
@@ -153,11 +155,44 @@ class Session:
         self.last_failure_s: float | None = None
         self.unreplicated_s: float | None = None
         self.cached: dict[str, Any] | None = None  # the overview row's event-made part
+        # The host state, when it was judged, and until when it holds (time alone
+        # changes it only at a threshold): a fleet's overview judges few sessions.
+        self.judged: tuple[Health, str, float, float] | None = None
         self.event_step: int | None = None  # the newest step the events say the host reached
+
+    def forget(self) -> None:
+        """Its events or beats changed: its row and state are made again."""
+        self.cached = None
+        self.judged = None
 
     def health(self, now: float) -> tuple[Health, str]:
         """The host's state at ``now`` (seconds since 1970, the reader's clock,
         against the host's times of its beats and events), and why."""
+        judged = self.judged
+        if judged is not None and judged[2] <= now < judged[3]:
+            return judged[0], judged[1]
+        health, why = self._judge(now)
+        self.judged = (health, why, now, self._next_change(now))
+        return health, why
+
+    def _next_change(self, now: float) -> float:
+        """The first moment after ``now`` at which time alone can change the state."""
+        presence, beat, event = self.presence, self.presence_s, self.last_event_s
+        marks: list[float] = []
+        times = [t for t in (beat, event) if t is not None]
+        if times:
+            seen = max(times)
+            if presence is not None:
+                marks += [seen + LATE_AFTER_BEATS * presence.interval_s,
+                          seen + GONE_AFTER_BEATS * presence.interval_s]  # fmt: skip
+            else:
+                marks.append(seen + STALE_AFTER_S)
+        if event is not None:
+            marks.append(event + STALE_AFTER_S)
+        later = [mark for mark in marks if mark > now]
+        return min(later) if later else math.inf
+
+    def _judge(self, now: float) -> tuple[Health, str]:
         presence, beat, event = self.presence, self.presence_s, self.last_event_s
         ended = presence is not None and presence.state == "ended"
         if presence is not None and ended and (event is None or beat is None or beat >= event):
@@ -204,7 +239,7 @@ class Dashboard:
         self.events = 0
         self.skipped = 0  # messages that were no events (the fold's rule 1)
         self.beats = 0
-        self._changed = anyio.Event()
+        self._changed: anyio.Event | None = None
         self._trim_next: collections.deque[Session] = collections.deque()
 
     # --- changes -------------------------------------------------------------------
@@ -212,12 +247,15 @@ class Dashboard:
     def touch(self) -> None:
         """Something changed: the pages waiting are told at once."""
         self.version += 1
-        self._changed.set()
-        self._changed = anyio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     async def changed(self, seen: int) -> None:
         """Return once ``version`` is past ``seen``."""
         if self.version == seen:
+            if self._changed is None:  # (made only when someone waits: not per event)
+                self._changed = anyio.Event()
             await self._changed.wait()
 
     def _session(self, session_id: str) -> Session:
@@ -288,7 +326,7 @@ class Dashboard:
         if session.state.duplicates > before.duplicates:
             return
         session.kinds["other"] += 1
-        session.cached = None
+        session.forget()
         self.events += 1
         self.touch()
 
@@ -304,7 +342,7 @@ class Dashboard:
         late = 0 < event.seq < before.last_seq
         kind = event_name(event)
         session.kinds[kind] += 1
-        session.cached = None
+        session.forget()
         self.events += 1
         self.touch()
         when = self._note_times(session, event, before, late)
@@ -386,7 +424,7 @@ class Dashboard:
         session = self._session(presence.session_id)
         session.presence = presence
         session.presence_s = _host_time(presence.time)
-        session.cached = None
+        session.forget()
         self.beats += 1
         self.touch()
 

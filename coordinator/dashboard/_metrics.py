@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from ._fleet import HEALTH_ORDER, Dashboard, Health, Session
+from ._fleet import HEALTH_ORDER, Dashboard, Health
 
-__all__ = ["MAX_SESSIONS", "registry"]
+__all__ = ["MAX_SESSIONS", "Snapshot", "registry", "render"]
 
 MAX_SESSIONS = 1000
 
@@ -49,66 +50,81 @@ _PER_SESSION: tuple[tuple[str, str, bool, Callable[[dict[str, Any]], float | Non
 )  # fmt: skip
 
 
-class _FleetCollector(Collector):
-    def __init__(self, dashboard: Dashboard, max_sessions: int) -> None:
-        self.dashboard = dashboard
-        self.max_sessions = max_sessions
+class Snapshot:
+    """What one scrape shows, taken on the event loop at once (so the state it
+    reads never changes under it); ``render`` formats it in a worker thread."""
+
+    def __init__(self, dashboard: Dashboard, max_sessions: int, now: float) -> None:
+        ranked = dashboard.ranked(now)
+        self.counts = dict.fromkeys(HEALTH_ORDER, 0)
+        for health, _ in ranked:
+            self.counts[health] += 1
+        self.listed: list[tuple[Health, dict[str, Any], dict[str, int]]] = [
+            (health, dashboard.row(entry, now), dict(entry.codes))
+            for health, entry in ranked[:max_sessions]
+        ]
+        self.unlisted = len(ranked) - len(self.listed)
+        self.connected = 1.0 if dashboard.bus == "connected" else 0.0
+        self.events = dashboard.events
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, take: Callable[[], Snapshot]) -> None:
+        self.take = take
 
     def collect(self) -> Iterator[Metric]:
-        now = time.time()
-        ranked = self.dashboard.ranked(now)
-        listed = ranked[: self.max_sessions]
-        yield from self._per_session(listed, now)
+        snapshot = self.take()
+        yield from _per_session(snapshot)
         fleet = GaugeMetricFamily("coordinator_sessions", "Sessions, by their host's state",
                                   labels=["state"])  # fmt: skip
-        counts = dict.fromkeys(HEALTH_ORDER, 0)
-        for health, _ in ranked:
-            counts[health] += 1
-        for each, count in counts.items():
+        for each, count in snapshot.counts.items():
             fleet.add_metric([each], count)
         yield fleet
         yield GaugeMetricFamily("coordinator_sessions_unlisted",
                                 "Sessions beyond the per-session series' cap",
-                                value=len(ranked) - len(listed))  # fmt: skip
-        connected = 1.0 if self.dashboard.bus == "connected" else 0.0
-        yield GaugeMetricFamily(
-            "coordinator_bus_connected", "1 while the dashboard follows NATS", value=connected
-        )
+                                value=snapshot.unlisted)  # fmt: skip
+        yield GaugeMetricFamily("coordinator_bus_connected", "1 while the dashboard follows NATS",
+                                value=snapshot.connected)  # fmt: skip
         yield CounterMetricFamily("coordinator_events", "Events folded since the last rebuild",
-                                  value=self.dashboard.events)  # fmt: skip
+                                  value=snapshot.events)  # fmt: skip
 
-    def _per_session(self, listed: list[tuple[Health, Session]], now: float) -> Iterator[Metric]:
-        families: list[tuple[GaugeMetricFamily | CounterMetricFamily, Callable[..., Any]]] = []
-        for name, text, is_counter, value in _PER_SESSION:
-            kind = CounterMetricFamily if is_counter else GaugeMetricFamily
-            families.append((kind(name, text, labels=["session"]), value))
-        failures = CounterMetricFamily(
-            "coordinator_session_failures",
-            "Checkpoints failed, by code",
-            labels=["session", "code"],
-        )
-        state = GaugeMetricFamily("coordinator_session_state",
-                                  "The host's state: 1 for the one it is in",
-                                  labels=["session", "state"])  # fmt: skip
-        for health, entry in listed:
-            row = self.dashboard.row(entry, now)
-            label = [row["sessionId"]]
-            for family, value in families:
-                measured = value(row)
-                if measured is not None:
-                    family.add_metric(label, measured)
-            for code, count in entry.codes.items():
-                failures.add_metric([*label, code], count)
-            for each in HEALTH_ORDER:
-                state.add_metric([*label, each], 1.0 if each == health else 0.0)
-        yield from (family for family, _ in families)
-        yield failures
-        yield state
+
+def _per_session(snapshot: Snapshot) -> Iterator[Metric]:
+    families: list[tuple[GaugeMetricFamily | CounterMetricFamily, Callable[..., Any]]] = []
+    for name, text, is_counter, value in _PER_SESSION:
+        kind = CounterMetricFamily if is_counter else GaugeMetricFamily
+        families.append((kind(name, text, labels=["session"]), value))
+    failures = CounterMetricFamily("coordinator_session_failures", "Checkpoints failed, by code",
+                                   labels=["session", "code"])  # fmt: skip
+    state = GaugeMetricFamily("coordinator_session_state",
+                              "The host's state: 1 for the one it is in",
+                              labels=["session", "state"])  # fmt: skip
+    for health, row, codes in snapshot.listed:
+        label = [row["sessionId"]]
+        for family, value in families:
+            measured = value(row)
+            if measured is not None:
+                family.add_metric(label, measured)
+        for code, count in codes.items():
+            failures.add_metric([*label, code], count)
+        for each in HEALTH_ORDER:
+            state.add_metric([*label, each], 1.0 if each == health else 0.0)
+    yield from (family for family, _ in families)
+    yield failures
+    yield state
+
+
+def render(snapshot: Snapshot) -> bytes:
+    """The exposition of a snapshot: safe in a worker thread (it reads only the
+    snapshot), so formatting thousands of samples never holds the event loop."""
+    made = CollectorRegistry(auto_describe=False)
+    made.register(_SnapshotCollector(lambda: snapshot))
+    return generate_latest(made)
 
 
 def registry(dashboard: Dashboard, *, max_sessions: int = MAX_SESSIONS) -> CollectorRegistry:
     """A registry of the dashboard's metrics only (no process metrics: one
     dashboard's numbers, whoever scrapes them)."""
     made = CollectorRegistry(auto_describe=False)
-    made.register(_FleetCollector(dashboard, max_sessions))
+    made.register(_SnapshotCollector(lambda: Snapshot(dashboard, max_sessions, time.time())))
     return made
