@@ -729,8 +729,8 @@ def _add_dashboard(commands: Any) -> None:
     add_options(dashboard, url_help=_URL_HELP)
     dashboard.add_argument("--listen", type=_listen, default=("127.0.0.1", 8321),
                            metavar="HOST:PORT", help="where to serve (127.0.0.1:8321)")  # fmt: skip
-    dashboard.add_argument("--metrics-sessions", type=_positive, default=1000,
-                           help="sessions with series of their own on /metrics (1000); "
+    dashboard.add_argument("--metrics-sessions", type=_positive, default=500,
+                           help="sessions with series of their own on /metrics (500); "
                            "the rest count in the fleet's totals")  # fmt: skip
     dashboard.add_argument("--allow-remote", action="store_true",
                            help="listen on an address that is not loopback")  # fmt: skip
