@@ -597,6 +597,7 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     from .bus import NatsBus
     from .monitor import SaveState, render
+    from .presence import Presence
 
     for session_id in args.session or []:  # a wildcard would follow other sessions
         if not is_id(session_id):
@@ -608,6 +609,8 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     console = Console(file=out, width=None if out.isatty() else 220)  # pipes: no folding
     display = Live(render(SaveState()), console=console, refresh_per_second=8, transient=False)
 
+    beats: dict[str, Presence] = {}  # the hosts' presence, shown live (not with --json)
+
     def show(state: SaveState, session_id: str) -> None:
         if args.json:  # (the fold's own bookkeeping, folded ids and missing seqs, left out)
             session = msgspec.to_builtins(state.sessions[session_id])
@@ -615,7 +618,7 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 session.pop(internal, None)
             print(json.dumps(session), file=out, flush=True)
         else:
-            display.update(render(state))
+            display.update(render(state, None if args.replay_only else beats))
 
     async def follow() -> None:
         state = SaveState()
@@ -639,6 +642,9 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 return
             async with anyio.create_task_group() as group:
                 group.start_soon(_until_reader_gone, out)
+                if not args.json:
+                    redraw = lambda: display.update(render(state, beats))  # noqa: E731
+                    group.start_soon(_follow_beats, bus, beats, redraw)
                 for subscription in live:
 
                     async def pump(subscription: Any = subscription) -> None:
@@ -652,6 +658,23 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     anyio.run(follow)
     return EXIT_OK
+
+
+async def _follow_beats(bus: Any, beats: dict[str, Any], redraw: Any) -> None:
+    """``watch``'s host column: the hosts' beats as they come, and the table drawn
+    again each second, since time alone turns a silent host late, then gone."""
+    import anyio
+
+    async def follow() -> None:
+        with contextlib.suppress(Exception):  # (no right to read them: the column says -)
+            async for beat in bus.presence():
+                beats[beat.session_id] = beat
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(follow)
+        while True:
+            redraw()
+            await anyio.sleep(1)
 
 
 async def _until_reader_gone(out: TextIO) -> None:

@@ -11,6 +11,8 @@ state; it returns a new one.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
@@ -25,6 +27,7 @@ from .events import (
     Timings,
 )
 from .ids import U64, Id
+from .presence import Presence, liveness
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -380,21 +383,34 @@ def _restore_text(event: Restored | _ReadRestored) -> str:
     return f"{event.checkpoint_id} into {event.epoch} ({event.reason}; {lost})"
 
 
-def render(state: SaveState) -> Table:
-    """The live terminal view: one row per session (rich loads only when asked for)."""
+def render(
+    state: SaveState, beats: Mapping[str, Presence] | None = None, now: float | None = None
+) -> Table:
+    """The live terminal view: one row per session (rich loads only when asked
+    for). ``beats``: the hosts' presence (docs/events.md), shown as a ``host``
+    column judged at ``now`` (seconds since 1970; default: the clock)."""
     from rich.table import Table
 
     table = Table(title="save state", title_justify="left")
-    columns = ("session", "high water", "step", "in flight", "queue", "committed",
-               "last commit", "size", "superseded", "failed", "last failure",
-               "last restore", "replicated")  # fmt: skip
+    columns = ("session", *(("host",) if beats is not None else ()), "high water", "step",
+               "in flight", "queue", "committed", "last commit", "size", "superseded",
+               "failed", "last failure", "last restore", "replicated")  # fmt: skip
     for column in columns:
         table.add_column(column, overflow="fold")
+    now = time.time() if now is None else now
     for session in sorted(state.sessions.values(), key=lambda s: s.session_id):
         latency = session.last_committed_ms
         size = session.last_committed_bytes
+        host: tuple[str, ...] = ()
+        if beats is not None:
+            beat = beats.get(session.session_id)
+            seen: str = "-" if beat is None else liveness(beat, now)
+            if beat is not None and beat.error:
+                seen = f"{seen} ({beat.error})"
+            host = (seen,)
         table.add_row(
             session.session_id,
+            *host,
             session.high_water or "-",
             session.high_water_boundary or "-",
             str(len(session.in_flight)),

@@ -689,3 +689,25 @@ def test_the_host_step_is_the_newest_word_on_it() -> None:
     assert board.row(board.sessions["s"], NOW + 9)["hostStep"] == "2"
     board.apply_presence(beat("s", 10, step="9"))
     assert board.row(board.sessions["s"], NOW + 11)["hostStep"] == "9"
+
+
+def test_watch_shows_each_hosts_presence_judged_now() -> None:
+    """`coordinator watch`'s table has a host column from the beats: alive, late,
+    gone or ended (with the error it closed on), by the host's time."""
+    import io
+
+    from rich.console import Console
+
+    from coordinator.monitor import render
+
+    state = SaveState()
+    for session in ("up", "slow", "dead", "done"):
+        state = state.apply(committed(session, "e1-1", 1, 0))
+    beats = {"up": beat("up", 99), "slow": beat("slow", 88), "dead": beat("dead", 0),
+             "done": beat("done", 50, state="ended", error="store.no_space")}  # fmt: skip
+    out = io.StringIO()
+    Console(file=out, width=400).print(render(state, beats, now=NOW + 100))
+    lines = {line.split("│")[1].strip(): line.split("│")[2].strip()
+             for line in out.getvalue().splitlines() if line.count("│") > 3}  # fmt: skip
+    assert lines == {"dead": "gone", "done": "ended (store.no_space)",
+                     "slow": "late", "up": "alive"}  # fmt: skip
