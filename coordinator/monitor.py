@@ -154,8 +154,8 @@ def fold_event(
     session, at a cost that does not grow with the number of sessions.
     ``keep_ids`` and ``keep_missing``: how many eventIds rule 2 and missed seqs
     rule 3 remember (a fleet keeps fewer)."""
-    before = state or SessionState(session_id=event.session_id)
-    return _fold(before, event.seq, event.event_id, event, keep_ids, keep_missing=keep_missing)
+    message = (event.session_id, event.seq, event.event_id, event)
+    return fold_message(state, message, keep_ids=keep_ids, keep_missing=keep_missing)
 
 
 class _Envelope(msgspec.Struct, rename="camel"):

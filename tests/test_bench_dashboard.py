@@ -9,23 +9,11 @@ import math
 from typing import Any
 
 import msgspec
+from test_bench_bus import numbers
 
 from coordinator.bench import GROUPS, report
 from coordinator.bench.dashboard import Plan, fleet, fleet_events, fold_cost, state_rss
 from coordinator.events import Committed, Failed
-
-
-def numbers(value: Any) -> list[float]:
-    """Every number inside a JSON value."""
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int | float):
-        return [float(value)]
-    if isinstance(value, list):
-        return [n for item in value for n in numbers(item)]
-    if isinstance(value, dict):
-        return [n for item in value.values() for n in numbers(item)]
-    return []
 
 
 def as_json(results: list[Any]) -> dict[str, Any]:

@@ -294,6 +294,13 @@ async def test_presence_on_a_real_nats_server(tmp_path: Path) -> None:
         assert bus.counts()["presence"] >= running
 
 
+async def connected(board: Dashboard) -> None:
+    """Once ``board``, following a bus, has folded its history."""
+    with anyio.fail_after(10):
+        while board.bus != "connected":
+            await anyio.sleep(0.05)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -405,9 +412,7 @@ async def test_the_dashboard_creates_nothing_on_the_server(tmp_path: Path) -> No
         board = Dashboard()
         async with anyio.create_task_group() as group:
             group.start_soon(follow, board, server.url)
-            with anyio.fail_after(10):
-                while board.bus != "connected":
-                    await anyio.sleep(0.05)
+            await connected(board)
             await anyio.sleep(0.5)
             group.cancel_scope.cancel()
         client = await nats.connect(server.url)
@@ -656,9 +661,7 @@ async def test_following_nats_the_dashboard_counts_what_is_no_event_of_this_vers
         board = Dashboard()
         async with anyio.create_task_group() as group:
             group.start_soon(follow, board, server.url)
-            with anyio.fail_after(10):
-                while board.bus != "connected":
-                    await anyio.sleep(0.05)
+            await connected(board)
             newest = {**wire("captured", "s", 4, "c-4"), "event": "paused"}
             await js.publish(
                 "ckpt.s.captured", json.dumps(wire("captured", "s", 3, "c-3")).encode()

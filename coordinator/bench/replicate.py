@@ -202,7 +202,7 @@ async def main(url, session, target):
         await anyio.to_thread.run_sync(export_payloads, stored, target)
     await client.close()
     peak = status_mib("VmHWM")  # (ru_maxrss would count the parent forked before exec)
-    print(json.dumps({"start_mib": start, "peak_mib": peak}))
+    sys.stdout.write(json.dumps({"start_mib": start, "peak_mib": peak}) + "\n")
 
 anyio.run(main, *sys.argv[1:])
 """
@@ -223,7 +223,8 @@ async def main(url, session, store_dir):
             start = status_mib("VmRSS")
             resumed = await host.resume(source=await Replicas(bus).open())
             peak = status_mib("VmHWM")
-    print(json.dumps({"start_mib": start, "peak_mib": peak, "step": resumed.step}))
+    figures = {"start_mib": start, "peak_mib": peak, "step": resumed.step}
+    sys.stdout.write(json.dumps(figures) + "\n")
 
 anyio.run(main, *sys.argv[1:])
 """
