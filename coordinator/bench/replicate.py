@@ -202,7 +202,7 @@ async def main(url, session, target):
         await anyio.to_thread.run_sync(export_payloads, stored, target)
     await client.close()
     peak = status_mib("VmHWM")  # (ru_maxrss would count the parent forked before exec)
-    sys.stdout.write(json.dumps({"start_mib": start, "peak_mib": peak}) + "\n")
+    sys.stdout.write(json.dumps({"start_mib": start, "peak_mib": peak}) + "\\n")
 
 anyio.run(main, *sys.argv[1:])
 """
@@ -224,7 +224,7 @@ async def main(url, session, store_dir):
             resumed = await host.resume(source=await Replicas(bus).open())
             peak = status_mib("VmHWM")
     figures = {"start_mib": start, "peak_mib": peak, "step": resumed.step}
-    sys.stdout.write(json.dumps(figures) + "\n")
+    sys.stdout.write(json.dumps(figures) + "\\n")
 
 anyio.run(main, *sys.argv[1:])
 """
