@@ -714,3 +714,12 @@ def test_watch_shows_each_hosts_presence_judged_now() -> None:
              for line in out.getvalue().splitlines() if line.count("│") > 3}  # fmt: skip
     assert lines == {"dead": "gone", "done": "ended (store.no_space)",
                      "slow": "late", "up": "alive"}  # fmt: skip
+
+
+def test_a_farewell_of_one_epoch_never_silences_the_sessions_newer_coordinator() -> None:
+    bus = MemoryBus()
+    bus.keep_alive("s1", lambda: beat("s1", 0))  # epoch e1 ...
+    newer = msgspec.structs.replace(beat("s1", 1), epoch="e2")
+    bus.keep_alive("s1", lambda: newer)  # ... and the session's next coordinator
+    bus.farewell(beat("s1", 2, state="ended"))  # e1 closes late
+    assert bus.presence_now()["s1"] == newer

@@ -331,6 +331,9 @@ class NatsBus:
     def farewell(self, presence: Presence) -> None:
         """The session's last beat (``state: "ended"``): sent at once, and before
         the bus closes."""
+        report = self._reporters.get(presence.session_id)
+        if report is not None and report().epoch != presence.epoch:
+            return  # another coordinator of the session beats now: its word stands
         self._reporters.pop(presence.session_id, None)
         self._last_words[presence.session_id] = presence
         self._beat_now.set()

@@ -99,6 +99,9 @@ class MemoryBus:
         self._last_words.pop(session_id, None)
 
     def farewell(self, presence: Presence) -> None:
+        report = self._reporters.get(presence.session_id)
+        if report is not None and report().epoch != presence.epoch:
+            return  # another coordinator of the session beats now: its word stands
         self._reporters.pop(presence.session_id, None)
         self._last_words[presence.session_id] = presence
 
