@@ -56,8 +56,13 @@ from .errors import WriterClosedError as WriterClosedError
 
 if TYPE_CHECKING:
     from .host import HostDescription as HostDescription
+    from .participant import CaptureScope as CaptureScope
+    from .participant import RestoreScope as RestoreScope
     from .policy import CapturePolicy as CapturePolicy
     from .session import Coordinator as Coordinator
+    from .session import Progress as Progress
+    from .session import RestoreReport as RestoreReport
+    from .session import Resumed as Resumed
     from .store import FileStore as FileStore
     from .store import SyncStore as SyncStore
 
@@ -67,9 +72,14 @@ __version__ = "0.1.0"
 # parts (``coordinator.envelope``) never pulls in anyio or nats.
 _LAZY = {
     "CapturePolicy": ".policy",
+    "CaptureScope": ".participant",
     "Coordinator": ".session",
     "FileStore": ".store",
     "HostDescription": ".host",
+    "Progress": ".session",
+    "RestoreReport": ".session",
+    "RestoreScope": ".participant",
+    "Resumed": ".session",
     "SyncStore": ".store",
 }
 
@@ -93,6 +103,7 @@ __all__ = [
     "BusUnavailableError",
     "CaptureFailedError",
     "CapturePolicy",
+    "CaptureScope",
     "CommitError",
     "Coordinator",
     "CoordinatorError",
@@ -121,9 +132,13 @@ __all__ = [
     "NoSpaceError",
     "NotAStoreError",
     "NotCanonicalError",
+    "Progress",
     "RemoteWorkerError",
     "RenameError",
     "RestoreFailedError",
+    "RestoreReport",
+    "RestoreScope",
+    "Resumed",
     "SaveFailedError",
     "ServerError",
     "StaleEpochError",

@@ -329,8 +329,9 @@ class DuplicateCheckpointError(CoordinatorError):
 
 class RestoreFailedError(CoordinatorError):
     """The group did not install. ``tainted`` names the participants whose state
-    may have been touched: those that staged and were aborted, or, if activation
-    itself failed part way, every participant (the epoch is then fenced)."""
+    may have been touched: after a failed stage, those whose abort raised or did
+    not answer; after a failed activation, every participant (the epoch is then
+    fenced: some hold the restored state, some the old)."""
 
     code: ClassVar[str] = "restore.failed"
 
@@ -544,14 +545,27 @@ class CommitError(StoreError):
     code: ClassVar[str] = "store.commit"
 
     def __init__(
-        self, checkpoint_id: str, operation: str, path: str, error: OSError | None = None
+        self,
+        checkpoint_id: str,
+        operation: str,
+        path: str,
+        error: OSError | None = None,
+        *,
+        what: str | None = None,
     ) -> None:
         self.checkpoint_id = checkpoint_id
         self.operation = operation
         self.path = path
         self.errno = None if error is None else error.errno
-        reason = "" if error is None else f": {error.strerror or error}"
-        super().__init__(f"commit of {checkpoint_id} failed at {operation} {path}{reason}")
+        self.strerror = None if error is None else (error.strerror or str(error))
+        reason = "" if self.strerror is None else f": {self.strerror}"
+        what = what or f"commit of {checkpoint_id}"
+        super().__init__(f"{what} failed at {operation} {path}{reason}")
+
+    def retold(self, what: str) -> CommitError:
+        """The same failure, said of ``what`` (an epoch's record is no checkpoint)."""
+        error = OSError(self.errno, self.strerror) if self.errno is not None else None
+        return type(self)(self.checkpoint_id, self.operation, self.path, error, what=what)
 
 
 class NoSpaceError(CommitError):

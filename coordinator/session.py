@@ -46,11 +46,12 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self
 
 import anyio
+import anyio.lowlevel
 import msgspec
 
 from ._cancel import raised_on_its_own
@@ -114,6 +115,7 @@ __all__ = [
     "CaptureScope",
     "Coordinator",
     "Participant",
+    "Progress",
     "ReplicaSource",
     "RestoreReport",
     "RestoreScope",
@@ -156,6 +158,18 @@ class Resumed(msgspec.Struct, frozen=True, kw_only=True):
     report: RestoreReport | None
 
 
+class Progress(msgspec.Struct, frozen=True, kw_only=True):
+    """How far the durable state is behind the host (``Coordinator.progress()``).
+    Steps are ``None`` until there is one: nothing told, captured or durable yet."""
+
+    host_step: int | None  # the newest boundary the host reported (at_boundary, capture)
+    accepted_step: int | None  # the newest step captured and queued in this epoch
+    durable_step: int | None  # the newest step of this run's timeline the store committed
+    behind_steps: int | None  # host_step - durable_step: what a kill now would lose
+    in_flight: int  # captures accepted and not answered yet (queued or being written)
+    queued: int  # ... of which waiting for the writer
+
+
 def _described(
     describe: Callable[[CaptureScope], ManifestBody], scope: CaptureScope
 ) -> ManifestBody:
@@ -188,6 +202,7 @@ class Coordinator:
         spool_dir: str | None = None,
         final_step: Callable[[], int] | None = None,
         policy: CapturePolicy | None = None,
+        install: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
     ) -> None:
         names = [check_id(p.name) for p in participants]
         if len(set(names)) != len(names):
@@ -209,6 +224,7 @@ class Coordinator:
         self.capture_timeout = capture_timeout
         self.spool_dir = spool_dir
         self.final_step = final_step
+        self.install = install  # a restore's one activation, for state across participants
         self.ledger = ArtifactLedger()
         self.writer = Writer(store, bus, limits=limits, retry=retry, ledger=self.ledger)
         self._hashing: anyio.CapacityLimiter | None = None
@@ -217,6 +233,7 @@ class Coordinator:
         self._at_step: dict[int, Ticket] = {}  # this epoch's latest capture of each step
         self._last_step: int | None = None  # the newest step captured in this epoch
         self._host_step: int | None = None  # the newest step the host told us of
+        self._durable_step: int | None = None  # the newest of this timeline committed
         self._acted = False  # captured or restored in this run: a restore is a rollback
         self._open = False
         self._claimed = False  # this coordinator holds its session on the store
@@ -444,11 +461,30 @@ class Coordinator:
                     self._ids.discard(checkpoint_id)
                     self.store.release_checkpoint(checkpoint_id)
         # The store-wide claim ends with the job (a committed id is listed anyway).
-        ticket.add_done_callback(lambda: self.store.release_checkpoint(checkpoint_id))
+        ticket.add_done_callback(lambda: self._answered(ticket, scope.epoch, step))
         self._last_step = max(step, self._last_step or 0)
         self._at_step[step] = ticket
         self._acted = True
         return ticket
+
+    def _answered(self, ticket: Ticket, epoch: str, step: int) -> None:
+        self.store.release_checkpoint(ticket.checkpoint_id)
+        if epoch == self.epoch and isinstance(ticket.outcome, Committed):
+            self._durable_step = max(step, self._durable_step or 0)
+
+    def progress(self) -> Progress:
+        """Where the host is, what is queued, and what is durable: read it at any
+        boundary (a host that falls behind can checkpoint less often)."""
+        writer = self.writer.statistics()
+        host, durable = self._host_step, self._durable_step
+        return Progress(
+            host_step=host,
+            accepted_step=self._last_step,
+            durable_step=durable,
+            behind_steps=None if host is None or durable is None else host - durable,
+            in_flight=writer.outstanding,
+            queued=writer.queued,
+        )
 
     def _check_explicit_id(self, checkpoint_id: str, step: int) -> None:
         """An explicit id may not be another epoch's default id (``<epoch>-<step>``):
@@ -571,6 +607,8 @@ class Coordinator:
             raise UsageError("at_boundary() needs a Coordinator made with a policy=")
         format_u64(step)
         self._host_step = step
+        # A host whose step never awaits still lets the writer run once a boundary.
+        await anyio.lowlevel.checkpoint()
         now = time.monotonic()
         if not policy.due(step, now):
             return None
@@ -634,18 +672,25 @@ class Coordinator:
             return Resumed(step=None, report=None)
         return Resumed(step=int(report.record.boundary), report=report)
 
-    async def _abort(self, staged: Sequence[tuple[Participant, Any]]) -> None:
+    async def _abort(self, staged: Sequence[tuple[Participant, Any]]) -> tuple[str, ...]:
         """Abort every staged participant, shielded, whatever one of them raises,
-        within ``capture_timeout``: one that does not answer stays tainted."""
+        within ``capture_timeout`` in all. Returns the tainted ones: those whose
+        abort raised, or had not answered by the deadline."""
+        tainted: list[str] = []
+        answered = 0
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.capture_timeout):
             for participant, token in staged:
                 try:
                     await participant.abort_restore(token)
                 except Exception:
-                    pass  # tainted, and reported so
+                    tainted.append(participant.name)
                 except BaseException as error:
                     if not await raised_on_its_own(error):
                         raise
+                    tainted.append(participant.name)
+                answered += 1
+        tainted.extend(p.name for p, _ in staged[answered:])  # the deadline came first
+        return tuple(tainted)
 
     def _check_new_epoch(self, epoch: str) -> None:
         """Refuse a used epoch before anything is staged (the fork checks again)."""
@@ -765,27 +810,63 @@ class Coordinator:
             checkpoint_id=record.checkpoint_id,
             step=int(record.boundary),
         )
-        staged: list[tuple[Participant, Any]] = []
         carried = stored.envelope.names
-        for participant in self.participants:
+        for participant in self.participants:  # before anything is staged
             if participant.name not in carried:
-                await self._abort(staged)
                 raise RestoreFailedError(
                     participant.name,
                     f"checkpoint {record.checkpoint_id} has no payload named "
-                    f"{participant.name!r} (it carries {list(carried)})",
-                    tuple(p.name for p, _ in staged),
+                    f"{participant.name!r} (it carries {list(carried)}): a participant "
+                    "added since it was saved has nothing to restore (docs/host.md, "
+                    '"A changed set of participants")',
+                    (),
                 )
+        staged: list[tuple[Participant, Any]] = []
+        for participant in self.participants:
             try:
                 token = await participant.stage_restore(stored.payload(participant.name), scope)
             except BaseException as error:
-                tainted = tuple(p.name for p, _ in staged)
-                await self._abort(staged)
+                tainted = await self._abort(staged)
                 if not isinstance(error, Exception) and not await raised_on_its_own(error):
                     raise  # cancelled: staged ones were aborted
                 raise RestoreFailedError(participant.name, repr(error), tainted) from None
             staged.append((participant, token))
         return staged
+
+    async def _activate_in_order(self, staged: Sequence[tuple[Participant, Any]]) -> None:
+        """Each participant's ``activate_restore``, one at a time, in list order. A
+        failure leaves the earlier ones in the restored state and the later ones
+        aborted: nothing can undo that, so the epoch is fenced."""
+        for index, (participant, token) in enumerate(staged):
+            try:
+                with anyio.fail_after(self.capture_timeout):
+                    await participant.activate_restore(token)
+            except BaseException as error:
+                await self._abort(staged[index + 1 :])
+                everyone = tuple(p.name for p in self.participants)
+                self._fenced = RestoreFailedError(participant.name, repr(error), everyone)
+                if not isinstance(error, Exception) and not await raised_on_its_own(error):
+                    raise
+                raise self._fenced from None
+
+    async def _install_together(
+        self, staged: Sequence[tuple[Participant, Any]], old_epoch: str
+    ) -> None:
+        """The host's ``install``, once, with every staged token by name (no
+        ``activate_restore`` is called). ``install`` changes nothing if it raises
+        (its contract): the restore did not happen, every token is aborted, and
+        the old epoch goes on capturing."""
+        assert self.install is not None
+        tokens = {participant.name: token for participant, token in staged}
+        try:
+            with anyio.fail_after(self.capture_timeout):
+                await self.install(tokens)
+        except BaseException as error:
+            self.writer.readmit_epoch(old_epoch)
+            tainted = await self._abort(staged)
+            if not isinstance(error, Exception) and not await raised_on_its_own(error):
+                raise
+            raise RestoreFailedError("(install)", repr(error), tainted) from None
 
     async def _install(
         self,
@@ -808,21 +889,13 @@ class Coordinator:
             await self._abort(staged)
             raise
 
-        # From here the restore is taken whole (shielded), each participant within
-        # capture_timeout: one that does not answer is a failed activation.
+        # From here the restore is taken whole (shielded), within capture_timeout
+        # for each activation: one that does not answer is a failed activation.
         with anyio.CancelScope(shield=True):
-            for index, (participant, token) in enumerate(staged):
-                try:
-                    with anyio.fail_after(self.capture_timeout):
-                        await participant.activate_restore(token)
-                except BaseException as error:
-                    # Some are live in the new state, some not: nothing can undo that.
-                    await self._abort(staged[index + 1 :])
-                    everyone = tuple(p.name for p in self.participants)
-                    self._fenced = RestoreFailedError(participant.name, repr(error), everyone)
-                    if not isinstance(error, Exception) and not await raised_on_its_own(error):
-                        raise
-                    raise self._fenced from None
+            if self.install is not None:
+                await self._install_together(staged, old_epoch)
+            else:
+                await self._activate_in_order(staged)
             self.writer.abandon_epoch(old_epoch)  # its queued captures: superseded
 
             # The fork, durable before we return: a crash from here on restarts on
@@ -848,6 +921,7 @@ class Coordinator:
         self.epoch = new_epoch
         self._last_step = None
         self._host_step = int(record.boundary)  # the host goes on from the restored step
+        self._durable_step = int(record.boundary)
         self._at_step.clear()
         if self.policy is not None:  # its step rule counts from the restored boundary
             self.policy.restored(int(record.boundary))

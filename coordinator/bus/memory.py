@@ -82,6 +82,11 @@ class Subscription:
 
 
 class MemoryBus:
+    """Events within this process: for tests, and hosts nobody else watches (no
+    other process sees them: ``coordinator watch`` needs a ``NatsBus``). Entered
+    and left as a ``NatsBus`` is (``async with MemoryBus() as bus``); it also works
+    unentered, and is then closed by ``aclose()`` or never."""
+
     def __init__(self) -> None:
         self._subscriptions: list[Subscription] = []
         self._published = 0
@@ -176,6 +181,17 @@ class MemoryBus:
             dropped=self._dropped,
             subscribers=len(self._subscriptions),
         )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
 
     async def aclose(self) -> None:
         """Close the bus; subscribers drain what they hold, then see the end."""

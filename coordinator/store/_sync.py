@@ -27,6 +27,7 @@ from ..errors import (
     StoreDirectoryError,
     StoreLockedError,
     StoreManifestError,
+    StorePoisonedError,
     StoreReadOnlyError,
     UsageError,
 )
@@ -683,7 +684,12 @@ class SyncStore:
         return self._record(epoch, updated, session_id)
 
     def _record(self, epoch: str, updated: StoreManifest, session_id: str) -> SessionRecord:
-        self._io.publish(epoch, updated)
+        try:
+            self._io.publish(epoch, updated)
+        except CommitError as error:
+            if isinstance(error, StorePoisonedError):
+                raise
+            raise error.retold(f"recording epoch {epoch} in the store manifest") from None
         self._manifest = updated
         session = updated.session(session_id)
         assert session is not None
