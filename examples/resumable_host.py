@@ -6,8 +6,10 @@ A Gray-Scott world (two float64 grids) and three agents that wander it with
 their own numpy random generators. It checkpoints every ``--every`` steps while
 it runs, takes a final checkpoint when it stops cleanly (the last step, or
 SIGTERM / Ctrl-C), and resumes from its newest checkpoint when it is started
-again, however it ended. Once all steps are done it prints ``state <sha256>``:
-the same digest as a run that was never interrupted.
+again, however it ended. A save that fails (a full disk) is logged and the run
+goes on: the next save is tried at the next due step. Once all steps are done
+it prints ``state <sha256>``: the same digest as a run that was never
+interrupted.
 """
 
 from __future__ import annotations
@@ -16,14 +18,23 @@ import argparse
 import hashlib
 import json
 import signal
+import sys
 from typing import Any
 
 import anyio
 import numpy as np
 
-from coordinator import CapturePolicy, Coordinator, FileStore, HostDescription
+from coordinator import (
+    CapturePolicy,
+    CaptureScope,
+    Coordinator,
+    CoordinatorError,
+    FileStore,
+    HostDescription,
+    RestoreScope,
+    SaveFailedError,
+)
 from coordinator.bus import MemoryBus
-from coordinator.session import CaptureScope, RestoreScope
 
 AGENTS = ["ant", "bee", "cat"]
 
@@ -102,7 +113,7 @@ class Agent:
 # --- the host: resume, step, checkpoint by policy, stop cleanly -------------------------
 
 
-async def run(store_dir: str, steps: int, size: int, every: int) -> tuple[int, str]:
+async def run(store_dir: str, steps: int, size: int, every: int) -> tuple[int, int | None, str]:
     world = World(size)
     agents = [Agent(agent_id, seed, size) for seed, agent_id in enumerate(AGENTS, start=1)]
     describe = HostDescription(
@@ -124,19 +135,34 @@ async def run(store_dir: str, steps: int, size: int, every: int) -> tuple[int, s
             policy=CapturePolicy(every_steps=every),
             final_step=lambda: step,  # a clean exit checkpoints where it stopped
         )
-        async with coordinator:
-            resumed = await coordinator.resume()
-            step = resumed.step if resumed.step is not None else 0
-            print(f"starting at step {step + 1} (epoch {coordinator.epoch})", flush=True)
-            while step < steps and not stop.is_set():
-                world.step()
-                for agent in agents:
-                    agent.step(world)
-                step += 1
-                await coordinator.at_boundary(step)  # a checkpoint when one is due
-                await anyio.sleep(0)  # let the coordinator's tasks run
+        try:
+            async with coordinator:
+                resumed = await coordinator.resume()
+                step = resumed.step if resumed.step is not None else 0
+                print(f"starting at step {step + 1} (epoch {coordinator.epoch})", flush=True)
+                while step < steps and not stop.is_set():
+                    world.step()
+                    for agent in agents:
+                        agent.step(world)
+                    step += 1
+                    try:
+                        await coordinator.at_boundary(step)  # a checkpoint when one is due
+                    except SaveFailedError as failure:  # an earlier save: the disk, say
+                        _log_failure(failure, coordinator)  # and go on: tried again next due
+        except SaveFailedError as failure:  # raised by the close: the final save, or one
+            _log_failure(failure, coordinator)  # nobody had seen yet
         group.cancel_scope.cancel()  # the signal watcher
-    return step, _digest(world, agents)
+    return step, coordinator.progress().durable_step, _digest(world, agents)
+
+
+def _log_failure(failure: SaveFailedError, coordinator: Coordinator) -> None:
+    progress = coordinator.progress()
+    print(
+        f"save failed [{failure.error_code}]: {failure.reason} (now at step "
+        f"{progress.host_step}, newest durable step {progress.durable_step})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 async def _stop_on_signal(stop: anyio.Event, scope: anyio.CancelScope) -> None:
@@ -159,7 +185,15 @@ def main() -> None:
     parser.add_argument("--grid", type=int, default=256)
     parser.add_argument("--every", type=int, default=25)
     options = parser.parse_args()
-    step, state = anyio.run(run, options.store_dir, options.steps, options.grid, options.every)
+    try:
+        step, durable, state = anyio.run(
+            run, options.store_dir, options.steps, options.grid, options.every
+        )
+    except* CoordinatorError as failed:  # the store cannot be opened or written at all
+        error = failed.exceptions[0]  # (raised in run()'s task group: a group of one)
+        sys.exit(f"cannot run [{error.code}]: {error}")
+    if durable != step:  # the final checkpoint failed: the log above says why
+        sys.exit(f"stopped at step {step}, durable only to step {durable}: run again")
     if step < options.steps:
         print(f"stopped at step {step}, saved: run again to continue")
     else:

@@ -4,11 +4,14 @@ exactly the state of a run that was never interrupted, bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -100,3 +103,93 @@ def test_sigterm_stops_cleanly_with_a_final_checkpoint(
                            timeout=300, check=True)  # fmt: skip
     assert again.stdout.startswith(f"starting at step {stopped + 1} ")
     assert again.stdout.strip().endswith(f"state {uninterrupted[0]}")
+
+
+@contextlib.contextmanager
+def small_disk(tmp_path: Path, size: str = "4m") -> Iterator[Path]:
+    """A real tmpfs of ``size``: ENOSPC from the kernel, not from a model."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+                             capture_output=True, text=True, check=False)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk: Path, leave: int) -> Path:
+    """Fill ``disk`` up to ``leave`` free bytes: room for a store manifest, not a
+    generation of the host's (256 KiB at --grid 128)."""
+    stats = os.statvfs(disk)
+    filler = disk / "filler"
+    filler.write_bytes(bytes(max(0, stats.f_bavail * stats.f_frsize - leave)))
+    return filler
+
+
+def failures_logged(host: subprocess.Popen[str], count: int) -> list[str]:
+    assert host.stderr is not None
+    lines = [host.stderr.readline() for _ in range(count)]
+    assert all(line.startswith("save failed [store.no_space]") for line in lines), lines
+    return lines
+
+
+def test_a_full_disk_that_frees_up_is_logged_and_the_run_goes_on(
+    tmp_path: Path, uninterrupted: tuple[str, float]
+) -> None:
+    """The guide's host on a real tmpfs that is full at its first saves: each failed
+    save is one log line, the host keeps stepping, and once there is room it saves
+    again, takes its final checkpoint and ends with the uninterrupted state."""
+    reference, _ = uninterrupted
+    with small_disk(tmp_path) as disk:
+        filler = fill(disk, leave=96 << 10)
+        host = subprocess.Popen([*HOST, str(disk / "store"), *STEPS], text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        failures_logged(host, 2)
+        filler.unlink()
+        out, err = host.communicate(timeout=300)
+        assert host.returncode == 0, err
+        assert "Traceback" not in err
+        assert out.strip().splitlines()[-1] == f"state {reference}"
+        with SyncStore(disk / "store", read_only=True) as reader:
+            assert reader.verify().ok
+            assert max(int(record.boundary) for record in reader.generations) == 3000
+
+
+def test_a_final_checkpoint_the_disk_refuses_is_said_and_nothing_is_lost(tmp_path: Path) -> None:
+    """SIGTERM while the disk is still full: the final save fails, the host says to
+    what step its state is durable (none here), exits 1, and the store still opens."""
+    with small_disk(tmp_path) as disk:
+        fill(disk, leave=96 << 10)
+        host = subprocess.Popen([*HOST, str(disk / "store"), *STEPS], text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        failures_logged(host, 1)
+        host.send_signal(signal.SIGTERM)
+        _, err = host.communicate(timeout=60)
+        assert host.returncode == 1, err
+        assert "Traceback" not in err
+        assert err.strip().splitlines()[-1].endswith("durable only to step None: run again")
+        with SyncStore(disk / "store", read_only=True) as reader:
+            assert reader.verify().ok
+            assert reader.generations == ()
+
+
+def test_a_full_disk_at_start_is_one_line_and_the_checkpoints_stay(tmp_path: Path) -> None:
+    """A disk with no room at all: the host cannot record its epoch, says so in one
+    line that names the epoch's record (no checkpoint), and its checkpoints stay."""
+    with small_disk(tmp_path) as disk:
+        store = disk / "store"
+        subprocess.run([*HOST, str(store), "--steps", "50", "--grid", "32"], check=True,
+                       capture_output=True, timeout=120)  # fmt: skip
+        fill(disk, leave=0)
+        done = subprocess.run([*HOST, str(store), "--steps", "100", "--grid", "32"],
+                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert done.returncode == 1
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith("cannot run [store.no_space]: recording epoch e2-")
+        assert "in the store manifest failed at" in done.stderr
+        with SyncStore(store, read_only=True) as reader:
+            assert reader.verify().ok
+            assert max(int(record.boundary) for record in reader.generations) == 50
