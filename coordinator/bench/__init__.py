@@ -184,6 +184,12 @@ def _dashboard(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> lis
     return run(size=size, runs=runs, progress=progress)
 
 
+def _host(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Result]:
+    from .host import run
+
+    return run(size=size, runs=runs, progress=progress)
+
+
 GROUPS: dict[str, Group] = {
     "envelope": _envelope,
     "store": _store,
@@ -191,4 +197,5 @@ GROUPS: dict[str, Group] = {
     "bus": _bus,
     "replicate": _replicate,
     "dashboard": _dashboard,
+    "host": _host,
 }
