@@ -607,17 +607,17 @@ class Coordinator:
             raise UsageError("at_boundary() needs a Coordinator made with a policy=")
         format_u64(step)
         self._host_step = step
+        now = time.monotonic()
+        try:
+            if policy.due(step, now):
+                ticket = await self.capture(step)  # (it awaits the participants)
+                policy.taken(step, now)
+                return ticket
+        except WriterBusyError:
+            pass
         # A host whose step never awaits still lets the writer run once a boundary.
         await anyio.lowlevel.checkpoint()
-        now = time.monotonic()
-        if not policy.due(step, now):
-            return None
-        try:
-            ticket = await self.capture(step)
-        except WriterBusyError:
-            return None
-        policy.taken(step, now)
-        return ticket
+        return None
 
     # --- restore -------------------------------------------------------------------
 
