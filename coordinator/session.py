@@ -166,7 +166,7 @@ class Progress(msgspec.Struct, frozen=True, kw_only=True):
     accepted_step: int | None  # the newest step captured and queued in this epoch
     durable_step: int | None  # the newest step of this run's timeline the store committed
     behind_steps: int | None  # host_step - durable_step: what a kill now would lose
-    in_flight: int  # captures accepted and not answered yet (queued or being written)
+    in_flight: int  # captures queued and not answered yet (waiting, or being written)
     queued: int  # ... of which waiting for the writer
 
 
@@ -234,6 +234,7 @@ class Coordinator:
         self._last_step: int | None = None  # the newest step captured in this epoch
         self._host_step: int | None = None  # the newest step the host told us of
         self._durable_step: int | None = None  # the newest of this timeline committed
+        self._unanswered = 0  # captures queued, and not answered yet
         self._acted = False  # captured or restored in this run: a restore is a rollback
         self._open = False
         self._claimed = False  # this coordinator holds its session on the store
@@ -461,6 +462,7 @@ class Coordinator:
                     self._ids.discard(checkpoint_id)
                     self.store.release_checkpoint(checkpoint_id)
         # The store-wide claim ends with the job (a committed id is listed anyway).
+        self._unanswered += 1
         ticket.add_done_callback(lambda: self._answered(ticket, scope.epoch, step))
         self._last_step = max(step, self._last_step or 0)
         self._at_step[step] = ticket
@@ -469,6 +471,7 @@ class Coordinator:
 
     def _answered(self, ticket: Ticket, epoch: str, step: int) -> None:
         self.store.release_checkpoint(ticket.checkpoint_id)
+        self._unanswered -= 1
         if epoch == self.epoch and isinstance(ticket.outcome, Committed):
             self._durable_step = max(step, self._durable_step or 0)
 
@@ -482,7 +485,7 @@ class Coordinator:
             accepted_step=self._last_step,
             durable_step=durable,
             behind_steps=None if host is None or durable is None else host - durable,
-            in_flight=writer.outstanding,
+            in_flight=self._unanswered,
             queued=writer.queued,
         )
 
@@ -615,6 +618,9 @@ class Coordinator:
                 return ticket
         except WriterBusyError:
             pass
+        except CoordinatorError:  # refused at once (an earlier save failed, a fence)
+            await anyio.lowlevel.checkpoint()
+            raise
         # A host whose step never awaits still lets the writer run once a boundary.
         await anyio.lowlevel.checkpoint()
         return None
@@ -824,12 +830,16 @@ class Coordinator:
         staged: list[tuple[Participant, Any]] = []
         for participant in self.participants:
             try:
-                token = await participant.stage_restore(stored.payload(participant.name), scope)
+                with anyio.fail_after(self.capture_timeout):  # a dead participant
+                    token = await participant.stage_restore(stored.payload(participant.name), scope)
             except BaseException as error:
                 tainted = await self._abort(staged)
                 if not isinstance(error, Exception) and not await raised_on_its_own(error):
                     raise  # cancelled: staged ones were aborted
-                raise RestoreFailedError(participant.name, repr(error), tainted) from None
+                reason = repr(error)
+                if isinstance(error, TimeoutError):
+                    reason = f"stage_restore did not answer within {self.capture_timeout} s"
+                raise RestoreFailedError(participant.name, reason, tainted) from None
             staged.append((participant, token))
         return staged
 

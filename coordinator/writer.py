@@ -1019,8 +1019,7 @@ class Writer:
 
     def _save_failed(self, job: _Job, code: str, reason: str) -> None:
         """A save that was not made durable: published now, raised once later."""
-        if self._failure is None:
-            self._failure = SaveFailedError(job.checkpoint_id, code, reason)
+        self._failure = SaveFailedError(job.checkpoint_id, code, reason).after(self._failure)
 
     @property
     def unseen_failure(self) -> SaveFailedError | None:

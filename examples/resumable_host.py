@@ -158,8 +158,8 @@ async def run(store_dir: str, steps: int, size: int, every: int) -> tuple[int, i
 def _log_failure(failure: SaveFailedError, coordinator: Coordinator) -> None:
     progress = coordinator.progress()
     print(
-        f"save failed [{failure.error_code}]: {failure.reason} (now at step "
-        f"{progress.host_step}, newest durable step {progress.durable_step})",
+        f"{failure} (now at step {progress.host_step}, "
+        f"newest durable step {progress.durable_step})",
         file=sys.stderr,
         flush=True,
     )

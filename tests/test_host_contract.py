@@ -4,17 +4,20 @@ durable state is behind, a changed set of participants, and the bus lifecycle.""
 
 from __future__ import annotations
 
+import errno
+import threading
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from hostkit import Part, coordinator, parts
+from fsmodel import RecordingFS
+from hostkit import GateFS, Part, coordinator, parts
 
 import coordinator as library
-from coordinator import CapturePolicy, RestoreFailedError
+from coordinator import CapturePolicy, RestoreFailedError, SaveFailedError
 from coordinator.bus import MemoryBus
-from coordinator.events import Committed, Superseded
+from coordinator.events import Committed, Failed, Superseded
 from coordinator.store import FileStore
 
 
@@ -203,3 +206,110 @@ def test_a_host_annotates_with_names_the_package_exports() -> None:
     for name in ("CaptureScope", "RestoreScope", "Resumed", "RestoreReport", "Progress"):
         assert name in library.__all__
         assert getattr(library, name).__name__ == name
+
+
+@pytest.mark.asyncio
+async def test_saves_that_fail_unseen_are_all_named_by_the_one_raised(tmp_path: Path) -> None:
+    """Two saves fail before the host captures again: the one raised is the newest,
+    and it names the earlier one (found by the attack round: it was dropped)."""
+    full = {"on": True}
+
+    def no_room(op: str, name: str) -> int | None:
+        return errno.ENOSPC if full["on"] and op == "create" and name.endswith(".flysess") else None
+
+    fs = RecordingFS(no_room, keep_data=False)
+    async with FileStore(tmp_path, fs=fs) as store, coordinator(store, parts()) as c:
+        first = await c.capture(1, replaceable=False)
+        second = await c.capture(2, replaceable=False)
+        assert isinstance(await first.wait(), Failed)
+        assert isinstance(await second.wait(), Failed)
+        full["on"] = False
+        with pytest.raises(SaveFailedError) as caught:
+            await c.capture(3)
+        assert isinstance(await c.checkpoint(4), Committed)  # raised once
+    assert caught.value.checkpoint_id == "epoch-1-2"
+    assert caught.value.earlier == ("epoch-1-1",)
+    assert "1 earlier unseen: epoch-1-1" in str(caught.value)
+
+
+@pytest.mark.asyncio
+async def test_in_flight_counts_what_is_queued_or_written_and_nothing_before(
+    tmp_path: Path,
+) -> None:
+    """In flight: from the moment a capture is queued to its answer, being written
+    included; a capture whose participants are still answering is not in flight."""
+    fs = GateFS()
+    fs.open_all()
+    participants = parts()
+    async with FileStore(tmp_path, fs=fs) as store, coordinator(store, participants) as c:
+        await c.checkpoint(1)
+        fs.gate = threading.Semaphore(0)
+        fs.waiting.clear()
+        ticket = await c.capture(2)
+        await anyio.to_thread.run_sync(fs.waiting.wait)  # epoch-1-2 is being written
+        writing = c.progress()
+        fs.open_all()
+        await ticket.wait()
+        gate = anyio.Event()
+        participants[0].gate = gate
+        async with anyio.create_task_group() as group:
+            group.start_soon(c.capture, 3)
+            await participants[0].started.wait()
+            capturing = c.progress()
+            gate.set()
+    assert (writing.in_flight, writing.queued, writing.durable_step) == (1, 0, 1)
+    assert (capturing.in_flight, capturing.accepted_step) == (0, 2)
+
+
+@pytest.mark.asyncio
+async def test_at_boundary_yields_when_it_raises_an_earlier_failure(tmp_path: Path) -> None:
+    """The guide's loop catches SaveFailedError and goes on: that call must let the
+    writer run too."""
+    full = {"on": True}
+
+    def no_room(op: str, name: str) -> int | None:
+        return errno.ENOSPC if full["on"] and op == "create" and name.endswith(".flysess") else None
+
+    ran = 0
+
+    async def count() -> None:
+        nonlocal ran
+        ran += 1
+
+    policy = CapturePolicy(every_steps=1)
+    async with (
+        FileStore(tmp_path, fs=RecordingFS(no_room, keep_data=False)) as store,
+        coordinator(store, parts(), policy=policy) as c,
+        anyio.create_task_group() as group,
+    ):
+        ticket = await c.at_boundary(1)
+        assert ticket is not None and isinstance(await ticket.wait(), Failed)
+        group.start_soon(count)
+        with pytest.raises(SaveFailedError):
+            await c.at_boundary(2)
+        assert ran == 1  # the other task ran during the call that raised
+        full["on"] = False
+
+
+@pytest.mark.asyncio
+async def test_a_stage_that_never_answers_is_bounded_by_the_capture_timeout(
+    tmp_path: Path,
+) -> None:
+    participants = parts()
+
+    async def dead(payload: memoryview, scope: Any) -> bytes:
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    async with (
+        FileStore(tmp_path) as store,
+        coordinator(store, participants, capture_timeout=0.3) as c,
+    ):
+        await c.checkpoint(1)
+        participants[2].stage_restore = dead  # type: ignore[method-assign]
+        with anyio.fail_after(10), pytest.raises(RestoreFailedError) as caught:
+            await c.restore(new_epoch="epoch-2")
+        assert isinstance(await c.checkpoint(2), Committed)  # not fenced
+    assert caught.value.participant == participants[2].name
+    assert "did not answer within 0.3 s" in str(caught.value)
+    assert caught.value.tainted == ()

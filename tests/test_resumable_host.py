@@ -132,7 +132,7 @@ def fill(disk: Path, leave: int) -> Path:
 def failures_logged(host: subprocess.Popen[str], count: int) -> list[str]:
     assert host.stderr is not None
     lines = [host.stderr.readline() for _ in range(count)]
-    assert all(line.startswith("save failed [store.no_space]") for line in lines), lines
+    assert all(" failed [store.no_space]: " in line for line in lines), lines
     return lines
 
 
