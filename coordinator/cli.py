@@ -13,13 +13,15 @@ import json
 import mmap
 import os
 import re
+import shlex
 import signal
+import stat
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import msgspec
 
@@ -40,6 +42,8 @@ from .manifest import manifest_from_builtins
 
 __all__ = ["main"]
 
+T = TypeVar("T")
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -56,7 +60,8 @@ EXIT_STATUSES = f"""exit status:
        did not do its work (the line says which code)
   {EXIT_USAGE}    usage: bad arguments
   {EXIT_UNREADABLE}    unreadable: no such file or directory, permission denied, not a regular file
-  {EXIT_NOT_CHECKPOINT}    not a checkpoint: a directory that is no store (store.not_a_store)
+  {EXIT_NOT_CHECKPOINT}    not a checkpoint: a directory that is no store, an empty store, or a file
+       given to ls or restore (store.not_a_store)
   {EXIT_ADDRESS}    the dashboard cannot listen there (the address is in use, or not this host's)
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
   {EXIT_PIPE_CLOSED}  the reader of the output went away (a closed pipe: `| head`)
@@ -86,8 +91,9 @@ def _source(text: str) -> Path | str:
 
 def _store(path: Path) -> Path:
     """``path`` if it is a store directory: ``FileNotFoundError`` if there is nothing
-    there, ``NotAStoreError`` for a file or a directory without ``manifest.json``
-    (an empty directory, loose checkpoint files, a store never committed to)."""
+    there, ``NotAStoreError`` for a file (a checkpoint file says which commands read
+    one) or a directory without ``manifest.json`` (an empty directory, loose
+    checkpoint files, or a store never committed to: ``LOCK`` alone)."""
     try:
         os.stat(path)
     except FileNotFoundError:
@@ -95,12 +101,24 @@ def _store(path: Path) -> Path:
     if not path.is_dir():
         if not path.is_file():  # a FIFO, a device: as `verify` and `inspect` say it
             raise OSError(errno.EINVAL, "not a regular file", str(path))
-        raise NotAStoreError(str(path))
+        raise NotAStoreError(str(path), kind="checkpoint" if _is_envelope(path) else "file")
     try:
         os.stat(path / "manifest.json")  # a PermissionError says so: not "not a store"
     except FileNotFoundError:  # (a store never committed to holds nothing to read)
-        raise NotAStoreError(str(path)) from None
+        empty = (path / "LOCK").is_file()
+        raise NotAStoreError(str(path), kind="empty" if empty else "directory") from None
     return path
+
+
+def _is_envelope(path: Path) -> bool:
+    """A checkpoint file, by its name or its first bytes (FLYSESS1's magic)."""
+    if path.suffix == ".flysess":
+        return True
+    try:
+        with path.open("rb") as file:
+            return file.read(8) == b"FLYSESS1"
+    except OSError:
+        return False
 
 
 def _positive(text: str) -> int:
@@ -117,6 +135,13 @@ def _positive(text: str) -> int:
 def _open_envelope(path: Path) -> Iterator[Envelope]:
     """Decode ``path`` through a read-only mmap; views are dropped before unmapping."""
     os.stat(path)  # missing: "No such file or directory"; no access: "Permission denied"
+    if path.is_dir():  # a store, most likely: say which command reads one
+        quoted = shlex.quote(str(path))
+        if (path / "manifest.json").exists():
+            why = f"a store directory, not a checkpoint file: `coordinator ls {quoted}` lists it"
+        else:
+            why = "a directory, not a checkpoint file (a store directory: `coordinator ls DIR`)"
+        raise IsADirectoryError(errno.EISDIR, why, str(path))
     if not path.is_file():  # a FIFO or device would block or mislead
         raise OSError(errno.EINVAL, "not a regular file", str(path))
     with path.open("rb") as file:
@@ -312,27 +337,93 @@ def _demo_agent(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _stop_when_stdin_closes() -> None:
-    """The demo holds our stdin: when it closes (the demo ended, however), stop."""
-    sys.stdin.buffer.read()
+    """The demo holds our stdin: when it closes (the demo ended, however), stop.
+    Read from the descriptor, not ``sys.stdin``: a daemon thread blocked holding
+    the buffered reader's lock made the interpreter's exit on SIGTERM wait a
+    second for it, then abort ("could not acquire lock ... at interpreter shutdown")."""
+    with contextlib.suppress(OSError):
+        while os.read(0, 1 << 16):
+            pass
     os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _demo(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    import anyio
-
     from .demo import run_demo, summary_json, summary_text
 
     live = None if args.json else out
     connection = resolve(args, default_url=None)  # None: the embedded server
     if args.dashboard is not None:
         return _demo_with_dashboard(args, connection, out, err)
-    summary = anyio.run(
+    summary = _run_stoppable(
         lambda: run_demo(
             steps=args.steps, store_dir=args.store, out=live, keep=args.keep, connection=connection
-        )
+        ),
+        err,
     )
     print(summary_json(summary) if args.json else summary_text(summary), file=out)
     return EXIT_OK if summary.world_identical else EXIT_FAILED
+
+
+_STOPPING = (
+    "coordinator: stopping in order (the writer, the store, the remote agent, the NATS "
+    "server: each bounded, about 2 s in all); Ctrl-C again quits at once"
+)
+
+
+def _run_stoppable(function: Callable[[], Awaitable[T]], err: TextIO) -> T:
+    """``anyio.run(function)``, where a Ctrl-C (a SIGTERM becomes one) cancels it
+    once and lets it stop in order, each of its waits bounded. Another Ctrl-C
+    while it stops (``timeout -s INT`` sends two: to the process and its group)
+    says what it is doing instead of cutting the stop short, which left threads
+    blocked and the interpreter waiting for them at exit; a third quits at once."""
+    import asyncio
+
+    import anyio
+
+    if threading.current_thread() is not threading.main_thread():
+        return anyio.run(function)  # (signals reach the main thread only)
+    interrupts: list[int] = []
+    running: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = []
+    done: list[bool] = []
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        interrupts.append(signum)
+        if done:  # it has stopped: the interrupt is reported once the loop is closed
+            return
+        if not running:  # nothing started yet: as Python does
+            raise KeyboardInterrupt
+        if len(interrupts) == 1:
+            loop, task = running[0]
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                loop.call_soon_threadsafe(task.cancel)
+        elif len(interrupts) == 2:
+            print(_STOPPING, file=err, flush=True)
+        else:
+            os._exit(EXIT_INTERRUPTED)
+
+    async def guarded() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        running.append((asyncio.get_running_loop(), task))
+        try:
+            return await function()
+        finally:
+            done.append(True)
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        result = anyio.run(guarded)
+    except BaseException:
+        if interrupts:  # whatever the stop raised (a cancellation, mostly): interrupted
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        # Interrupted, the process is on its way out (130): a late Ctrl-C (the second of
+        # a pair that came after the stop) must not turn that into a KeyboardInterrupt.
+        signal.signal(signal.SIGINT, signal.SIG_IGN if interrupts else previous)
+    if interrupts:
+        raise KeyboardInterrupt
+    return result
 
 
 def _listen(text: str) -> tuple[str, int]:
@@ -355,8 +446,8 @@ def _check_listen(args: argparse.Namespace, err: TextIO) -> tuple[str, int] | No
               "state to whoever reaches it; pass --allow-remote to mean it", file=err)  # fmt: skip
         return None
     if not all(importlib.util.find_spec(name) for name in ("starlette", "uvicorn")):
-        print("coordinator: the dashboard needs the web extra: "
-              "pip install 'checkpoint-coordinator[web]'", file=err)  # fmt: skip
+        print("coordinator: the dashboard needs the web extra: from a checkout of the "
+              "project, pip install '.[web]'", file=err)  # fmt: skip
         return None
     return host, port
 
@@ -396,10 +487,14 @@ def _dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     host, port = address
     connection = resolve(args)
     assert connection is not None
-    anyio.run(_check_reader, connection)
+    away = anyio.run(_check_reader, connection)
     sock = _bind(host, port, err)
     if sock is None:
         return EXIT_ADDRESS
+    if away is not None:  # one line now; the page says it too, and the server retries
+        print(f"coordinator dashboard: {away}; serving the page anyway: it shows the bus as "
+              "unavailable and retries every few seconds until the server answers",
+              file=err, flush=True)  # fmt: skip
 
     async def run() -> None:
         ready = anyio.Event()
@@ -426,10 +521,11 @@ def _dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
-async def _check_reader(connection: Connection) -> None:
+async def _check_reader(connection: Connection) -> str | None:
     """Before the dashboard serves: credentials the server refuses, or a user who
     may not read the events, are one line now, not a page that says "unavailable"
-    for ever. A server that is away is left to the page, which retries."""
+    for ever. A server that is away is left to the page, which retries: returned
+    is why it is away (``None``: it answered)."""
     from .bus import NatsBus
 
     try:
@@ -439,8 +535,9 @@ async def _check_reader(connection: Connection) -> None:
             await (await bus.subscribe()).aclose()
     except BusRefusedError:
         raise
-    except BusUnavailableError:
-        return
+    except BusUnavailableError as error:
+        return str(error) or f"cannot reach NATS at {connection.redacted}"
+    return None
 
 
 def _demo_with_dashboard(
@@ -467,8 +564,10 @@ def _demo_with_dashboard(
             if connection is None:
                 url = (await stack.enter_async_context(EmbeddedServer())).url
                 options: dict[str, Any] = {}
+                shown, what = url, "embedded nats-server"
             else:
                 url, options = connection.url, connection.options()
+                shown, what = connection.redacted, "nats-server"
             ready = anyio.Event()
             async with anyio.create_task_group() as group:
                 group.start_soon(
@@ -477,6 +576,8 @@ def _demo_with_dashboard(
                 )  # fmt: skip
                 await ready.wait()
                 print(f"dashboard: http://{host}:{port}/", file=out, flush=True)
+                print(f"{what} at {shown} (coordinator watch --nats {shown} follows it)",
+                      file=out, flush=True)  # fmt: skip
                 summary = await run_demo(
                     steps=args.steps, store_dir=args.store, nats_url=url, out=out, keep=args.keep,
                     connection=connection,
@@ -485,7 +586,7 @@ def _demo_with_dashboard(
                 print("the dashboard stays up: Ctrl-C to stop", file=out, flush=True)
 
     with contextlib.suppress(KeyboardInterrupt):
-        anyio.run(run)
+        _run_stoppable(run, err)
     return EXIT_OK
 
 
@@ -498,6 +599,10 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if target.exists():
         print(f"coordinator: {target} exists; restore writes a new directory", file=err)
         return EXIT_USAGE
+    unreachable = _unwritable_parent(target)
+    if unreachable is not None:  # found before anything is read or fetched
+        print(f"coordinator restore: cannot write {target}: {unreachable}", file=err)
+        return EXIT_UNREADABLE
     if isinstance(args.store, str):
         return _restore_replica(args, target, out, err)
     if flags := given(args):  # (the environment's NATS_* are for a nats:// source only)
@@ -518,7 +623,9 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             code = error.code if isinstance(error, CommitError) else "os"
             print(f"coordinator restore: FAILED [{code}] cannot write {target}: {reason}",
                   file=err)  # fmt: skip
-            return EXIT_FAILED
+            # A path that cannot be reached is status 3, as the table says; a disk that
+            # fails the write (no space, I/O error) is a command that did not do its work.
+            return EXIT_UNREADABLE if error.errno in _PATH_ERRNOS else EXIT_FAILED
         size = stored.envelope.layout.file_bytes
     print(
         f"restored {stored.record.checkpoint_id} ({count} payloads, envelope {size} bytes) "
@@ -526,6 +633,20 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         file=out,
     )
     return EXIT_OK
+
+
+_PATH_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM)
+
+
+def _unwritable_parent(target: Path) -> str | None:
+    """Why ``restore --to target`` cannot make ``target`` (its parent is missing,
+    or is no directory), or ``None``: restore makes the directory, not its parents."""
+    parent = target.parent
+    try:
+        mode = os.stat(parent).st_mode
+    except OSError as error:
+        return f"{parent}: {error.strerror or error} (restore makes the directory, not its parents)"
+    return None if stat.S_ISDIR(mode) else f"{parent}: {os.strerror(errno.ENOTDIR)}"
 
 
 def _restore_replica(args: argparse.Namespace, target: Path, out: TextIO, err: TextIO) -> int:
@@ -537,16 +658,16 @@ def _restore_replica(args: argparse.Namespace, target: Path, out: TextIO, err: T
     from .replicate import Replicas
     from .store import export_payloads
 
-    if args.session is None or not is_id(args.session):
-        print("coordinator restore: a NATS source needs --session (an Id)", file=err)
-        return EXIT_USAGE
     if args.checkpoint is not None:
         print("coordinator restore: the replicated tier keeps the pointed generation "
               "only: leave out --checkpoint", file=err)  # fmt: skip
         return EXIT_USAGE
-
     connection = resolve(args, url=args.store)
     assert connection is not None
+    if args.session is None or not is_id(args.session):
+        held = anyio.run(_replicated_sessions, connection)
+        print(f"coordinator restore: a NATS source needs --session (an Id); {held}", file=err)
+        return EXIT_USAGE
     denied: list[str] = []
     reading: list[anyio.CancelScope] = []  # (made in the event loop)
 
@@ -588,6 +709,34 @@ def _restore_replica(args: argparse.Namespace, target: Path, out: TextIO, err: T
     return EXIT_OK
 
 
+async def _replicated_sessions(connection: Connection) -> str:
+    """The sessions the replicated tier holds, said for a usage error: at most
+    a few seconds, and never an error of its own."""
+    import anyio
+
+    from .bus import connect
+    from .errors import ReplicaBucketMissingError
+    from .replicate import Replicas
+
+    try:
+        with anyio.fail_after(5):
+            client = await connect([connection.url], 3.0, error_cb=None, **connection.options())
+            try:
+                pointers, _ = await (await Replicas(client).open()).pointers.every()
+            finally:
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await client.close()
+    except ReplicaBucketMissingError:
+        return f"{connection.redacted} holds no replicated session (no replicas bucket)"
+    except Exception as error:  # (TimeoutError included)
+        return f"its sessions could not be listed: {error or type(error).__name__}"
+    if not pointers:
+        return f"{connection.redacted} holds no replicated session"
+    names = sorted(pointers)
+    more = f", ... ({len(names)} in all)" if len(names) > 20 else ""
+    return f"{connection.redacted} holds: {', '.join(names[:20])}{more}"
+
+
 def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Replay the stream's history, then follow live events, folding them into save
     state. --json: one folded session state per event, for scripts."""
@@ -627,6 +776,8 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             NatsBus(connection.url, read_only=True, **connection.options()) as bus,
             contextlib.AsyncExitStack() as showing,
         ):
+            # A typo, or a host not started yet: said, never an empty table alone.
+            await _say_silent(bus, args.session or [], args.replay_only, err)
             if not args.json:  # the table appears once the server answers, not before
                 showing.enter_context(display)
             live = [await bus.subscribe(s) for s in sessions] if not args.replay_only else []
@@ -658,6 +809,45 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     anyio.run(follow)
     return EXIT_OK
+
+
+async def _say_silent(bus: Any, followed: list[str], replay_only: bool, err: TextIO) -> None:
+    """One line on ``err``, before the table, for each followed session the stream
+    holds no event of, naming the sessions it holds (from its subjects: one
+    STREAM.INFO, which a reader may make; nothing is said if the server won't)."""
+    from .events import session_subjects
+
+    silent = []
+    for session in followed:  # (a filter of one session's subjects: a small answer)
+        if await _sessions_on_stream(bus, session_subjects(session, prefix=bus.prefix)) == []:
+            silent.append(session)
+    known = await _sessions_on_stream(bus) if silent else None  # (every session: only now)
+    if known is None:
+        return
+    more = ", ..." if len(known) > 20 else ""
+    holds = f" (the stream holds {', '.join(known[:20]) or 'no session'}{more})"
+    then = "nothing to replay" if replay_only else "waiting for its first event (Ctrl-C to stop)"
+    for session in silent:
+        print(f"coordinator watch: no events of session {session}{holds}; {then}",
+              file=err, flush=True)  # fmt: skip
+
+
+async def _sessions_on_stream(bus: Any, subjects: str | None = None) -> list[str] | None:
+    """The sessions the event stream holds events of on ``subjects`` (default: all),
+    from its subjects (``<prefix>.<session>.<event>``), or ``None`` if the server
+    does not say."""
+    import anyio
+
+    try:
+        with anyio.fail_after(3):
+            info = await bus.client.jetstream().stream_info(
+                bus.stream, subjects_filter=subjects or f"{bus.prefix}.>"
+            )
+    except Exception:
+        return None
+    head = f"{bus.prefix}."
+    tokens = {subject.removeprefix(head).split(".")[0] for subject in info.state.subjects or {}}
+    return sorted(token.replace("=2E", ".") for token in tokens)
 
 
 async def _follow_beats(bus: Any, beats: dict[str, Any], redraw: Any) -> None:
@@ -742,12 +932,30 @@ def _agent_parser() -> argparse.ArgumentParser:
 _URL_HELP = "the NATS server URL (default: NATS_URL, else nats://127.0.0.1:4222)"
 
 
+def _command(
+    commands: Any, name: str, *, help: str, examples: Sequence[str], note: str = ""
+) -> argparse.ArgumentParser:
+    """A subcommand whose --help keeps its lines: the description, then each
+    example on a line of its own (argparse would run them together)."""
+    label = "Example" if len(examples) == 1 else "Examples"
+    epilog = f"{label}:\n" + "\n".join(f"  {example}" for example in examples)
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name,
+        help=help,
+        description=help[:1].upper() + help[1:] + "." + (f"\n\n{note}" if note else ""),
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return parser
+
+
 def _add_dashboard(commands: Any) -> None:
-    dashboard = commands.add_parser(
+    dashboard = _command(
+        commands,
         "dashboard",
         help="a live web page of save state on a NATS server (read-only)",
-        description="Example: coordinator dashboard --nats nats://127.0.0.1:4222 "
-        "--listen 127.0.0.1:8321",
+        examples=["coordinator dashboard --nats nats://127.0.0.1:4222 --listen 127.0.0.1:8321"],
+        note="A server that cannot be reached now is said on one line; the page retries.",
     )
     add_options(dashboard, url_help=_URL_HELP)
     dashboard.add_argument("--listen", type=_listen, default=("127.0.0.1", 8321),
@@ -772,10 +980,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"coordinator {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser(
+    demo = _command(
+        commands,
         "demo",
         help="run a simulation host on an embedded NATS server: save, watch, restore",
-        description="Example: coordinator demo --steps 60 --store ./saves",
+        examples=[
+            "coordinator demo --steps 60 --store ./saves",
+            "coordinator demo --dashboard        # and its live page at http://127.0.0.1:8321/",
+        ],
     )
     demo.add_argument("--steps", type=_positive, default=60, help="simulation steps (60)")
     demo.add_argument("--store", default=None, help="store directory (default: a new temp dir)")
@@ -793,38 +1005,49 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_dashboard(commands)
 
-    inspect = commands.add_parser(
+    inspect = _command(
+        commands,
         "inspect",
         help="print an envelope's layout and manifest",
-        description="Example: coordinator inspect ./saves/ckpt-120.flysess --json",
+        examples=["coordinator inspect ./saves/ckpt-120.flysess --json"],
+        note="A store directory is listed by `coordinator ls DIR`.",
     )
     inspect.add_argument("file", type=_path)
     inspect.add_argument("--json", action="store_true", help="one JSON object for machines")
     inspect.set_defaults(run=_inspect)
 
-    verify = commands.add_parser(
+    verify = _command(
+        commands,
         "verify",
         help="check an envelope file or every generation of a store; exit 0 if valid",
-        description="Examples: coordinator verify ./saves   coordinator verify ckpt-120.flysess",
+        examples=["coordinator verify ./saves", "coordinator verify ckpt-120.flysess"],
     )
     verify.add_argument("file", type=_path, metavar="FILE|STORE")
     verify.set_defaults(run=_verify)
 
-    ls = commands.add_parser(
+    ls = _command(
+        commands,
         "ls",
         help="list a store's generations, newest first",
-        description="Example: coordinator ls ./saves --json",
+        examples=["coordinator ls ./saves", "coordinator ls ./saves --json"],
+        note="A checkpoint file is read by `coordinator inspect FILE`, `coordinator verify FILE`.",
     )
     ls.add_argument("store", type=_path)
     ls.add_argument("--json", action="store_true", help="one JSON object for machines")
     ls.set_defaults(run=_ls)
 
-    restore = commands.add_parser(
+    restore = _command(
+        commands,
         "restore",
         help="verify a generation and write its payloads to files (all or none)",
-        description="Example: coordinator restore ./saves --checkpoint ckpt-120 --to ./restored\n"
-        "         coordinator restore nats://127.0.0.1:4222 --session s1 --to ./restored "
-        "(the session's replicated generation, from any host)",
+        examples=[
+            "coordinator restore ./saves --to ./restored",
+            "coordinator restore ./saves --checkpoint ckpt-120 --to ./restored",
+            "coordinator restore nats://127.0.0.1:4222 --session s1 --to ./restored"
+            "  # from any host",
+        ],
+        note="A nats:// source restores the session's replicated generation; without "
+        "--session, the error lists the sessions it holds.",
     )
     restore.add_argument("store", type=_source, help="a store directory, or nats://HOST:PORT")
     restore.add_argument(
@@ -837,10 +1060,16 @@ def _parser() -> argparse.ArgumentParser:
     add_options(restore, url_help=None)  # (the URL is the source; NATS_URL is not read)
     restore.set_defaults(run=_restore)
 
-    watch = commands.add_parser(
+    watch = _command(
+        commands,
         "watch",
         help="follow save state on a NATS server: history first, then live",
-        description="Example: coordinator watch --nats nats://127.0.0.1:4222 --session demo",
+        examples=[
+            "coordinator watch --nats nats://127.0.0.1:4222",
+            "coordinator watch --nats nats://127.0.0.1:4222 --session demo --replay-only",
+        ],
+        note="A --session with no events yet is said on stderr, with the sessions the "
+        "stream holds;\nwatch then waits for its first event (--replay-only: exits 0).",
     )
     add_options(watch, url_help=_URL_HELP)
     watch.add_argument("--session", action="append", help="a session to follow (repeatable)")
@@ -848,18 +1077,21 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--replay-only", action="store_true", help="replay the history, then exit")
     watch.set_defaults(run=_watch)
 
-    schema = commands.add_parser(
+    schema = _command(
+        commands,
         "schema",
-        help="print a JSON Schema (events)",
-        description="Example: coordinator schema events > events.schema.json",
+        help="print a JSON Schema: events (the only one, and the default)",
+        examples=["coordinator schema events > events.schema.json"],
     )
-    schema.add_argument("what", choices=["events"])
+    schema.add_argument("what", nargs="?", choices=["events"], default="events",
+                        help="the schema to print: events (default)")  # fmt: skip
     schema.set_defaults(run=_schema)
 
-    bench = commands.add_parser(
+    bench = _command(
+        commands,
         "bench",
         help="measure against same-run baselines",
-        description="Example: coordinator bench store --json --size 256MiB",
+        examples=["coordinator bench envelope", "coordinator bench store --json --size 256MiB"],
     )
     bench.add_argument("group", choices=[*GROUPS, "all"])
     bench.add_argument("--json", action="store_true", help="one JSON object per group")
@@ -878,6 +1110,7 @@ def main(
     err = err or sys.stderr
     _TERMINATED.clear()
     _quiet_asyncio_tls_noise()
+    _quiet_nats_pong_noise()
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
         if argv[:1] == ["demo-agent"]:
@@ -948,6 +1181,24 @@ def _quiet_asyncio_tls_noise() -> None:
     log = logging.getLogger("asyncio")
     if not any(isinstance(f, Quiet) or type(f).__name__ == "Quiet" for f in log.filters):
         log.addFilter(Quiet())
+
+
+def _quiet_nats_pong_noise() -> None:
+    """nats-py logs a traceback ("nats: encountered error ... InvalidStateError")
+    when a PONG arrives for a flush that was cancelled meanwhile (a Ctrl-C while a
+    connection flushes): its own bookkeeping, nothing of ours failed. Only that
+    record is dropped."""
+    import asyncio
+    import logging
+
+    class QuietPong(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            error = record.exc_info[1] if record.exc_info else None
+            return not isinstance(error, asyncio.InvalidStateError)
+
+    log = logging.getLogger("nats.aio.client")
+    if not any(type(f).__name__ == "QuietPong" for f in log.filters):
+        log.addFilter(QuietPong())
 
 
 def _pipe_closed(out: TextIO) -> int:

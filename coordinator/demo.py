@@ -5,8 +5,9 @@ simulation host (a world and three agents with MiB-sized state, one of them
 served by a worker process of its own over NATS) that checkpoints by policy,
 shows every save-state event as it happens, deliberately provokes a supersede
 (a writer held busy) and a failure (a simulated write error), then verifies the
-store, rolls back to the oldest generation it keeps (a ``restored`` event names
-the steps that abandons), checks the restored world, and prints a summary.
+store, rolls back to the oldest generation of this run that it keeps (a
+``restored`` event names the steps that abandons), checks the restored world,
+and prints a summary.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
@@ -37,7 +39,7 @@ from .fs import FileSystem
 from .manifest import ManifestBody
 from .sample import sample_body
 from .server import EmbeddedServer
-from .session import CaptureScope, Coordinator, RestoreScope
+from .session import CaptureScope, Coordinator, RestoreReport, RestoreScope
 from .stats import percentile
 from .store import FileStore
 from .writer import Outcome, Ticket, WriterLimits
@@ -52,6 +54,9 @@ AGENTS = ["fly-a", "fly-b", "fly-c"]
 REMOTE_AGENT = "agent-fly-c"  # served by a worker process of its own
 WORLD_BYTES = 2 << 20
 AGENT_BYTES = 4 << 20
+_HOLD_S = 30.0  # the longest a held commit waits (the scene releases it at once)
+_POLL_S = 0.05  # how often a held commit (in a thread: no cancel reaches it) looks up
+_WORKER_STOP_S = 1.0  # the remote agent's process, from SIGTERM to SIGKILL
 
 
 class DemoSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,7 +69,10 @@ class DemoSummary(msgspec.Struct, frozen=True, kw_only=True):
     remote_participants: list[str]
     restored: str
     restored_epoch: str
-    abandoned: list[str] | None  # the steps the rollback abandoned: [first, last]
+    restored_step: int | None = None
+    # The steps the rollback abandoned after the restored one, [first, last]; None: none
+    abandoned: list[str] | None
+    abandoned_checkpoints: list[str] = []  # this run's checkpoints the rollback left off
     world_identical: bool
     store: str
     store_kept: bool = True  # False: a temporary store, removed at the end
@@ -98,20 +106,35 @@ class _Part:
 
 
 class _DemoDisk(FileSystem):
-    """The demo's own seam: hold one commit (a busy writer) and fail one (a write error)."""
+    """The demo's own seam: hold one commit (a busy writer) and fail one (a write error).
+
+    A held commit waits in the store's thread, which nothing can cancel: it polls,
+    so that ``stop()`` (the demo ending, however) or the interpreter exiting ends
+    it within ``_POLL_S``, and a commit after ``stop()`` fails at once."""
 
     def __init__(self) -> None:
         self.hold = threading.Event()
         self.hold.set()
         self.held = threading.Event()
         self.fail_next = False
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.hold.set()
 
     def create(self, path: str) -> int:
         name = os.path.basename(path)
         if name.startswith("tmp+") and name.endswith(".flysess"):
             if not self.hold.is_set():
                 self.held.set()
-                self.hold.wait(30)
+                deadline = time.monotonic() + _HOLD_S
+                while not self.hold.wait(_POLL_S) and time.monotonic() < deadline:
+                    if not threading.main_thread().is_alive():  # the interpreter exits
+                        self.stopped = True
+                        break
+            if self.stopped:
+                raise OSError(errno.ECANCELED, "the demo is stopping: not written", path)
             if self.fail_next:
                 self.fail_next = False
                 raise OSError(errno.EIO, "simulated write error (demo)", path)
@@ -132,13 +155,35 @@ def _say(out: TextIO, line: str) -> None:
     out.flush()
 
 
+def _abandoned_steps(event: Restored) -> tuple[int, int] | None:
+    """The steps a restore abandoned after the step it restored (docs/events.md:
+    ``abandonedFrom``..``abandonedTo`` are the old timeline's steps lost), or
+    ``None``. The event's range starts at the restored step itself when another
+    checkpoint of that step was left off the timeline (the demo's ``hot-20-b``
+    beside ``20``): that step's state is not lost, so it is not shown as lost."""
+    if event.abandoned_from is None or event.abandoned_to is None:
+        return None
+    low, high, step = int(event.abandoned_from), int(event.abandoned_to), int(event.boundary)
+    if low > step:
+        return low, high
+    return (step + 1, high) if high > step else None
+
+
+def _steps_text(steps: tuple[int, int] | list[str] | None) -> str:
+    if not steps:
+        return "none"
+    low, high = steps
+    return f"step {low}" if int(low) == int(high) else f"steps {low}-{high}"
+
+
 def _abandoned_text(event: Restored) -> str:
-    if event.abandoned_from is None:
-        return "nothing"
-    return f"steps {event.abandoned_from}-{event.abandoned_to} of {event.previous_epoch}"
+    steps = _abandoned_steps(event)
+    if steps is None:
+        return "none" if event.abandoned_from is None else f"no step after {event.boundary}"
+    return f"{_steps_text(steps)} of {event.previous_epoch}"
 
 
-def _show(event: Event, out: TextIO) -> None:
+def _show(event: Event, out: TextIO, *, earlier: bool = False) -> None:
     kind = event_name(event)
     extra = ""
     if isinstance(event, Committed):
@@ -156,6 +201,8 @@ def _show(event: Event, out: TextIO) -> None:
         sent = int(event.uploaded_bytes) / (1 << 20)
         extra = f"in the cluster (pointer revision {event.pointer_revision}{why}): "
         extra += f"{sent:.1f} MiB sent"
+    if earlier:  # (announced again from the store, or its state sent to a new server)
+        extra += "  (of an earlier run: not counted)"
     _say(out, f"  {event.seq:4}  {kind:10}  {event.checkpoint_id:12}  {extra}")
 
 
@@ -189,7 +236,9 @@ async def _simulate(
                 disk.hold.clear()
                 try:
                     tickets.append(await coordinator.capture(step, replaceable=False))
-                    await anyio.to_thread.run_sync(disk.held.wait, 30)
+                    with anyio.move_on_after(_HOLD_S):  # polled: a Ctrl-C ends it at once
+                        while not disk.held.is_set():  # (a thread's wait would not end)
+                            await anyio.sleep(0.005)
                     hot_id = f"{coordinator.epoch}-hot-{step}"
                     await coordinator.capture(step, checkpoint_id=f"{hot_id}-a")
                     tickets.append(await coordinator.capture(step, checkpoint_id=f"{hot_id}-b"))
@@ -303,7 +352,7 @@ async def remote_agent(
     finally:
         with anyio.CancelScope(shield=True):
             process.terminate()
-            with anyio.move_on_after(5):
+            with anyio.move_on_after(_WORKER_STOP_S):  # it stops in well under this
                 await process.wait()
             if process.returncode is None:
                 process.kill()
@@ -326,6 +375,30 @@ async def _final_checkpoint(
                 if out is not None:
                     told = f"{error.checkpoint_id} failed [{error.error_code}]"
                     _say(out, f"  host: told that {told}")
+
+
+async def _verify_and_roll_back(
+    coordinator: Coordinator,
+    store: FileStore,
+    *,
+    run: str,
+    steps: int,
+    parts: list[_Part],
+    out: TextIO | None,
+) -> RestoreReport:
+    """The final checkpoint, the store verified, then a rollback: to this run's
+    oldest kept checkpoint (an earlier run's, on the same store, holds another
+    world), so it abandons steps."""
+    final = await _final_checkpoint(coordinator, steps, f"{run}-final-{steps}", out)
+    if not isinstance(final, Committed):
+        raise RuntimeError(f"the final checkpoint did not commit: {final}")
+    report = await store.verify()
+    if not report.ok:  # a generation of this store is corrupt: say which
+        raise report.failures[0]
+    for part in parts:
+        part.state = b"scrambled"
+    ours = [r for r in store.timeline("demo") if r.epoch == f"{run}-1"]
+    return await coordinator.restore(ours[-1].checkpoint_id, new_epoch=f"{run}-2")
 
 
 async def _host(
@@ -355,13 +428,18 @@ async def _host(
 
     async def watch() -> None:
         async for event in subscription:
+            # The store's earlier runs are announced again (reconciled) on a new server:
+            # shown, but the summary counts this run's events only.
+            earlier = not event.epoch.startswith(f"{run}-")
+            if out is not None:
+                _show(event, out, earlier=earlier)
+            if earlier:
+                continue
             seen[event_name(event)] += 1
             if isinstance(event, Failed):
                 failure_shown.set()
             if isinstance(event, Committed) and event.timings.total_ms is not None:
                 latencies.append(event.timings.total_ms)
-            if out is not None:
-                _show(event, out)
 
     from .remote import RemoteParticipant
     from .replicate import Replicator
@@ -378,29 +456,30 @@ async def _host(
             store, bus, [*parts, remote], session_id="demo", epoch=f"{run}-1",
             describe=_describe, limits=WriterLimits(max_outstanding=3),
         )  # fmt: skip
-        async with coordinator:
-            await _simulate(
-                coordinator, parts=parts, disk=disk, steps=steps, worlds=worlds, out=out,
-                failure_shown=failure_shown,
-            )  # fmt: skip
-            final = await _final_checkpoint(coordinator, steps, f"{run}-final-{steps}", out)
-            if not isinstance(final, Committed):
-                raise RuntimeError(f"the final checkpoint did not commit: {final}")
-            report = await store.verify()
-            if not report.ok:  # a generation of this store is corrupt: say which
-                raise report.failures[0]
-            for part in parts:
-                part.state = b"scrambled"
-            oldest = store.timeline("demo")[-1].checkpoint_id  # a rollback: it abandons steps
-            restored = await coordinator.restore(oldest, new_epoch=f"{run}-2")
-            identical = world.state == worlds[int(restored.record.boundary)]
+        try:
+            async with coordinator:
+                await _simulate(
+                    coordinator, parts=parts, disk=disk, steps=steps, worlds=worlds, out=out,
+                    failure_shown=failure_shown,
+                )  # fmt: skip
+                restored = await _verify_and_roll_back(
+                    coordinator, store, run=run, steps=steps, parts=parts, out=out
+                )
+                identical = world.state == worlds.get(int(restored.record.boundary))
+        except BaseException:
+            disk.stop()  # stopping (Ctrl-C, an error): a held commit ends, no new one writes
+            raise
+        kept = {record.checkpoint_id for record in store.timeline("demo")}
         generations = store.generations
+        left_off = [r.checkpoint_id for r in generations
+                    if r.epoch == f"{run}-1" and r.checkpoint_id not in kept]  # fmt: skip
         with anyio.move_on_after(10):  # the rollback reaches the replicated tier too
             await replicator.wait_caught_up()
         await anyio.sleep(0.2)  # let the last events reach the monitor
         group.cancel_scope.cancel()
     await subscription.aclose()
     ordered = sorted(latencies)
+    lost = _abandoned_steps(restored.event)
     return DemoSummary(
         steps=steps,
         generations=len(generations),
@@ -411,11 +490,9 @@ async def _host(
         remote_participants=[REMOTE_AGENT],
         restored=restored.record.checkpoint_id,
         restored_epoch=restored.epoch,
-        abandoned=(
-            None
-            if restored.event.abandoned_from is None
-            else [restored.event.abandoned_from, str(restored.event.abandoned_to)]
-        ),
+        restored_step=int(restored.record.boundary),
+        abandoned=None if lost is None else [str(lost[0]), str(lost[1])],
+        abandoned_checkpoints=left_off,
         world_identical=identical,
         store=store_dir,
     )
@@ -449,9 +526,9 @@ async def run_demo(
         bus = await stack.enter_async_context(NatsBus(nats_url, **options))
         temporary = store_dir is None and not keep
         store_dir = store_dir or tempfile.mkdtemp(prefix="coordinator-demo-")
-        if out is not None:
-            _say(out, f"store {store_dir}")
-        try:
+        try:  # (a closed stdout raises here already: the directory still goes)
+            if out is not None:
+                _say(out, f"store {store_dir}")
             summary = await _host(
                 bus, nats_url, store_dir, steps, out, agent_environment=agent_environment
             )
@@ -463,6 +540,9 @@ async def run_demo(
 
 def summary_text(summary: DemoSummary) -> str:
     events = ", ".join(f"{k} {v}" for k, v in summary.events.items())
+    step = "" if summary.restored_step is None else f" (step {summary.restored_step})"
+    checkpoints = summary.abandoned_checkpoints
+    left_off = f" ({', '.join(checkpoints)} off the timeline)" if checkpoints else ""
     return (
         f"demo: {summary.steps} steps; {summary.generations} generations, "
         f"{summary.stored_bytes / (1 << 20):.1f} MiB in {summary.store}"
@@ -470,9 +550,9 @@ def summary_text(summary: DemoSummary) -> str:
         f"  commit latency p50 {summary.commit_ms_p50} ms, p99 {summary.commit_ms_p99} ms\n"
         f"  events: {events}\n"
         f"  remote participants (own processes): {', '.join(summary.remote_participants)}\n"
-        f"  restored {summary.restored} into {summary.restored_epoch}: world "
+        f"  restored {summary.restored}{step} into {summary.restored_epoch}: world "
         f"{'identical' if summary.world_identical else 'DIFFERENT'}; abandoned "
-        f"{'steps ' + '-'.join(summary.abandoned) if summary.abandoned else 'nothing'}"
+        f"{_steps_text(summary.abandoned)}{left_off}"
     )
 
 

@@ -244,15 +244,42 @@ class WriterClosedError(CoordinatorError):
 
 
 class SaveFailedError(CoordinatorError):
-    """A save failed after it was accepted; raised once, by the next capture or on close."""
+    """A save failed after it was accepted; raised once, by the next capture or on
+    close. It is the newest unseen failure: ``earlier`` names the saves that failed
+    before it since the last one raised (``earlier_count`` counts them all)."""
 
     code: ClassVar[str] = "save.failed"
+    MAX_EARLIER: ClassVar[int] = 16  # named; the rest are counted
 
-    def __init__(self, checkpoint_id: str, error_code: str, reason: str) -> None:
+    def __init__(
+        self,
+        checkpoint_id: str,
+        error_code: str,
+        reason: str,
+        *,
+        earlier: tuple[str, ...] = (),
+        earlier_count: int | None = None,
+    ) -> None:
         self.checkpoint_id = checkpoint_id
         self.error_code = error_code
         self.reason = reason
-        super().__init__(f"save of {checkpoint_id} failed [{error_code}]: {reason}")
+        self.earlier = earlier[-self.MAX_EARLIER :]
+        self.earlier_count = len(earlier) if earlier_count is None else earlier_count
+        more = ""
+        if self.earlier_count:
+            more = f" (and {self.earlier_count} earlier unseen: {', '.join(self.earlier)}"
+            more += ", ...)" if self.earlier_count > len(self.earlier) else ")"
+        super().__init__(f"save of {checkpoint_id} failed [{error_code}]: {reason}{more}")
+
+    def after(self, earlier: SaveFailedError | None) -> SaveFailedError:
+        """This failure, naming ``earlier`` (unseen, older) and what it named."""
+        if earlier is None:
+            return self
+        return SaveFailedError(
+            self.checkpoint_id, self.error_code, self.reason,
+            earlier=(*earlier.earlier, earlier.checkpoint_id),
+            earlier_count=earlier.earlier_count + 1,
+        )  # fmt: skip
 
 
 class CaptureFailedError(CoordinatorError):
@@ -501,17 +528,40 @@ class StoreManifestError(StoreError):
 
 
 class NotAStoreError(StoreError):
-    """A directory that is no generation store (no ``manifest.json``, no ``LOCK``):
-    an empty directory, or loose checkpoint files. Nothing there is verified."""
+    """A path that is no generation store: a directory without ``manifest.json``
+    (an empty one, loose checkpoint files, or ``kind="empty"``: a store whose
+    first commit never happened, ``LOCK`` alone), or a file (``kind="checkpoint"``:
+    a checkpoint file, which ``inspect`` and ``verify`` read; ``kind="file"``: any
+    other). Nothing there is verified."""
 
     code: ClassVar[str] = "store.not_a_store"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, kind: str = "directory") -> None:
+        import shlex
+
         self.path = path
-        super().__init__(
-            f"{path} is not a checkpoint store (no manifest.json): nothing to read there; "
-            "name a store directory or a .flysess file"
-        )
+        self.kind = kind
+        quoted = shlex.quote(path)
+        if kind == "checkpoint":
+            message = (
+                f"{path} is a checkpoint file, not a store directory: "
+                f"`coordinator inspect {quoted}` shows it, `coordinator verify {quoted}` "
+                "checks it"
+            )
+        elif kind == "file":
+            message = f"{path} is a file, not a checkpoint store (a directory with manifest.json)"
+        elif kind == "empty":
+            message = (
+                f"{path} is an empty store: no commit yet (a LOCK, no manifest.json): "
+                "nothing to read there"
+            )
+        else:
+            message = (
+                f"{path} is not a checkpoint store (no manifest.json): nothing to read there; "
+                "name a store directory (a checkpoint file: `coordinator inspect FILE`, "
+                "`coordinator verify FILE`)"
+            )
+        super().__init__(message)
 
 
 class StoreDirectoryError(StoreError):

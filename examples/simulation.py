@@ -2,10 +2,12 @@
 
     python examples/simulation.py [STORE_DIR]
 
-The host steps the world and its agents, asks its capture policy at every
-committed step boundary, and checkpoints without waiting for the disk. A
-subscriber on the in-memory bus prints each save-state event. At the end, the
-host scrambles its state and restores the newest checkpoint into a new epoch.
+Without STORE_DIR the store is a new temporary directory, named at the start
+and removed at the end; a STORE_DIR is kept. The host steps the world and its
+agents, asks its capture policy at every committed step boundary, and
+checkpoints without waiting for the disk. A subscriber on the in-memory bus
+prints each save-state event. At the end, the host scrambles its state and
+restores the newest checkpoint into a new epoch.
 """
 
 from __future__ import annotations
@@ -102,5 +104,9 @@ async def main(store_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    target = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="simulation-")
-    anyio.run(main, target)
+    if len(sys.argv) > 1:
+        anyio.run(main, sys.argv[1])
+    else:  # a store of its own, said where, and removed at the end
+        with tempfile.TemporaryDirectory(prefix="simulation-") as target:
+            print(f"store {target} (removed at the end; name a STORE_DIR to keep one)")
+            anyio.run(main, target)

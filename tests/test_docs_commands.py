@@ -34,7 +34,14 @@ def runnable(line: str) -> str | None:
 
 
 def run_block(lines: list[str], cwd: Path, setup: str = "") -> None:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    # Temporary directories (`python examples/simulation.py` without STORE_DIR made one in
+    # /tmp on every run, and never removed it) go to the test's own directory.
+    (cwd / "tmp").mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "TMPDIR": str(cwd / "tmp"),
+    }
     (cwd / "examples").exists() or (cwd / "examples").symlink_to(ROOT / "examples")
     for line in lines:
         command = runnable(line)

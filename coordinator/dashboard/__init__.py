@@ -8,7 +8,8 @@ session at a time (``_fleet``). Pages get the overview over Server-Sent Events;
 (``static/dashboard.html``, shipped in the package: no CDN, no build) has a URL
 per session, ``/sessions/<id>``.
 
-Needs the ``web`` extra: ``pip install 'checkpoint-coordinator[web]'``.
+Needs the ``web`` extra: from a checkout of the project, ``pip install '.[web]'``
+(the package is on no registry).
 """
 
 from __future__ import annotations
