@@ -13,6 +13,7 @@ restores the newest checkpoint into a new epoch.
 from __future__ import annotations
 
 import json
+import os
 import random
 import secrets
 import sys
@@ -21,9 +22,15 @@ from typing import Any
 
 import anyio
 
-from coordinator import CapturePolicy, Coordinator, FileStore, HostDescription
+from coordinator import (
+    CapturePolicy,
+    CaptureScope,
+    Coordinator,
+    FileStore,
+    HostDescription,
+    RestoreScope,
+)
 from coordinator.bus import MemoryBus
-from coordinator.session import CaptureScope, RestoreScope
 
 AGENTS = ["fly-a", "fly-b", "fly-c"]
 
@@ -103,10 +110,18 @@ async def main(store_dir: str) -> None:
         await bus.aclose()
 
 
+def _run(store_dir: str) -> None:
+    try:
+        anyio.run(main, store_dir)
+    except* BrokenPipeError:  # `| head`: the reader went away, and so do we, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1:
-        anyio.run(main, sys.argv[1])
+        _run(sys.argv[1])
     else:  # a store of its own, said where, and removed at the end
         with tempfile.TemporaryDirectory(prefix="simulation-") as target:
             print(f"store {target} (removed at the end; name a STORE_DIR to keep one)")
-            anyio.run(main, target)
+            _run(target)

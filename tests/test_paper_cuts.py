@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -291,6 +292,19 @@ def test_the_simulation_example_says_where_its_store_is_and_removes_it(tmp_path:
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"store {tmp_path}{os.sep}simulation-"), result.stdout[:200]
     assert "removed at the end" in result.stdout.splitlines()[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_simulation_example_into_head_ends_quietly(tmp_path: Path) -> None:
+    """`python examples/simulation.py | head -1`: no BrokenPipe traceback, 141, no store left."""
+    example = ROOT / "examples" / "simulation.py"
+    script = f"{shlex.quote(sys.executable)} {shlex.quote(str(example))}"
+    result = subprocess.run(["bash", "-c", f"{script} | head -1; exit ${{PIPESTATUS[0]}}"],
+                            capture_output=True, text=True, timeout=60, check=False,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    assert result.returncode == 141, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout.startswith("store ")
     assert list(tmp_path.iterdir()) == []
 
 
