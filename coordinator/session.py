@@ -229,8 +229,12 @@ class Coordinator:
         self.writer = Writer(store, bus, limits=limits, retry=retry, ledger=self.ledger)
         self._hashing: anyio.CapacityLimiter | None = None
         self._fenced: CoordinatorError | None = None
-        self._ids: set[str] = set()  # the checkpoint ids this coordinator reserved or used
-        self._at_step: dict[int, Ticket] = {}  # this epoch's latest capture of each step
+        # Ids are used once, in memory that does not grow with the run: steps go
+        # forward within an epoch, so a default id (``<epoch>-<step>``) is new iff
+        # its step is past the newest captured; explicit ids are kept by name.
+        self._named: set[str] = set()  # the explicit checkpoint ids this coordinator used
+        self._newest: Ticket | None = None  # this epoch's latest capture of ``_last_step``
+        self._default_taken = False  # ``_last_step``'s default id is used
         self._last_step: int | None = None  # the newest step captured in this epoch
         self._host_step: int | None = None  # the newest step the host told us of
         self._durable_step: int | None = None  # the newest of this timeline committed
@@ -286,15 +290,21 @@ class Coordinator:
             await self._shut_down(exc)
         finally:
             await self.writer.leave_task_group()
+        self.writer.check_left()  # left in another task, or inside a later scope
         if exc is None:
             self._raise_unseen()
 
     async def aclose(self) -> None:
         """Close from any task, under any scope: the same close as the block's end
-        (an unseen save failure is raised here, once). The block's end still
-        leaves the writer's task group, which belongs to the task and nesting that
-        entered it: use ``async with``."""
-        await self._shut_down(None)
+        (an unseen save failure is raised here, once). In the task that entered,
+        outside every scope entered since, this is the whole close, the writer's
+        task group included (a coordinator entered by hand ends here). Anywhere
+        else the group waits for the block's end, or for ``aclose()`` there: a
+        task group belongs to the task, and the nesting, that entered it."""
+        try:
+            await self._shut_down(None)
+        finally:
+            await self.writer.leave_task_group()
         self._raise_unseen()
 
     def _raise_unseen(self) -> None:
@@ -354,7 +364,7 @@ class Coordinator:
         step this epoch captured already is captured again only if that capture
         did not commit (under ``<epoch>-<step>.final``: ids are used once)."""
         checkpoint_id = None
-        earlier = self._at_step.get(step)
+        earlier = self._newest if step == self._last_step else None
         if earlier is not None:
             if isinstance(await earlier.wait(), Committed):
                 return
@@ -413,13 +423,16 @@ class Coordinator:
         self._check_capturing(closing)
         format_u64(step)
         self._host_step = step
+        named = checkpoint_id is not None
         if checkpoint_id is not None:
             self._check_explicit_id(check_id(checkpoint_id), step)
         checkpoint_id = check_id(checkpoint_id or f"{self.epoch}-{step}")
         poisoned = self.store.poisoned
         if poisoned is not None:  # refused before any participant is asked
             raise StorePoisonedError(checkpoint_id, f"capture ({poisoned})", self.store.path)
-        if checkpoint_id in self._ids or self.store.lookup(checkpoint_id) is not None:
+        self._check_step_forward(step)
+        used = checkpoint_id in self._named if named else self._default_used(step)
+        if used or self.store.lookup(checkpoint_id) is not None:
             raise DuplicateCheckpointError(
                 f"checkpoint {checkpoint_id} was captured before; ids are used once"
             )
@@ -433,7 +446,6 @@ class Coordinator:
         )
         with self.writer.reserve() as reservation:  # before any participant is asked
             self.store.claim_checkpoint(checkpoint_id)  # ... and so is the id, store-wide
-            self._ids.add(checkpoint_id)
             submitted = False
             try:
                 started = time.perf_counter()
@@ -459,15 +471,34 @@ class Coordinator:
                 submitted = True
             finally:
                 if not submitted:  # nothing was published under this id: free it
-                    self._ids.discard(checkpoint_id)
                     self.store.release_checkpoint(checkpoint_id)
         # The store-wide claim ends with the job (a committed id is listed anyway).
         self._unanswered += 1
         ticket.add_done_callback(lambda: self._answered(ticket, scope.epoch, step))
-        self._last_step = max(step, self._last_step or 0)
-        self._at_step[step] = ticket
+        self._took(step, ticket, named=named)
         self._acted = True
         return ticket
+
+    def _check_step_forward(self, step: int) -> None:
+        if self._last_step is not None and step < self._last_step:
+            raise UsageError(
+                f"step {step} is behind step {self._last_step}, captured already in epoch "
+                f"{self.epoch}: steps go forward within an epoch (restore() to go back)"
+            )
+
+    def _default_used(self, step: int) -> bool:
+        return step == self._last_step and self._default_taken
+
+    def _took(self, step: int, ticket: Ticket, *, named: bool) -> None:
+        """Remember a submitted capture: only what telling a new id needs."""
+        if named:
+            self._named.add(ticket.checkpoint_id)
+        if self._last_step is not None and step < self._last_step:
+            return  # (captured beside a newer one, which ended first: behind it now)
+        if step != self._last_step:
+            self._last_step, self._default_taken = step, False
+        self._default_taken = self._default_taken or not named
+        self._newest = ticket
 
     def _answered(self, ticket: Ticket, epoch: str, step: int) -> None:
         self.store.release_checkpoint(ticket.checkpoint_id)
@@ -932,7 +963,7 @@ class Coordinator:
         self._last_step = None
         self._host_step = int(record.boundary)  # the host goes on from the restored step
         self._durable_step = int(record.boundary)
-        self._at_step.clear()
+        self._newest, self._default_taken = None, False
         if self.policy is not None:  # its step rule counts from the restored boundary
             self.policy.restored(int(record.boundary))
         self._acted = True

@@ -81,6 +81,7 @@ from .errors import (
     SaveFailedError,
     StorePoisonedError,
     SyncError,
+    UsageError,
     WriterBusyError,
     WriterClosedError,
     release_frames,
@@ -317,6 +318,9 @@ class Writer:
         self._flushing = False  # the outbox task returns once it is empty
         self._failure: SaveFailedError | None = None
         self._group: TaskGroup | None = None
+        # Entered right inside the group: exiting it succeeds only at the nesting
+        # that entered (anyio refuses, and changes nothing, anywhere else).
+        self._nesting: anyio.CancelScope | None = None
         # The writer's four tasks each run in a shield of their own: a host's
         # cancellation never lands in them; only the close path stops them.
         self._jobs_scope = anyio.CancelScope(shield=True)
@@ -357,6 +361,8 @@ class Writer:
         with anyio.CancelScope(shield=True):
             for task in (self._run_jobs, self._run_digests, self._run_releases, self._run_outbox):
                 await group.start(task)
+        self._nesting = anyio.CancelScope()
+        self._nesting.__enter__()
         return self
 
     async def __aexit__(
@@ -369,15 +375,32 @@ class Writer:
             await self.aclose(error=exc)
         finally:
             await self.leave_task_group()
+        self.check_left()
         if exc is None:
             self.raise_failure()
 
     async def leave_task_group(self) -> None:
-        """Leave the writer's (by now empty) task group: only in the task that
-        entered it, at the nesting where it was entered (``__aexit__`` does)."""
-        if self._group is not None and anyio.get_current_task().id == self._owner:
-            group, self._group = self._group, None
-            await group.__aexit__(None, None, None)
+        """Leave the writer's task group once every task of it has ended: only in
+        the task that entered it, at the nesting where it did (every scope entered
+        since is left). Anywhere else it stays, for a later call to leave."""
+        if self._group is None or not self._stopped.is_set():
+            return
+        if anyio.get_current_task().id != self._owner or self._nesting is None:
+            return
+        try:
+            self._nesting.__exit__(None, None, None)
+        except RuntimeError:  # not the innermost scope: entered deeper, or later
+            return
+        group, self._group, self._nesting = self._group, None, None
+        await group.__aexit__(None, None, None)
+
+    def check_left(self) -> None:
+        """Raise ``UsageError`` if the task group is still entered after a close."""
+        if self._group is not None and self._stopped.is_set():
+            raise UsageError(
+                "closed, but its task group belongs to the task that entered it: call "
+                "aclose() again there, outside every scope entered since (or use async with)"
+            )
 
     async def aclose(self, *, error: BaseException | None = None) -> None:
         """The one close path. With ``error`` ``None`` or an ``Exception`` (the
@@ -385,11 +408,12 @@ class Writer:
         if this wait is cancelled, the writer stops instead. Never raises a save
         failure (``raise_failure()`` does); a cancellation propagates.
 
-        Any task may close the writer, under any scope: the task group itself is
-        left by ``__aexit__`` (a task group belongs to the task, and the nesting,
-        that entered it).
+        Any task may close the writer, under any scope. The task group is left
+        here too when this is the task that entered it, at the nesting where it
+        did; otherwise by ``__aexit__`` (or a later ``aclose()``) there: a task
+        group belongs to the task, and the nesting, that entered it.
         """
-        if self._group is None or self._stopped.is_set():
+        if self._group is None:
             return
         stop = error is not None and not isinstance(error, Exception)
         try:
@@ -405,6 +429,7 @@ class Writer:
             with anyio.CancelScope(shield=True):
                 await self._stopped.wait()
             raise
+        await self.leave_task_group()
 
     async def _close(self, *, stop: bool) -> None:
         self._closing = True

@@ -1,9 +1,12 @@
 """The package's structure: a package's underscore modules and names are its own,
-and the replicated tier lives in ``replicate/``, the bus carries events only."""
+imports between modules make no circle, and the replicated tier lives in
+``replicate/``, the bus carries events only."""
 
 from __future__ import annotations
 
 import ast
+import itertools
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -92,6 +95,88 @@ def test_the_rule_sees_each_kind_of_reach(source: str, expected: str | None) -> 
     base = ["coordinator", "replicate"][: 2 - (node.level - 1)]
     target = ".".join([*base, *([node.module] if node.module else [])])
     assert _private_owner(target, node.names[0].name) == expected
+
+
+def _import_graph() -> dict[str, dict[str, str]]:
+    """module -> {module it imports: where (path:line)}, for every import inside
+    ``coordinator``, at any depth (in functions, under ``TYPE_CHECKING``: a
+    circle hidden there is still one). ``from .pkg import sub`` is an edge to
+    the module ``pkg.sub`` when that is one, else to ``pkg``."""
+    modules = dict(_modules())
+    graph: dict[str, dict[str, str]] = {}
+    for module, path in modules.items():
+        edges = graph.setdefault(module, {})
+        for line, target, name in _imports(module, path):
+            wanted = f"{target}.{name}" if f"{target}.{name}" in modules else target
+            if wanted in modules and wanted != module:
+                edges.setdefault(wanted, f"{path.relative_to(PACKAGE.parent)}:{line}")
+    return graph
+
+
+def _circles(graph: dict[str, Iterable[str]]) -> list[list[str]]:
+    """Each strongly connected set of more than one module (Tarjan), as a path
+    around it: the circles of ``graph``."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                found.append(_path_around(graph, sorted(members)))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _path_around(graph: dict[str, Iterable[str]], members: list[str]) -> list[str]:
+    """A shortest way from the first member back to itself, inside ``members``."""
+    start, inside = members[0], set(members)
+    paths = {start: [start]}
+    queue = [start]
+    for node in queue:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == start:
+                return [*paths[node], start]
+            if nxt in inside and nxt not in paths:
+                paths[nxt] = [*paths[node], nxt]
+                queue.append(nxt)
+    raise AssertionError(f"no way around {members}")
+
+
+def test_imports_between_modules_make_no_circle() -> None:
+    """Imports point downward only: no module reaches itself through others,
+    function-level imports included (``store._manifest`` imported ``check_consistent``
+    from ``store._lineage`` inside a function, which imported ``_manifest``)."""
+    graph = _import_graph()
+    shown = [
+        "; ".join(f"{a} -> {b} ({graph[a][b]})" for a, b in itertools.pairwise(circle))
+        for circle in _circles(graph)
+    ]
+    assert shown == []
+
+
+def test_the_circle_finder_sees_a_circle() -> None:
+    """The checker itself: a circle of three is found, a fork that joins again is not."""
+    assert _circles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c", "a"]]
+    assert _circles({"a": ["b", "c"], "b": ["d"], "c": ["d"], "d": []}) == []
 
 
 def test_the_bus_carries_events_only() -> None:

@@ -37,8 +37,9 @@ from ..events import (
 )
 from ..server import EmbeddedServer
 from ..session import CaptureScope, Coordinator
+from ..stats import percentile
 from ..store import FileStore
-from . import Result, median, percentile, result
+from ._results import Result, median, result
 from .progress import NO_PROGRESS, Progress
 from .runtime import small_describe, small_parts
 

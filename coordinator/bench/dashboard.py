@@ -52,7 +52,9 @@ import anyio
 import anyio.streams.buffered
 
 from ..events import Captured, Committed, Event, Failed, Queued, Timings, decode_event, encode_event
-from . import NO_PROGRESS, Progress, Result, median, percentile, result, status_kib
+from ..stats import percentile
+from ._results import Result, median, result, status_kib
+from .progress import NO_PROGRESS, Progress
 
 __all__ = ["Plan", "fleet", "fleet_events", "fold_cost", "run", "state_rss"]
 

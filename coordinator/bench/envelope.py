@@ -31,7 +31,7 @@ from ..canonical import canonical_bytes, count_values
 from ..errors import CorruptEnvelopeError
 from ..manifest import build_manifest, manifest_to_builtins
 from ..sample import sample_body, sample_payload_names
-from . import Result, median, result, status_kib
+from ._results import Result, median, result, status_kib
 from .progress import NO_PROGRESS, Progress
 
 

@@ -42,7 +42,8 @@ from ..participant import CaptureScope, RestoreScope
 from ..policy import CapturePolicy
 from ..session import Coordinator
 from ..store import FileStore
-from . import NO_PROGRESS, Progress, Result, median, result
+from ._results import Result, median, result
+from .progress import NO_PROGRESS, Progress
 
 __all__ = ["run"]
 

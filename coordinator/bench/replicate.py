@@ -37,7 +37,8 @@ from ..replicate import CONTENT_BUCKET, POINTERS_BUCKET, Replicas, Replicator
 from ..sample import sample_body, sample_payload_names
 from ..server import EmbeddedServer
 from ..store import FileStore, SyncStore, export_payloads
-from . import NO_PROGRESS, Progress, Result, median, result
+from ._results import Result, median, result
+from .progress import NO_PROGRESS, Progress
 
 __all__ = ["run"]
 

@@ -37,9 +37,10 @@ from ..events import Committed
 from ..manifest import ManifestBody, build_manifest
 from ..sample import sample_body, sample_payload_names
 from ..session import CaptureScope, Coordinator
+from ..stats import percentile
 from ..store import FileStore
 from ..writer import WriterLimits
-from . import Result, median, percentile, result, status_kib
+from ._results import Result, median, result, status_kib
 from .progress import NO_PROGRESS, Progress
 from .store import _fsync_dir, _raw_write
 

@@ -26,7 +26,7 @@ from .. import envelope
 from ..manifest import CheckpointManifest, build_manifest, manifest_to_builtins
 from ..sample import sample_body, sample_payload_names
 from ..store import FileStore, SyncStore
-from . import Result, median, result
+from ._results import Result, median, result
 from .progress import NO_PROGRESS, Progress
 
 SMALL_PAYLOAD = 4096

@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-import msgspec
-
 from ..events import Event, Restored
 from ..presence import Presence
+from ._statistics import BusStatistics
 from .memory import MemoryBus, Subscription
 
 if TYPE_CHECKING:
@@ -31,13 +30,6 @@ __all__ = [
     "connect",
     "server_address",
 ]
-
-
-class BusStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    published: int
-    delivered: int
-    dropped: int  # a subscriber's buffer was full: counted, never silent
-    subscribers: int
 
 
 class Bus(Protocol):

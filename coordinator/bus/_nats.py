@@ -90,7 +90,7 @@ from ..presence import (
     decode_presence,
     encode_presence,
 )
-from . import BusStatistics
+from ._statistics import BusStatistics
 from .memory import Subscription
 
 __all__ = ["PUBLISH_WINDOW", "TRANSIENT", "Backlog", "NatsBus", "connect", "server_address"]

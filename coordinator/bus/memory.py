@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Protocol, Self
+from typing import Protocol, Self
 
 import anyio
 import anyio.lowlevel
@@ -18,9 +18,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ..events import Committed, Event, Restored
 from ..ids import check_id
 from ..presence import Presence
-
-if TYPE_CHECKING:
-    from . import BusStatistics
+from ._statistics import BusStatistics
 
 __all__ = ["MemoryBus", "Subscription"]
 
@@ -173,8 +171,6 @@ class MemoryBus:
             self._subscriptions.remove(subscription)
 
     def statistics(self) -> BusStatistics:
-        from . import BusStatistics
-
         return BusStatistics(
             published=self._published,
             delivered=self._delivered,

@@ -49,8 +49,8 @@ from ._manifest import (
     MAX_STORE_MANIFEST_BYTES,
     TMP_MANIFEST,
     StoreManifest,
-    store_manifest_bytes,
 )
+from ._manifest_file import store_manifest_bytes
 
 __all__ = ["CommitSequence", "UnlinkFailure", "UnsyncedFile"]
 

@@ -55,8 +55,8 @@ from ._manifest import (
     GenerationRecord,
     SessionRecord,
     StoreManifest,
-    parse_store_manifest,
 )
+from ._manifest_file import parse_store_manifest
 from ._threads import lower_thread_priority
 from ._verify import (
     StoredCheckpoint,

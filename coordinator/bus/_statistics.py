@@ -1,0 +1,14 @@
+"""What a bus counts (``Bus.statistics()``): below every bus, so each imports it."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["BusStatistics"]
+
+
+class BusStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    published: int
+    delivered: int
+    dropped: int  # a subscriber's buffer was full: counted, never silent
+    subscribers: int
