@@ -181,9 +181,11 @@ class BaseHandle:
         if self._released:
             raise ArtifactReleasedError(f"artifact {self.name!r} was already released")
         self._released = True
-        self._ledger._closed(self.byte_length)
-        _VERIFIED.pop(cast(ArtifactHandle, self), None)  # drops the held object too
-        self._free()
+        try:
+            _VERIFIED.pop(cast(ArtifactHandle, self), None)  # drops the held object too
+            self._free()
+        finally:  # counted as released once the bytes are let go, not before
+            self._ledger._closed(self.byte_length)
 
     def _free(self) -> None:
         """Let the bytes go (subclasses)."""

@@ -369,6 +369,8 @@ class Coordinator:
             if isinstance(await earlier.wait(), Committed):
                 return
             checkpoint_id = f"{self.epoch}-{step}.final"
+        elif self._last_step is not None and step < self._last_step:
+            checkpoint_id = f"{self.epoch}-{step}.final"  # its default id may be in use
         while True:
             try:
                 await self.capture(
@@ -430,7 +432,8 @@ class Coordinator:
         poisoned = self.store.poisoned
         if poisoned is not None:  # refused before any participant is asked
             raise StorePoisonedError(checkpoint_id, f"capture ({poisoned})", self.store.path)
-        self._check_step_forward(step)
+        if not named:
+            self._check_step_forward(step)
         used = checkpoint_id in self._named if named else self._default_used(step)
         if used or self.store.lookup(checkpoint_id) is not None:
             raise DuplicateCheckpointError(
@@ -480,10 +483,13 @@ class Coordinator:
         return ticket
 
     def _check_step_forward(self, step: int) -> None:
+        """A default id behind the newest step might be in use: only the newest
+        step's is remembered (memory that does not grow with the run)."""
         if self._last_step is not None and step < self._last_step:
             raise UsageError(
                 f"step {step} is behind step {self._last_step}, captured already in epoch "
-                f"{self.epoch}: steps go forward within an epoch (restore() to go back)"
+                f"{self.epoch}: its default id may be in use. Steps go forward within an "
+                "epoch: restore() to go back, or name this checkpoint (checkpoint_id=)"
             )
 
     def _default_used(self, step: int) -> bool:

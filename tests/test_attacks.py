@@ -378,13 +378,14 @@ async def test_the_restored_generation_is_not_rotated_out_by_the_writer(tmp_path
 
 @pytest.mark.asyncio
 async def test_the_timeline_is_cut_by_commit_order_not_by_step(tmp_path: Path) -> None:
-    """Steps 10, 20, then 5 committed; after restore(epoch-1-10) and a crash, the
-    default restore installed epoch-1-5, captured after 20 on the abandoned timeline."""
+    """Steps 10, 20, then 5 committed (named: a default id behind the newest step is
+    refused); after restore(epoch-1-10) and a crash, the default restore installed
+    the one at step 5, captured after 20 on the abandoned timeline."""
     participants = parts()
     async with FileStore(tmp_path, keep=10) as store, coordinator(store, participants) as c:
         for step in (10, 20, 5):
             participants[0].state = f"world@{step}".encode()
-            await c.checkpoint(step)
+            await c.checkpoint(step, checkpoint_id=f"late-{step}" if step == 5 else None)
         await c.restore("epoch-1-10", new_epoch="epoch-2")
     with SyncStore(tmp_path, read_only=True) as store:
         assert store.select(session_id="session-1").checkpoint_id == "epoch-1-10"
@@ -1269,9 +1270,9 @@ async def test_a_handles_swapped_bytes_are_not_trusted(tmp_path: Path) -> None:
     from coordinator import SaveFailedError
 
     async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
-        for value in ("attribute", "class"):
+        for step, value in enumerate(("attribute", "class"), start=1):
             how["value"] = value
-            outcome = await (await c.capture(len(value), replaceable=False)).wait()
+            outcome = await (await c.capture(step, replaceable=False)).wait()
             assert isinstance(outcome, Failed) and outcome.code == "artifact.corrupt", outcome
             with pytest.raises(SaveFailedError):
                 c.writer.raise_failure()

@@ -193,7 +193,7 @@ async def test_at_boundary_captures_at_the_multiples_and_waits_out_a_busy_writer
         assert taken == [10, 20]
         held = await c.capture(29, replaceable=False)  # the one slot is in use
         with pytest.raises(WriterBusyError):
-            await c.capture(28)
+            await c.capture(29, checkpoint_id="another-29")
         assert await c.at_boundary(30) is None  # busy: not a failure, still due
         await held.wait()
         ticket = await c.at_boundary(31)

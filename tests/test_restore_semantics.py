@@ -569,14 +569,15 @@ async def test_entering_while_the_bus_cannot_tell_spends_no_seq(
 async def test_a_lost_generation_below_the_restored_step_is_in_the_abandoned_range(
     tmp_path: Path,
 ) -> None:
-    """Steps need not increase: step 50 committed, then step 10, then a restore of
-    step 50 loses step 10's generation. The range says so (10-50), never null."""
+    """Steps need not increase (a named checkpoint may be behind): step 50
+    committed, then step 10, then a restore of step 50 loses step 10's
+    generation. The range says so (10-50), never null."""
     async with (
         FileStore(tmp_path, keep=5) as store,
         host_coordinator(store, parts(), MemoryBus(), Host()) as coordinator,
     ):
         await coordinator.checkpoint(50)
-        await coordinator.checkpoint(10)
+        await coordinator.checkpoint(10, checkpoint_id="back-10")
         report = await coordinator.restore("e1-50", new_epoch="e2")
         assert [g.checkpoint_id for g in store.timeline("s")] == ["e1-50"]
     assert (report.event.abandoned_from, report.event.abandoned_to) == ("10", "50")

@@ -13,6 +13,7 @@ from test_writer import wait_until
 from coordinator import (
     CaptureFailedError,
     DeadlineExpiredError,
+    DuplicateCheckpointError,
     EpochFencedError,
     RestoreFailedError,
     StaleEpochError,
@@ -275,3 +276,69 @@ async def test_a_description_of_another_scope_is_refused(tmp_path: Path) -> None
             assert host.ledger.statistics().live == 0
             with pytest.raises(UsageError):  # not fenced: the participants did nothing wrong
                 await host.capture(4)
+
+
+# --- a long run: what the coordinator remembers of the steps it captured ----------------
+
+
+@pytest.mark.asyncio
+async def test_a_default_id_behind_the_newest_step_is_refused(tmp_path: Path) -> None:
+    """Only the newest step's default id is remembered, so a capture behind it is
+    refused (its id may be in use): by a UsageError that says what to do, before
+    any participant is asked. A named one behind it, and a restore, are fine."""
+    participants = parts()
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        for step in (5, 10):
+            await (await c.capture(step, replaceable=False)).wait()
+        participants[0].started = anyio.Event()
+        with pytest.raises(UsageError, match=r"step 5 is behind step 10.*checkpoint_id="):
+            await c.capture(5)
+        assert not participants[0].started.is_set()
+        assert c.progress().accepted_step == 10
+        named = await c.capture(7, checkpoint_id="late-7", replaceable=False)
+        assert isinstance(await named.wait(), Committed)
+        assert c.progress().accepted_step == 10  # a named one behind does not move it back
+        with pytest.raises(DuplicateCheckpointError):
+            await c.capture(8, checkpoint_id="late-7")  # a name is used once
+        await c.restore("epoch-1-5", new_epoch="epoch-2")
+        await (await c.capture(5)).wait()  # epoch-2-5: steps start over after a restore
+        assert [r.checkpoint_id for r in store.generations][-1] == "epoch-2-5"
+
+
+@pytest.mark.asyncio
+async def test_a_step_s_default_id_is_used_once_beside_named_ones(tmp_path: Path) -> None:
+    """At one step: a named capture leaves the default id free, the default one
+    takes it, and a second default one is refused; the next step's is new."""
+    async with FileStore(tmp_path) as store, coordinator(store, parts()) as c:
+        await (await c.capture(3, checkpoint_id="named-3", replaceable=False)).wait()
+        await (await c.capture(3, replaceable=False)).wait()
+        with pytest.raises(DuplicateCheckpointError):
+            await c.capture(3)
+        await (await c.capture(4, replaceable=False)).wait()
+        names = [r.checkpoint_id for r in store.generations]
+    assert names == ["named-3", "epoch-1-3", "epoch-1-4"]
+
+
+@pytest.mark.asyncio
+async def test_the_final_capture_behind_the_newest_step_is_named(tmp_path: Path) -> None:
+    """A host whose final step is behind the newest it captured still gets its
+    final checkpoint, under ``<epoch>-<step>.final``, not a refusal at close."""
+    async with FileStore(tmp_path) as store:
+        async with coordinator(store, parts(), final_step=lambda: 4) as c:
+            await (await c.capture(9, replaceable=False)).wait()
+        assert [r.checkpoint_id for r in store.generations] == ["epoch-1-9", "epoch-1-4.final"]
+
+
+@pytest.mark.asyncio
+async def test_memory_of_captured_steps_does_not_grow_with_the_run(tmp_path: Path) -> None:
+    """300 default captures leave nothing per step behind: no id, no ticket (a
+    host that saves twice a second for a day took 200 MiB of them)."""
+    async with FileStore(tmp_path, keep=2) as store, coordinator(store, parts()) as c:
+        for step in range(1, 301):
+            await (await c.capture(step, replaceable=False)).wait()
+        remembered = {
+            name: len(value)
+            for name, value in vars(c).items()
+            if isinstance(value, set | dict | list) and name != "participants"
+        }
+    assert all(size <= 8 for size in remembered.values()), remembered
