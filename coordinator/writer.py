@@ -117,6 +117,7 @@ __all__ = [
 
 Outcome = Committed | Failed | Superseded
 _KEPT_RELEASE_ERRORS = 16
+ABANDONED_KEPT = 64  # abandoned epochs the writer refuses by name (the store, all of them)
 
 
 class WriterLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -332,8 +333,9 @@ class Writer:
         self._digests_wake = _Wake()
         self._digests_scope = anyio.CancelScope(shield=True)
         self._digests_done = anyio.Event()
-        self._abandoned: dict[str, str] = {}  # epoch -> why
-        self._abandoned_by: dict[str, str] = {}  # epoch -> the checkpoint restored
+        # epoch -> (why, the checkpoint restored), the newest ABANDONED_KEPT: an older
+        # one's capture still in flight is refused by the store at its commit.
+        self._abandoned: dict[str, tuple[str, str]] = {}
         self._to_release: collections.deque[
             tuple[Sequence[ArtifactHandle], Callable[[], None] | None, anyio.Event | None]
         ] = collections.deque()
@@ -581,7 +583,8 @@ class Writer:
             return WriterClosedError(f"the writer is closing; {checkpoint_id} was not queued")
         epoch = manifest.source_scope.epoch
         if epoch in self._abandoned:
-            return EpochFencedError(f"{self._abandoned[epoch]}; {checkpoint_id} was not queued")
+            reason = self._abandoned[epoch][0]
+            return EpochFencedError(f"{reason}; {checkpoint_id} was not queued")
         victim = self._victim(replaceable)
         freed = victim.byte_length if victim is not None else 0
         # A capture larger than the whole budget is taken when nothing else would
@@ -612,20 +615,21 @@ class Writer:
         the restore's outcome (``abandon_epoch``, or ``readmit_epoch``); the one
         being written finishes (``wait_written`` waits for it)."""
         reason = f"restore of {restored} into epoch {new_epoch} abandoned epoch {epoch}"
-        self._abandoned[epoch] = reason
-        self._abandoned_by[epoch] = restored
+        self._abandoned.pop(epoch, None)
+        self._abandoned[epoch] = (reason, restored)
+        while len(self._abandoned) > ABANDONED_KEPT:  # a host that restores for days
+            del self._abandoned[next(iter(self._abandoned))]
 
     def abandon_epoch(self, epoch: str) -> None:
         """The restore happened: the fenced epoch's queued captures are superseded
         (``supersededBy`` the checkpoint restored, and the reason)."""
-        reason, restored = self._abandoned[epoch], self._abandoned_by[epoch]
+        reason, restored = self._abandoned[epoch]
         for job in [j for j in self._queue if j.epoch == epoch]:
             self._supersede(job, superseded_by=restored, reason=reason)
 
     def readmit_epoch(self, epoch: str) -> None:
         """The restore did not happen after all: ``epoch`` may capture again."""
         self._abandoned.pop(epoch, None)
-        self._abandoned_by.pop(epoch, None)
 
     def _free_slot(self) -> None:
         self._outstanding -= 1

@@ -16,6 +16,7 @@ from coordinator import (
     DuplicateCheckpointError,
     EpochFencedError,
     RestoreFailedError,
+    SaveFailedError,
     StaleEpochError,
     UsageError,
 )
@@ -342,3 +343,38 @@ async def test_memory_of_captured_steps_does_not_grow_with_the_run(tmp_path: Pat
             if isinstance(value, set | dict | list) and name != "participants"
         }
     assert all(size <= 8 for size in remembered.values()), remembered
+
+
+@pytest.mark.asyncio
+async def test_what_a_restore_leaves_behind_is_bounded(tmp_path: Path) -> None:
+    """A host that restores for days (each restart of a remote agent's server is
+    one): the writer names only the newest abandoned epochs, and a capture of an
+    older one, still in flight all along, is refused all the same."""
+    from coordinator.writer import ABANDONED_KEPT
+
+    participants = parts()
+    async with FileStore(tmp_path, keep=2) as store, coordinator(store, participants) as c:
+        await (await c.capture(1, replaceable=False)).wait()
+        first = c.epoch
+        participants[0].gate = anyio.Event()
+        participants[0].started = anyio.Event()
+        outcome: list[object] = []
+        async with anyio.create_task_group() as group:
+
+            async def late_capture() -> None:
+                try:
+                    outcome.append(await (await c.capture(2, replaceable=False)).wait())
+                except Exception as error:  # noqa: BLE001 (the refusal is the outcome)
+                    outcome.append(error)
+
+            group.start_soon(late_capture)
+            await participants[0].started.wait()
+            for index in range(ABANDONED_KEPT + 6):
+                await c.restore("epoch-1-1", new_epoch=f"epoch-r{index}")
+            assert len(c.writer._abandoned) == ABANDONED_KEPT
+            assert first not in c.writer._abandoned
+            participants[0].gate.set()
+        assert not isinstance(outcome[0], Committed), outcome
+        assert "epoch-1-2" not in [r.checkpoint_id for r in store.generations]
+        with pytest.raises(SaveFailedError, match=r"epoch\.fenced.*epoch epoch-1 .*abandoned"):
+            c.writer.raise_failure()  # (the store refused it: raised once, here)
