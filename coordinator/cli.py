@@ -1,7 +1,8 @@
 """The ``coordinator`` command.
 
 Exit status: 0 success; 1 the thing checked is corrupt or failed its check;
-2 bad command line; 3 a file could not be accessed; 130 interrupted (Ctrl-C).
+2 bad command line; 3 a file could not be accessed; 130 interrupted (Ctrl-C);
+141 stdout's reader went away (``main``); the rest in ``EXIT_STATUSES``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 import msgspec
 
@@ -39,6 +40,9 @@ from .errors import (
 )
 from .ids import is_id
 from .manifest import manifest_from_builtins
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["main"]
 
@@ -128,6 +132,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _hours(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of hours: {text!r}") from None
+    if not 0 < value < 10_000:  # (nan and inf are neither)
+        raise argparse.ArgumentTypeError("must be more than 0 and less than 10000")
     return value
 
 
@@ -741,33 +755,33 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Replay the stream's history, then follow live events, folding them into save
     state. --json: one folded session state per event, for scripts."""
     import anyio
-    from rich.console import Console
     from rich.live import Live
 
     from .bus import NatsBus
     from .monitor import SaveState, render
     from .presence import Presence
 
-    for session_id in args.session or []:  # a wildcard would follow other sessions
-        if not is_id(session_id):
-            error = InvalidScalarError("Id", session_id)
-            print(f"coordinator watch: FAILED [{error.code}] --session: {error}", file=err)
-            return EXIT_USAGE
+    if _refused_session(args.session or [], err):
+        return EXIT_USAGE
     connection = resolve(args)
     assert connection is not None
-    console = Console(file=out, width=None if out.isatty() else 220)  # pipes: no folding
+    # A terminal gets the live table; a pipe, which cannot be redrawn (Live would print
+    # nothing until the end), the table after the history and again at each live event.
+    console = _console(out)
     display = Live(render(SaveState()), console=console, refresh_per_second=8, transient=False)
 
     beats: dict[str, Presence] = {}  # the hosts' presence, shown live (not with --json)
 
-    def show(state: SaveState, session_id: str) -> None:
+    def show(state: SaveState, session_id: str, *, live: bool = False) -> None:
         if args.json:  # (the fold's own bookkeeping, folded ids and missing seqs, left out)
             session = msgspec.to_builtins(state.sessions[session_id])
             for internal in ("folded", "missing"):
                 session.pop(internal, None)
             print(json.dumps(session), file=out, flush=True)
-        else:
+        elif console.is_terminal:
             display.update(render(state, None if args.replay_only else beats))
+        elif live:
+            console.print(render(state, beats))
 
     async def follow() -> None:
         state = SaveState()
@@ -778,7 +792,7 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         ):
             # A typo, or a host not started yet: said, never an empty table alone.
             await _say_silent(bus, args.session or [], args.replay_only, err)
-            if not args.json:  # the table appears once the server answers, not before
+            if not args.json and console.is_terminal:  # the table appears once the server answers
                 showing.enter_context(display)
             live = [await bus.subscribe(s) for s in sessions] if not args.replay_only else []
             seen: set[str] = set()
@@ -789,11 +803,13 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                     seen.add(event.event_id)
                     state = state.apply(event)
                     show(state, event.session_id)
+            if not args.json and not console.is_terminal:
+                console.print(render(state, None if args.replay_only else beats))
             if args.replay_only:
                 return
             async with anyio.create_task_group() as group:
                 group.start_soon(_until_reader_gone, out)
-                if not args.json:
+                if not args.json:  # (a pipe's table shows the beats at the next event)
                     redraw = lambda: display.update(render(state, beats))  # noqa: E731
                     group.start_soon(_follow_beats, bus, beats, redraw)
                 for subscription in live:
@@ -803,12 +819,35 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                         async for event in subscription:
                             if event.event_id not in seen:  # already replayed
                                 state = state.apply(event)
-                                show(state, event.session_id)
+                                show(state, event.session_id, live=True)
 
                     group.start_soon(pump)
 
     anyio.run(follow)
     return EXIT_OK
+
+
+def _refused_session(sessions: list[str], err: TextIO) -> bool:
+    """A --session that is no Id (a wildcard would follow other sessions): said."""
+    for session_id in sessions:
+        if not is_id(session_id):
+            error = InvalidScalarError("Id", session_id)
+            print(f"coordinator watch: FAILED [{error.code}] --session: {error}", file=err)
+            return True
+    return False
+
+
+def _console(out: TextIO) -> Console:
+    """watch's rich console: a closed pipe raises BrokenPipeError, as any write's
+    does (rich's own handler exits 1)."""
+    from rich.console import Console
+
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True  # (nothing more is written)
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    return PipeConsole(file=out, width=None if out.isatty() else 220)  # pipes: no folding
 
 
 async def _say_silent(bus: Any, followed: list[str], replay_only: bool, err: TextIO) -> None:
@@ -902,7 +941,12 @@ def _bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         # Progress on stderr only when it is a terminal, never with --json; its lines
         # are cleared before the group's report is printed.
         with shown_on(err, group, enabled=not args.json) as progress:
-            results = GROUPS[group](args.size, args.runs, progress)
+            if group == "soak":  # counted in checkpoints or hours, not bytes and runs
+                from .bench.soak import run as soak
+
+                results = soak(checkpoints=args.checkpoints, hours=args.hours, progress=progress)
+            else:
+                results = GROUPS[group](args.size, args.runs, progress)
         document = report(group, results)
         print(json.dumps(document) if args.json else render(document), file=out)
     return EXIT_OK
@@ -1091,7 +1135,11 @@ def _parser() -> argparse.ArgumentParser:
         commands,
         "bench",
         help="measure against same-run baselines",
-        examples=["coordinator bench envelope", "coordinator bench store --json --size 256MiB"],
+        examples=[
+            "coordinator bench envelope",
+            "coordinator bench store --json --size 256MiB",
+            "coordinator bench soak --json --hours 24",
+        ],
     )
     bench.add_argument("group", choices=[*GROUPS, "all"])
     bench.add_argument("--json", action="store_true", help="one JSON object per group")
@@ -1099,6 +1147,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--runs", type=_positive, default=5, help="repetitions; the median is reported"
     )
+    bench.add_argument("--checkpoints", type=_positive, default=100_000,
+                       help="soak: checkpoints to take (default 100000)")  # fmt: skip
+    bench.add_argument("--hours", type=_hours, default=None,
+                       help="soak: run at least this long, too")  # fmt: skip
     bench.set_defaults(run=_bench)
     return parser
 
@@ -1106,8 +1158,22 @@ def _parser() -> argparse.ArgumentParser:
 def main(
     argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None
 ) -> int:
+    """The command: its exit status. A closed stdout (``| head -1``) ends any command,
+    and argparse's --help and --version, here: status 141, nothing more said."""
     out = out or sys.stdout
-    err = err or sys.stderr
+    try:
+        status = _main(argv, out, err or sys.stderr)
+        # Output into a pipe is buffered: flushed now, a closed pipe is said here, not
+        # by the interpreter's last flush ("Exception ignored ...", status 120).
+        for stream in (out, sys.stdout):
+            if stream is not None:  # (None: started with stdout closed, `>&-`)
+                stream.flush()
+    except BrokenPipeError:
+        return _pipe_closed(out, sys.stdout)
+    return status
+
+
+def _main(argv: Sequence[str] | None, out: TextIO, err: TextIO) -> int:
     _TERMINATED.clear()
     _quiet_asyncio_tls_noise()
     _quiet_nats_pong_noise()
@@ -1137,7 +1203,7 @@ def main(
             where = re.sub(r"//[^@/]*@", "//", where)
         return _report_failure(error, where, err)
     except BrokenPipeError:
-        return _pipe_closed(out)
+        raise  # (an OSError, but no file to name: main ends the command)
     except OSError as error:
         print(
             f"coordinator: cannot access {error.filename or ''}: {error.strerror or error}",
@@ -1145,8 +1211,8 @@ def main(
         )
         return EXIT_UNREADABLE
     except BaseExceptionGroup as group:  # from a task group: report the one real error
-        if group.subgroup(BrokenPipeError) is not None:
-            return _pipe_closed(out)
+        if group.subgroup(BrokenPipeError) is not None:  # whatever else failed with it
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)) from None
         ours = _first_coordinator_error(group)
         if ours is None:  # not one of ours: still one line, never a task group's traceback
             leaf: BaseException = group
@@ -1201,12 +1267,15 @@ def _quiet_nats_pong_noise() -> None:
         log.addFilter(QuietPong())
 
 
-def _pipe_closed(out: TextIO) -> int:
+def _pipe_closed(*streams: TextIO) -> int:
     """The reader of our output went away (``coordinator ls | head``): end quietly,
-    as other Unix tools do, with nothing left to flush into the closed pipe."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, out.fileno())
+    as other Unix tools do. What is still buffered goes to /dev/null at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in streams:
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # (no descriptor)
+                os.dup2(devnull, stream.fileno())
+    finally:
         os.close(devnull)
     return EXIT_PIPE_CLOSED
 

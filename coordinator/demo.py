@@ -19,6 +19,7 @@ import os
 import random
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from .children import with_parent_death_signal
 from .connection import ENVIRONMENT
 from .errors import RemoteWorkerError, SaveFailedError, UsageError, WriterBusyError
 from .events import Committed, Event, Failed, Replicated, Restored, Superseded, event_name
@@ -325,7 +327,9 @@ async def remote_agent(
     command = [sys.executable, "-m", "coordinator", "demo-agent"]
     command += [str(item) for pair in options.items() for item in pair]
     process = await anyio.open_process(
-        command,
+        # Killed with the demo, at once: a worker whose host died has nobody to
+        # stop in order for (a stop in order is bounded by nothing once it is alone).
+        with_parent_death_signal(command, signal.SIGKILL),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

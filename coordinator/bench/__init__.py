@@ -129,6 +129,13 @@ def _host(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Res
     return run(size=size, runs=runs, progress=progress)
 
 
+def _soak(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Result]:
+    """100,000 checkpoints (``coordinator bench soak --checkpoints/--hours`` sets it)."""
+    from .soak import run
+
+    return run(progress=progress)
+
+
 GROUPS: dict[str, Group] = {
     "envelope": _envelope,
     "store": _store,
@@ -137,4 +144,5 @@ GROUPS: dict[str, Group] = {
     "replicate": _replicate,
     "dashboard": _dashboard,
     "host": _host,
+    "soak": _soak,
 }

@@ -51,6 +51,7 @@ from typing import Any
 import anyio
 import anyio.streams.buffered
 
+from ..children import with_parent_death_signal
 from ..events import Captured, Committed, Event, Failed, Queued, Timings, decode_event, encode_event
 from ..stats import percentile
 from ._results import Result, median, result, status_kib
@@ -479,7 +480,8 @@ async def _fleet_run(url: str, bus: Any, plan: Plan, live: list[int]) -> dict[st
     command = [sys.executable, "-m", __name__, "serve", url, str(port), str(plan.idle_s)]
     asked: list[tuple[float, str, float, int]] = []
     stop = threading.Event()
-    async with await anyio.open_process(command, stderr=None, env=_env()) as process:
+    launched = with_parent_death_signal(command)  # a killed bench leaves no server behind
+    async with await anyio.open_process(launched, stderr=None, env=_env()) as process:
         assert process.stdout is not None and process.stdin is not None
         lines = anyio.streams.buffered.BufferedByteReceiveStream(process.stdout)
         with anyio.fail_after(plan.idle_s + 60):
