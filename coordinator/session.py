@@ -425,7 +425,8 @@ class Coordinator:
         self._check_capturing(closing)
         format_u64(step)
         self._host_step = step
-        named = checkpoint_id is not None
+        # An explicit id that is this step's default id is the default one: used once.
+        named = checkpoint_id is not None and checkpoint_id != f"{self.epoch}-{step}"
         if checkpoint_id is not None:
             self._check_explicit_id(check_id(checkpoint_id), step)
         checkpoint_id = check_id(checkpoint_id or f"{self.epoch}-{step}")
@@ -531,7 +532,7 @@ class Coordinator:
         that epoch's ordinary capture would then be refused."""
         epoch, _, number = checkpoint_id.rpartition("-")
         mine = epoch == self.epoch and number == str(step)
-        if number.isdigit() and not mine and self.store.epoch_owner(epoch) is not None:
+        if number.isdigit() and not mine and self.store.epoch_kept(epoch):
             raise UsageError(
                 f"checkpoint id {checkpoint_id!r} has the shape of epoch {epoch}'s default id; "
                 "choose another"

@@ -378,3 +378,38 @@ async def test_what_a_restore_leaves_behind_is_bounded(tmp_path: Path) -> None:
         assert "epoch-1-2" not in [r.checkpoint_id for r in store.generations]
         with pytest.raises(SaveFailedError, match=r"epoch\.fenced.*epoch epoch-1 .*abandoned"):
             c.writer.raise_failure()  # (the store refused it: raised once, here)
+
+
+@pytest.mark.asyncio
+async def test_an_explicit_id_that_is_the_step_s_default_id_is_that_id(tmp_path: Path) -> None:
+    """``checkpoint_id="epoch-1-5"`` at step 5 is the default id, used once: rotated
+    out of the listing (keep=1), the default capture of step 5 was published
+    again under the same id, and NATS would drop its events as duplicates."""
+    from hostkit import RecordingBus
+
+    bus = RecordingBus()
+    async with FileStore(tmp_path, keep=1) as store, coordinator(store, parts(), bus) as c:
+        await (await c.capture(5, checkpoint_id="epoch-1-5", replaceable=False)).wait()
+        await (await c.capture(5, checkpoint_id="other-5", replaceable=False)).wait()
+        assert store.lookup("epoch-1-5") is None  # rotated out
+        with pytest.raises(DuplicateCheckpointError):
+            await c.capture(5)
+    ids = [event.event_id for event in bus.events]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.asyncio
+async def test_an_id_shaped_like_an_unopened_epoch_s_default_id_retires_it(
+    tmp_path: Path,
+) -> None:
+    """``ep2-3``, rotated out of the listing, left epoch ``ep2`` free to open, and its
+    step 3 committed ``ep2-3`` a second time. The rotation retires the name."""
+    async with FileStore(tmp_path, keep=1) as store, coordinator(store, parts()) as c:
+        await (await c.capture(3, checkpoint_id="ep2-3", replaceable=False)).wait()
+        await (await c.capture(4, replaceable=False)).wait()
+        assert store.lookup("ep2-3") is None
+        with pytest.raises(StaleEpochError):
+            await c.restore("epoch-1-4", new_epoch="ep2")
+    async with FileStore(tmp_path) as store:  # durably: a new process is refused too
+        with pytest.raises(StaleEpochError):
+            store.check_new_epoch("ep2")

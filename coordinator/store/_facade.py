@@ -159,6 +159,9 @@ class FileStore:
     def epoch_owner(self, epoch: str) -> str | None:
         return self.core.epoch_owner(epoch)
 
+    def epoch_kept(self, epoch: str) -> bool:
+        return self.core.epoch_kept(epoch)
+
     def _refuse_squatted(self, epoch: str) -> None:
         """An epoch whose default ids a capture in flight has already taken."""
         for claimed in self._capturing:

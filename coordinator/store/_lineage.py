@@ -29,6 +29,7 @@ from typing import Literal
 import msgspec
 
 from ..errors import DuplicateCheckpointError, EpochFencedError, StaleEpochError
+from ..ids import is_id
 from ._manifest import (
     EpochRecord,
     Fork,
@@ -245,7 +246,7 @@ def check_commit(manifest: StoreManifest, session_id: str, epoch: str, checkpoin
             f"checkpoint {checkpoint_id} belongs to session {previous.session_id}"
         )
     head, _, number = checkpoint_id.rpartition("-")
-    if number.isdigit() and head != epoch and manifest.epoch_owner(head) is not None:
+    if number.isdigit() and head != epoch and manifest.epoch_kept(head):
         raise DuplicateCheckpointError(
             f"checkpoint {checkpoint_id} has the shape of epoch {head}'s default id"
         )
@@ -279,7 +280,26 @@ def with_generation(
         candidates = [g for g in off + on if g.checkpoint_id not in keep_now]
         dropped = candidates[: len(mine) - keep]
         generations = [g for g in generations if g not in dropped]
+        session = _squatted_retired(manifest, session, dropped)
     return _with_session(manifest, session, generations), dropped
+
+
+def _squatted_retired(
+    manifest: StoreManifest, session: SessionRecord, dropped: Sequence[GenerationRecord]
+) -> SessionRecord:
+    """A dropped generation whose id has the shape of a default id of an epoch never
+    opened (``late-7``: epoch ``late``) keeps that epoch from ever being opened:
+    while it was listed, ``check_epoch_unused`` refused it; from now on its name is
+    retired. Otherwise that epoch's default capture would use the id again."""
+    squatted = set()
+    for record in dropped:
+        head, _, number = record.checkpoint_id.rpartition("-")
+        if number.isdigit() and is_id(head) and manifest.epoch_owner(head) is None:
+            squatted.add(head)
+    if not squatted:
+        return session
+    retired = tuple(sorted({*session.retired_epochs, *squatted}))
+    return msgspec.structs.replace(session, retired_epochs=retired)
 
 
 def check_consistent(manifest: StoreManifest) -> str | None:

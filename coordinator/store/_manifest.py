@@ -169,6 +169,11 @@ class StoreManifest(_Record, frozen=True, kw_only=True):
                 return session.session_id
         return None
 
+    def epoch_kept(self, epoch: str) -> bool:
+        """Whether a session keeps ``epoch``'s record (not only its retired name):
+        an epoch whose default ids an explicit id may not take."""
+        return any(session.epoch(epoch) is not None for session in self.sessions)
+
 
 def file_name_ok(record: GenerationRecord) -> bool:
     """A record's file is its id's name (or an alternate): never a path elsewhere."""

@@ -265,6 +265,10 @@ class SyncStore:
         """The session that opened ``epoch`` in this store, if one did."""
         return self._manifest.epoch_owner(epoch)
 
+    def epoch_kept(self, epoch: str) -> bool:
+        """Whether a session keeps ``epoch``'s record (a retired name is not one)."""
+        return self._manifest.epoch_kept(epoch)
+
     @property
     def poisoned(self) -> str | None:
         """Why commits are refused until the store is reopened (``None``: they aren't)."""
