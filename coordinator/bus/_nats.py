@@ -14,12 +14,16 @@ in a KV bucket. The only module that imports ``nats``.
 - The KV's latest ``committed`` of a session only moves forward: a put is
   conditional on the revision read and happens only for a higher ``seq``; an
   event the stream drops as a duplicate of someone else's does not write it.
-- ``publish`` never waits for the server: events go to a bounded outbox that a
-  task drains in order, retrying with the same ids while the server is away.
-  Overflow is counted in ``statistics().dropped``. An event the server refuses
-  again and again while connected is dropped after ``max_attempts`` and counted
-  (``undeliverable``), so one bad event never wedges the rest. Durability never
-  waits on the bus: the store manifest is the truth.
+- ``publish`` never waits for the server: events go to a bounded outbox of one
+  lane per session, each sent in order by a task of its own, so one session's
+  failing write never holds up another's. Each write (a seq reservation, a
+  window of events, a KV entry) is retried with the same ids: while the server
+  is away without end, nothing lost; a timeout with it connected throughout (how
+  NATS answers a publish it denies) counts, and the ``max_attempts``th gives the
+  write up, counted and logged (``undeliverable`` per event, ``kv_failed``), and
+  the session goes on. Events whose seq cannot be reserved never go out: each
+  is ``undeliverable``. Overflow is counted in ``statistics().dropped``.
+  Durability never waits on the bus: the store manifest is the truth.
 - Subscribers get a bounded buffer each; a full buffer, or nats-py's own slow
   consumer report, is counted, never only logged.
 - A permission the server refuses (a subscription, a history read, the setup's
@@ -32,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
 import json
 import logging
 import re
@@ -159,16 +162,14 @@ class NatsBus:
         self.publish_timeout = publish_timeout
         self.connect_timeout = connect_timeout
         self.publish_window = publish_window  # events whose acks are awaited together
-        # Failures in a row, with the server connected, before a window is sent one
-        # event at a time, and then before the event that still fails is dropped.
+        # Timeouts in a row, the server connected throughout, before a write (an
+        # event, a seq reservation, a KV entry) is given up: counted and logged.
         self.max_attempts = max_attempts
         self.replicas = replicas  # for a stream or bucket this bus creates (R3 on a cluster)
         self._options = connect_options
-        self._outbox = Backlog[Event]()
+        self._lanes: dict[str, _Lane] = {}  # session -> its events on their way
+        self._queued = 0  # events in the lanes, until stored or given up
         self._on_close: list[Callable[[], None]] = []
-        self._stamped = 0  # outbox events (from the head) that have their seq
-        self._next_seq: dict[str, int] = {}  # session -> the seq its next event gets
-        self._reserved: dict[str, int] = {}  # session -> the highest seq held in the KV
         self._disconnects = 0
         self._closing = False
         self._flush_deadline = 0.0
@@ -204,7 +205,9 @@ class NatsBus:
             disconnected_cb=on_disconnect,
             **self._options,
         )
-        self._js = self._nc.jetstream()
+        # Every event in flight is in a lane, so the outbox's limit bounds the acks
+        # awaited: nats-py's own bound would only stall a lane past its timeout.
+        self._js = self._nc.jetstream(publish_async_max_pending=max(1, self.outbox_limit))
 
         async def set_up() -> None:
             await self._ensure_stream()
@@ -232,7 +235,8 @@ class NatsBus:
             raise
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
-        await self._group.start(self._run_outbox)
+        for session_id, lane in self._lanes.items():  # (published before entering)
+            self._start(session_id, lane)
         if not self.read_only:
             await self._group.start(self._run_beats)
         return self
@@ -252,7 +256,6 @@ class NatsBus:
             return
         self._closing = True
         self._flush_deadline = anyio.current_time() + flush_timeout
-        self._outbox.wake()
         self._beat_now.set()
         for wake in self._on_close:
             wake()
@@ -260,8 +263,10 @@ class NatsBus:
             if self._group is not None:
                 await self._group.__aexit__(None, None, None)
         finally:
-            self._counts["dropped"] += len(self._outbox.items)  # unsent: counted, never silent
-            self._outbox.items.clear()
+            self._counts["dropped"] += self._queued  # unsent: counted, never silent
+            self._queued = 0
+            for lane in self._lanes.values():
+                lane.events.clear()
             for subscription in list(self._subscriptions):
                 await subscription._send.aclose()
             self._subscriptions.clear()
@@ -486,188 +491,207 @@ class NatsBus:
             raise UsageError("this bus was opened read-only: it publishes nothing")
         if not is_id(event.session_id):
             raise InvalidScalarError("Id", event.session_id)
-        if len(self._outbox.items) >= self.outbox_limit:
+        if self._queued >= self.outbox_limit:
             self._counts["dropped"] += 1  # the outbox is full: counted, not silent
             return
-        self._outbox.append(event)
+        lane = self._lanes.get(event.session_id)
+        if lane is None:
+            lane = self._lanes[event.session_id] = _Lane()
+        lane.events.append(event)
+        self._queued += 1
+        self._start(event.session_id, lane)
 
-    async def _run_outbox(
-        self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        """Send the outbox in order. A transient error sends the same window again.
-        Failures while the server stays connected are counted: after
-        ``max_attempts`` in a row the window is sent one event at a time, and the
-        one event that still fails as often is dropped (``undeliverable``, logged)."""
-        task_status.started()
-        backoff = 0.05
-        refused = 0  # failures in a row with the server connected throughout
-        failed = 0  # failures in a row of any kind: what is sent again may be stored
-        singles = 0  # events still to send one at a time
-        while await self._outbox.ready(self, self._counts, "dropped"):
-            size = 1 if singles else self.publish_window
-            try:
-                window = await self._stamp(size)
-            except TRANSIENT:  # the server is away or slow to answer: not the events' fault
-                self._counts["retries"] += 1
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
+    def _start(self, session_id: str, lane: _Lane) -> None:
+        if not lane.running and lane.events and self._group is not None:
+            lane.running = True
+            self._group.start_soon(self._run_lane, session_id, lane)
+
+    async def _run_lane(self, session_id: str, lane: _Lane) -> None:
+        """Send one session's events in order, a window at a time, until none are
+        left. Its own task: what fails or waits holds up this session only."""
+        try:
+            while lane.events:
+                if self._closing and anyio.current_time() > self._flush_deadline:
+                    raise _AbandonedError
+                await self._send_window(session_id, lane)
+                self._queued -= lane.taken  # stored, or given up and counted
+                lane.taken = 0
+        except _AbandonedError:  # the close's flush deadline passed: what is left is counted
+            self._counts["dropped"] += len(lane.window) + len(lane.events)
+            self._queued -= lane.taken + len(lane.events)
+            lane.events.clear()
+        finally:  # (cancelled: aclose counts what is still queued)
+            lane.window, lane.taken, lane.running = [], 0, False
+
+    async def _send_window(self, session_id: str, lane: _Lane) -> None:
+        """Number the lane's next window, publish it, then move the session's KV
+        entry to its newest ``committed``: each step with attempts of its own."""
+        error = None
+        if lane.next_seq == 0:  # never counted against the events: a slow link only delays
+            error = await self._attempts(lambda: self._read_seq(session_id, lane), counted=False)
+        if error is None:
+            error = await self._attempts(lambda: self._reserve(session_id, lane))
+        if error is not None:  # the events cannot be numbered: none goes out
+            self._fill(lane)
+            for event in lane.window:
+                self._lost(event, "dropped: its seq could not be reserved", error)  # (unnumbered)
+            lane.window = []
+            return
+        lane.window = [
+            msgspec.structs.replace(event, seq=lane.next_seq + index)
+            for index, event in enumerate(lane.window)
+        ]
+        lane.next_seq += len(lane.window)
+        newest = await self._publish(lane)
+        if newest is None:
+            return
+        try:
+            error = await self._attempts(lambda: self._put_latest(newest))
+        except _AbandonedError as abandoned:
+            error = abandoned
+        if error is not None:  # the session's next commit, or reconcile(), repairs it
+            self._counts["kv_failed"] += 1
+            _log.warning("KV entry %s (seq %d) not written: %r", session_id, newest.seq, error)
+
+    async def _attempts(
+        self, step: Callable[[], Coroutine[Any, Any, None]], *, counted: bool = True
+    ) -> Exception | None:
+        """``step()`` until it succeeds (then None), with backoff. While the server
+        is away it is retried without end: nothing is lost. A timeout with the
+        server connected throughout counts (unless not ``counted``): the
+        ``max_attempts``th is returned, as is at once an error no retry can get
+        past. ``_AbandonedError`` once the close's flush deadline passes."""
+        assert self._nc is not None
+        backoff, failures = 0.05, 0
+        while True:
             disconnects = self._disconnects
             try:
-                await self._send(window, retried=failed > 0)
-            except Exception as error:  # transient, or something about these events
+                await step()
+                return None
+            except Exception as error:
+                if not isinstance(error, TRANSIENT):
+                    return error
+                connected = self._disconnects == disconnects and self._nc.is_connected
+                if counted and connected and isinstance(error, TimeoutError):
+                    failures += 1  # (the server may drop a publish it denies: no ack ever)
+                    if failures >= self.max_attempts:
+                        return error
                 self._counts["retries"] += 1
-                failed += 1
-                assert self._nc is not None
-                if not isinstance(error, TRANSIENT) or (
-                    self._disconnects == disconnects and self._nc.is_connected
-                ):
-                    refused += 1
-                if refused >= self.max_attempts:
-                    refused = 0
-                    if size > 1:
-                        singles = size  # find the one that fails
-                    else:
-                        self._give_up(error)
-                        singles, failed = max(0, singles - 1), 0
-                        continue
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            backoff, refused, failed = 0.05, 0, 0
-            singles = max(0, singles - len(window))
-            for _ in window:
-                self._outbox.items.popleft()
-            self._stamped -= len(window)
+            if self._closing and anyio.current_time() + backoff > self._flush_deadline:
+                raise _AbandonedError
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
 
-    def _refused(self, event: Event, error: BaseException) -> None:
-        """The server (or nats-py, or the encoder) refused this one event outright:
-        retrying could not help. Counted and logged, never silent."""
-        self._counts["undeliverable"] += 1
-        _log.warning("event %s (seq %d) refused: %r", event.event_id, event.seq, error)
+    async def _read_seq(self, session_id: str, lane: _Lane) -> None:
+        lane.reserved = await self._stored_seq(session_id)
+        lane.next_seq = lane.reserved + 1
 
-    def _give_up(self, error: BaseException) -> None:
-        """Drop the outbox's first event: the server refused it ``max_attempts``
-        times in a row while connected. Counted and logged, never silent."""
-        event = self._outbox.items.popleft()
-        self._stamped = max(0, self._stamped - 1)
-        self._counts["undeliverable"] += 1
-        _log.warning(
-            "event %s (seq %d) dropped after %d failures with the server connected: %r",
-            event.event_id, event.seq, self.max_attempts, error,
-        )  # fmt: skip
+    def _fill(self, lane: _Lane) -> None:
+        """Take the lane's next events into its window, up to ``publish_window``."""
+        while lane.events and len(lane.window) < self.publish_window:
+            lane.window.append(lane.events.popleft())
+            lane.taken += 1
 
-    async def _stamp(self, size: int) -> list[Event]:
-        """The outbox's first ``size`` events, each with its seq: one past the
-        session's previous; a session's first, one past what the bus holds. The
-        highest seq of each session is reserved in the KV (``<token>.seq``) before
-        any event carrying it goes out, so a re-sent window that the stream
-        stores out of order can never make a later bus issue a seq again."""
-        items = self._outbox.items
-        while self._stamped < min(size, len(items)):
-            event = items[self._stamped]
-            session = event.session_id
-            if session not in self._next_seq:
-                stored = await self._stored_seq(session)
-                self._next_seq[session] = stored + 1
-                self._reserved[session] = stored
-            items[self._stamped] = msgspec.structs.replace(event, seq=self._next_seq[session])
-            self._next_seq[session] += 1
-            self._stamped += 1
-        window = list(itertools.islice(items, size))
-        highest: dict[str, int] = {}
-        for event in window:
-            highest[event.session_id] = max(highest.get(event.session_id, 0), event.seq)
-        for session, seq in highest.items():
-            if seq > self._reserved.get(session, 0):
-                with anyio.fail_after(self.publish_timeout):
-                    await self._advance_kv(_seq_key(session), seq, str(seq).encode())
-                self._reserved[session] = seq
-        return window
-
-    async def _send(self, window: list[Event], *, retried: bool) -> None:
-        """Publish ``window`` in order, its acks awaited together (one at a time
-        would cap the bus at ~1.4k events/s here), then the newest ``committed``
-        of each session goes to the KV bucket. A transient error anywhere raises,
-        and the caller sends the whole window again: what was stored already
-        comes back as a duplicate, by its ``Nats-Msg-Id`` (``retried``: perhaps
-        ours, so its KV put is still due). Nothing is handed to nats-py while it
-        is disconnected; what it buffered before a disconnect goes out on the
-        reconnect ahead of the retried window, which then is duplicates: in order."""
-        assert self._nc is not None and self._js is not None and self._kv is not None
-        acks: list[asyncio.Future[Any] | Exception] = []
-        encoded = [_encoded_or_error(event) for event in window]
-        try:
+    async def _reserve(self, session_id: str, lane: _Lane) -> None:
+        """Reserve in the KV (``<token>.seq``) the highest seq the window is to
+        carry, before any event carrying it goes out: a re-sent window that the
+        stream stores out of order can then never make a later bus issue a seq
+        again. Each attempt takes in what came meanwhile (a window waiting out an
+        outage goes as one)."""
+        self._fill(lane)
+        highest = lane.next_seq + len(lane.window) - 1
+        if highest > lane.reserved:
             with anyio.fail_after(self.publish_timeout):
-                for index, event in enumerate(window):
+                await self._advance_kv(_seq_key(session_id), highest, str(highest).encode())
+            lane.reserved = highest
+
+    async def _publish(self, lane: _Lane) -> Committed | None:
+        """Publish the lane's window in order. What is not acknowledged is sent
+        again with the same ids (what was stored already comes back as a duplicate,
+        by its ``Nats-Msg-Id``); the first event still unacknowledged after its
+        attempts is given up, and the rest goes on. The newest ``committed`` stored
+        by us, for the KV."""
+        newest: Committed | None = None
+        sent = 0  # attempts so far: a duplicate after the first may be our own
+
+        async def send_unsent() -> None:
+            nonlocal newest, sent
+            outcomes = await self._send(lane.window)
+            retried, sent = sent > 0, sent + 1
+            unsent = []
+            for event, outcome in zip(lane.window, outcomes, strict=True):
+                if isinstance(outcome, TRANSIENT):
+                    unsent.append(event)
+                elif isinstance(outcome, BaseException):  # retrying could not help
+                    self._lost(event, f"(seq {event.seq}) refused", outcome)
+                else:
+                    self._counts["duplicates" if outcome.duplicate else "published"] += 1
+                    ours = retried or not outcome.duplicate  # not someone else's, stored before
+                    if isinstance(event, Committed) and ours:
+                        newest = event if newest is None or event.seq > newest.seq else newest
+            lane.window = unsent
+            if failure := next((o for o in outcomes if isinstance(o, TRANSIENT)), None):
+                raise failure
+
+        while lane.window:
+            if (error := await self._attempts(send_unsent)) is not None:
+                event = lane.window.pop(0)
+                what = f"(seq {event.seq}) dropped after {self.max_attempts} timeouts, connected"
+                self._lost(event, what, error)
+        return newest
+
+    async def _send(self, events: list[Event]) -> list[Any]:
+        """Publish ``events`` in order, their acks awaited together (one at a time
+        would cap the bus at ~1.4k events/s here) for ``publish_timeout``: each
+        one's ack, or the error it has instead. After a transient error the rest
+        is not handed over (it could land first). Nothing is handed to nats-py
+        while it is disconnected; what it buffered before a disconnect goes out on
+        the reconnect ahead of the re-sent events, which then are duplicates."""
+        assert self._nc is not None and self._js is not None
+        acks: list[asyncio.Future[Any] | Exception] = []
+        stopped: Exception | None = None  # why the rest was not handed over
+        try:
+            with anyio.move_on_after(self.publish_timeout):
+                for index, event in enumerate(events):
                     if not self._nc.is_connected:
-                        raise nats.errors.ConnectionReconnectingError
-                    data = encoded[index]
-                    if isinstance(data, Exception):  # never sendable: this one
-                        acks.append(data)
-                        continue
+                        break
                     try:
                         acks.append(
                             await self._js.publish_async(
                                 subject(event.session_id, event_name(event), prefix=self.prefix),
-                                data,
+                                encode_event(event),
                                 headers={"Nats-Msg-Id": event.event_id},
                             )
                         )
-                    except TRANSIENT:
-                        raise
-                    except Exception as refused:  # too large, a bad subject...: this one
-                        acks.append(refused)
+                    except Exception as error:  # too large, not encodable...: this one
+                        acks.append(error)
+                        if isinstance(error, TRANSIENT):
+                            stopped = error
+                            break
                     if index % 64 == 63:  # let the host's loop run: ~0.05 ms per publish
                         await anyio.lowlevel.checkpoint()
-                # asyncio.wait, not gather: a timeout must stay a timeout, and
-                # leave the acks uncancelled until ``finally``.
+                # asyncio.wait, not gather: leaves the acks uncancelled until ``finally``
                 if pending := [ack for ack in acks if isinstance(ack, asyncio.Future)]:
                     await asyncio.wait(pending)
         finally:
             for ack in acks:
-                if isinstance(ack, asyncio.Future):
-                    if ack.done() and not ack.cancelled():
-                        ack.exception()  # read: never "exception was never retrieved"
+                if isinstance(ack, asyncio.Future) and not ack.done():
                     ack.cancel()
-        outcomes = [
-            ack if isinstance(ack, Exception) else ack.exception() or ack.result() for ack in acks
-        ]
-        if failure := next((o for o in outcomes if isinstance(o, TRANSIENT)), None):
-            raise failure
-        await self._settle(window, encoded, outcomes, retried=retried)
+        unacked: Exception = nats.errors.ConnectionReconnectingError()
+        if self._nc.is_connected:
+            unacked = TimeoutError("no ack within publish_timeout")
+        outcomes = [_outcome(ack, unacked) for ack in acks]
+        return outcomes + [stopped or unacked] * (len(events) - len(acks))
 
-    async def _settle(
-        self,
-        window: list[Event],
-        encoded: list[bytes | Exception],
-        outcomes: list[Any],
-        *,
-        retried: bool,
-    ) -> None:
-        """Count a sent window's outcomes, and move each session's KV latest to its
-        newest ``committed`` stored by us."""
-        assert self._nc is not None
-        newest: dict[str, tuple[int, bytes]] = {}  # session -> its newest committed
-        for index, (event, outcome) in enumerate(zip(window, outcomes, strict=True)):
-            if isinstance(outcome, BaseException):  # refused: retrying would block the rest
-                self._refused(event, outcome)
-                continue
-            self._counts["duplicates" if outcome.duplicate else "published"] += 1
-            data = encoded[index]
-            ours = retried or not outcome.duplicate  # not someone else's, stored before
-            if isinstance(event, Committed) and isinstance(data, bytes) and ours:
-                newest[event.session_id] = (event.seq, data)
-        for session_id, (seq, committed) in newest.items():
-            try:
-                with anyio.fail_after(self.publish_timeout):
-                    await self._advance_kv(subject_token(session_id), seq, committed)
-            except TRANSIENT:
-                if not self._nc.is_connected:
-                    raise  # the window again once connected (its events: duplicates)
-                self._counts["kv_failed"] += 1  # the next commit or reconcile() repairs it
-            except Exception:  # the bucket refused it: counted; reconcile() repairs it
-                self._counts["kv_refused"] += 1
+    def _lost(self, event: Event, what: str, error: BaseException) -> None:
+        """An event the server will not have: counted and logged, never silent."""
+        self._counts["undeliverable"] += 1
+        _log.warning("event %s %s: %r", event.event_id, what, error)
+
+    async def _put_latest(self, committed: Committed) -> None:
+        with anyio.fail_after(self.publish_timeout):
+            key = subject_token(committed.session_id)
+            await self._advance_kv(key, committed.seq, encode_event(committed))
 
     async def _advance_kv(self, key: str, seq: int, value: bytes) -> None:
         """Put ``value`` (carrying ``seq``) under ``key``, unless the KV holds one with
@@ -825,8 +849,9 @@ class NatsBus:
         fills), so the caller leaves it for later."""
         assert self._js is not None
         name = subject(check_id(session_id), kind, prefix=self.prefix)
-        for event in reversed(self._outbox.items):  # on its way: the stream has it soon
-            if event_name(event) == kind and event.session_id == session_id:
+        lane = self._lanes.get(session_id, _Lane())
+        for event in reversed([*lane.window, *lane.events]):  # on its way: stored soon
+            if event_name(event) == kind:
                 return event
         try:
             with anyio.fail_after(self.publish_timeout):
@@ -993,7 +1018,7 @@ class NatsBus:
     @property
     def pending(self) -> int:
         """Events waiting in the outbox (the server is away, or slow)."""
-        return len(self._outbox.items)
+        return self._queued
 
 
 async def connect(
@@ -1245,12 +1270,29 @@ def _seq_key(session_id: str) -> str:
     return f"{subject_token(session_id)}.seq"
 
 
-def _encoded_or_error(event: Event) -> bytes | Exception:
-    """An event's JSON, or why it has none (a lone surrogate in a reason...)."""
-    try:
-        return encode_event(event)
-    except Exception as error:
-        return error
+class _Lane:
+    """One session's events on their way, in order, and the seqs they rest on."""
+
+    def __init__(self) -> None:
+        self.events: collections.deque[Event] = collections.deque()  # not yet taken
+        self.window: list[Event] = []  # taken, and not yet stored or given up
+        self.taken = 0  # events taken into the window: pending until its KV put is done
+        self.next_seq = 0  # the seq its next event gets; 0: not read from the server yet
+        self.reserved = 0  # the highest seq held in the KV (``<token>.seq``)
+        self.running = False  # a task sends it
+
+
+class _AbandonedError(Exception):
+    """The close's flush deadline passed: what is left is given up (counted)."""
+
+
+def _outcome(ack: asyncio.Future[Any] | Exception, unacked: Exception) -> Any:
+    """A publish's ack, or its error; ``unacked`` for one cancelled unanswered."""
+    if isinstance(ack, Exception):
+        return ack
+    if ack.cancelled():
+        return unacked
+    return ack.exception() or ack.result()
 
 
 def _redacted(servers: Sequence[str]) -> str:

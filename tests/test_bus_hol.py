@@ -1,0 +1,152 @@
+"""No head-of-line blocking on the bus (issue 27, item 2), on a real nats-server
+whose user may not write one session's KV key, another's seq reservation, and a
+third's event subjects: the server drops those publishes and says so only on the
+side, so each one times out with the connection up. The other sessions' events
+and KV entries still arrive at once; each failing write gets a bounded number of
+attempts and is then counted and logged. A server that is really away loses
+nothing, denied sessions or not."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+import pytest_asyncio
+from test_events import make
+from test_writer import wait_until
+
+from coordinator.bus import NatsBus
+from coordinator.events import Committed, Event, event_id
+from coordinator.server import EmbeddedServer
+
+GOOD = ["good-1", "good-2"]
+KV_DENIED = "kv-bad"  # its latest committed may not be written
+SEQ_DENIED = "seq-bad"  # its seq reservation may not be written
+EVENTS_DENIED = "ev-bad"  # its events may not be published
+DENY = [f"$KV.CKPT_COMMITTED.{KV_DENIED}", f"$KV.CKPT_COMMITTED.{SEQ_DENIED}.seq",
+        f"ckpt.{EVENTS_DENIED}.>"]  # fmt: skip
+USERS = (
+    "authorization {\n  users = [\n    {user: host, password: pw, permissions: {\n"
+    f"      publish: {{allow: [\">\"], deny: {msgspec.json.encode(DENY).decode()}}}\n"
+    "    }}\n  ]\n}\n"
+)
+KINDS = ("captured", "queued", "committed")
+
+
+@pytest_asyncio.fixture
+async def server(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
+    async with EmbeddedServer(tmp_path / "nats", config=USERS) as running:
+        yield running
+
+
+def bus_on(server: EmbeddedServer) -> NatsBus:
+    return NatsBus(server.url, user="host", password="pw", publish_timeout=0.5, max_attempts=3)
+
+
+def checkpoint(session: str, index: int) -> list[Event]:
+    """A checkpoint's three events, for ``session``."""
+    name = f"c{index}"
+    events = []
+    for kind in KINDS:
+        event = msgspec.structs.replace(
+            make(kind), session_id=session, checkpoint_id=name,
+            event_id=event_id(session, "e1", name, kind),
+        )  # fmt: skip
+        if isinstance(event, Committed):
+            event = msgspec.structs.replace(event, high_water=name)
+        events.append(event)
+    return events
+
+
+async def latest(bus: NatsBus, session: str) -> str | None:
+    committed = await bus.latest_committed(session)
+    return committed.checkpoint_id if committed is not None else None
+
+
+@pytest.mark.asyncio
+async def test_a_session_whose_writes_are_denied_holds_back_no_other(
+    server: EmbeddedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three denied sessions publish a checkpoint each, then two others one every
+    20 ms for a second. The reservation that never acked was retried for ever, and
+    every session behind it waited for ever; a denied event or KV put held every
+    session behind it for a publish timeout per attempt."""
+    caplog.set_level(logging.WARNING, logger="coordinator.bus")
+    published: dict[str, float] = {}
+    seen: dict[str, float] = {}
+    async with bus_on(server) as bus, anyio.create_task_group() as group:
+        subscription = await bus.subscribe()
+
+        async def follow() -> None:
+            async for event in subscription:
+                seen.setdefault(event.event_id, anyio.current_time())
+
+        group.start_soon(follow)
+        for session in (KV_DENIED, SEQ_DENIED, EVENTS_DENIED):
+            for event in checkpoint(session, 0):
+                await bus.publish(event)
+        for index in range(50):
+            for session in GOOD:
+                for event in checkpoint(session, index):
+                    published[event.event_id] = anyio.current_time()
+                    await bus.publish(event)
+            await anyio.sleep(0.02)
+        await wait_until(lambda: published.keys() <= seen.keys(), timeout=10)
+        waits = [seen[ident] - at for ident, at in published.items()]
+        for session in GOOD:  # the KV too, at once
+            with anyio.fail_after(1):
+                while await latest(bus, session) != "c49":
+                    await anyio.sleep(0.01)
+        # Each failing write: 3 attempts of 0.5 s, then the next; nothing for ever.
+        await wait_until(lambda: not bus.pending, timeout=15)
+        counts = bus.counts()
+        kv_history = await bus.history(KV_DENIED)
+        seq_history = await bus.history(SEQ_DENIED)
+        assert await latest(bus, KV_DENIED) is None
+        subscription._send.close()
+    print(f"other sessions' events waited at most {max(waits):.3f} s")
+    assert max(waits) < 0.4, max(waits)  # (a denied write costs 0.5 s an attempt)
+    assert [e.checkpoint_id for e in kv_history] == ["c0"] * 3  # its events are not held
+    assert seq_history == []
+    assert counts["undeliverable"] == 6  # the two denied sessions' events, each counted
+    assert counts["kv_failed"] == 1
+    warned = "\n".join(record.getMessage() for record in caplog.records)
+    for session in (SEQ_DENIED, EVENTS_DENIED):
+        assert warned.count(f"event {session}:e1:c0:") == 3, warned
+    assert f"KV entry {KV_DENIED} " in warned, warned
+
+
+@pytest.mark.asyncio
+async def test_a_server_that_is_away_loses_nothing_beside_a_denied_session(
+    server: EmbeddedServer,
+) -> None:
+    """The server is killed for longer than a failing write's attempts take, and
+    restarted: with a denied session beside them, every event of the others is
+    stored once, in order, and their KV entries are right. An outage is never
+    counted against a write."""
+    async with bus_on(server) as bus:
+        for session in [*GOOD, KV_DENIED]:
+            for event in checkpoint(session, 0):
+                await bus.publish(event)
+        await wait_until(lambda: not bus.pending, timeout=10)
+        await server.kill()
+        for index in range(1, 4):
+            for session in [*GOOD, KV_DENIED]:
+                for event in checkpoint(session, index):
+                    await bus.publish(event)
+        await anyio.sleep(3)  # (3 attempts with backoff would have given up by now)
+        assert bus.pending == 27  # 3 sessions x 3 checkpoints x 3 events
+        await server.start()
+        await wait_until(lambda: not bus.pending, timeout=15)
+        for session in [*GOOD, KV_DENIED]:
+            history = await bus.history(session)
+            assert [e.seq for e in history] == list(range(1, 13)), session
+            assert [e.checkpoint_id for e in history] == [f"c{i // 3}" for i in range(12)]
+        assert [await latest(bus, session) for session in GOOD] == ["c3", "c3"]
+        counts = bus.counts()
+    assert counts.get("undeliverable", 0) == 0 and counts.get("dropped", 0) == 0
+    assert counts["kv_failed"] == 2  # the denied key's writes, before and after: counted
