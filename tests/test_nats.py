@@ -15,7 +15,7 @@ from test_writer import submit, wait_until
 
 from coordinator import BusConfigError
 from coordinator.bus import NatsBus
-from coordinator.events import Committed
+from coordinator.events import Committed, encode_event
 from coordinator.server import EmbeddedServer, ServerError, find_nats_server
 from coordinator.store import FileStore
 from coordinator.writer import Writer, WriterLimits
@@ -283,6 +283,32 @@ async def test_live_subscribers_do_not_see_a_retry_twice(server: EmbeddedServer)
             first = await subscription.receive()
             second = await subscription.receive()
         assert (first.event_id, type(second).__name__) == (event.event_id, "Failed")
+
+
+@pytest.mark.asyncio
+async def test_a_raw_subscriber_does_not_see_a_retry_twice(server: EmbeddedServer) -> None:
+    """A reader folding the raw messages was handed a retried event twice (the
+    soak's folding subscriber counted it across server restarts); a message
+    that is no event of ours still reaches it, every time."""
+    from test_events import make
+
+    seen: list[bytes] = []
+
+    async def keep(data: bytes) -> None:
+        seen.append(data)
+
+    async with NatsBus(server.url) as bus:
+        await bus.subscribe("session-1", raw=keep)
+        client = await nats.connect(server.url)
+        event = make("committed", 1)
+        data = encode_event(event)
+        for message in (data, data, b"not json", b"not json"):
+            await client.publish("ckpt.session-1.committed", message)
+        await client.flush()
+        await client.close()
+        await wait_until(lambda: len(seen) >= 3)
+        await anyio.sleep(0.2)
+    assert seen == [data, b"not json", b"not json"]
 
 
 @pytest.mark.asyncio

@@ -752,8 +752,9 @@ class NatsBus:
         buffer: int = 1024,
         raw: Callable[[bytes], Coroutine[Any, Any, None]] | None = None,
     ) -> Subscription:
-        """Live events (core NATS) of one session, or all, from now on. ``raw``:
-        every message, undecoded, goes to it in order instead (a reader that
+        """Live events (core NATS) of one session, or all, from now on; a retry
+        the stream de-duplicated is handed on once. ``raw``: every message,
+        undecoded, goes to it in order instead (a reader that
         folds by the documented rules); the subscription then only holds it."""
         assert self._nc is not None
         send, receive = anyio.create_memory_object_stream[Event](buffer)
@@ -763,21 +764,32 @@ class NatsBus:
         recent: collections.deque[str] = collections.deque(maxlen=_RECENT_IDS)
         recent_set: set[str] = set()
 
+        def seen_before(event_id: str) -> bool:
+            """A retry the stream de-duplicated (core NATS hands it on again)."""
+            if event_id in recent_set:
+                return True
+            if len(recent) == recent.maxlen:
+                recent_set.discard(recent[0])
+            recent.append(event_id)
+            recent_set.add(event_id)
+            return False
+
         async def deliver(message: Any) -> None:
-            if raw is not None:
-                await raw(message.data)
+            if raw is not None:  # undecoded, but a retry is still handed on once
+                try:
+                    event_id = _EVENT_ID.decode(message.data).event_id
+                except msgspec.MsgspecError:  # no event of ours: the reader's rules say
+                    event_id = None
+                if event_id is None or not seen_before(event_id):
+                    await raw(message.data)
                 return
             try:
                 event = decode_event(message.data)
             except msgspec.MsgspecError:  # not one of our events: counted, skipped
                 self._counts["invalid"] += 1
                 return
-            if event.event_id in recent_set:  # a retry the stream de-duplicated
+            if seen_before(event.event_id):
                 return
-            if len(recent) == recent.maxlen:
-                recent_set.discard(recent[0])
-            recent.append(event.event_id)
-            recent_set.add(event.event_id)
             try:
                 send.send_nowait(event)
             except anyio.WouldBlock:
@@ -1268,6 +1280,13 @@ def _seq_key(session_id: str) -> str:
     """The KV key of a session's seq reservation: ``<token>.seq`` (a session's
     token holds no '.', so it never collides with a session's own key)."""
     return f"{subject_token(session_id)}.seq"
+
+
+class _EventId(msgspec.Struct, rename="camel"):
+    event_id: str | None = None
+
+
+_EVENT_ID = msgspec.json.Decoder(_EventId)
 
 
 class _Lane:
