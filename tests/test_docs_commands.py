@@ -28,7 +28,9 @@ def runnable(line: str) -> str | None:
     command = INSTALL.sub("", line.split("  #", maxsplit=1)[0].strip())
     if command.startswith("pytest") or command.endswith("&& pytest"):
         return None  # the test suite: CI runs exactly this line (.ci/run)
-    if command.startswith("coordinator bench"):
+    if command.startswith("coordinator bench soak"):  # counted in checkpoints
+        command += " --checkpoints 200"
+    elif command.startswith("coordinator bench"):
         command += " --size 8MiB --runs 1"
     return command
 

@@ -1,4 +1,4 @@
-"""The short soak (issue 27): ``coordinator bench soak`` at 1,000 checkpoints, the
+"""The short soak (issue 27): ``coordinator bench soak`` at 600 checkpoints, the
 NATS server killed and restarted under the host every few seconds. Its shape is
 asserted, never its timings: every metric is there, the host's samples are
 complete, nothing leaked in fds, threads or memfds, the event contract held,
@@ -13,12 +13,12 @@ import pytest
 
 from coordinator.bench.soak import HistoryCheck, run
 
-CHECKPOINTS = 1_000
+CHECKPOINTS = 600
 
 
 @pytest.fixture(scope="module")
 def soak() -> dict[str, dict[str, object]]:
-    results = run(checkpoints=CHECKPOINTS, every=25, restart_every=3)
+    results = run(checkpoints=CHECKPOINTS, every=20, restart_every=3)
     return {r.metric: {"ours": r.ours, "met": r.met, **r.detail} for r in results}
 
 

@@ -41,6 +41,7 @@ BIG_BYTES = 8 << 20
 BIG_EVERY = 200  # one checkpoint in this many carries an 8 MiB world
 DRAIN_TIMEOUT_S = 60.0  # the bus's outbox empties before the host says it is done
 RESUME_TIMEOUT_S = 60.0  # a resume retried while the remote agent is away
+SETTLE_TIMEOUT_S = 5.0  # a sample waits for the host to be at rest
 REMOTE_TIMEOUT_S = 5.0  # a request lost in a server restart fails after this
 
 
@@ -119,7 +120,7 @@ async def _host(  # noqa: PLR0917 (the command line's options)
                     if outcome is not None:
                         errors[getattr(outcome, "code", type(outcome).__name__)] += 1
                 if taken % every == 0:
-                    live = await _released(coordinator)
+                    live = await _released(coordinator, bus)
                     if trace and taken == every * 10:  # the end of the bench's warm-up
                         tracemalloc.start(12)
                         baseline = tracemalloc.take_snapshot()
@@ -143,12 +144,17 @@ def _show_growth(baseline: tracemalloc.Snapshot) -> None:
               *stat.traceback.format()[-6:], sep="\n  ", file=sys.stderr)  # fmt: skip
 
 
-async def _released(coordinator: Coordinator) -> int:
-    """Wait (a second at most) until what the writer held is let go: no live
-    handle, no memfd open. A sample taken then sees no checkpoint already
-    answered; one that leaks still shows. The handles still live."""
-    with anyio.move_on_after(1.0):
-        while coordinator.ledger.statistics().live or _memfds_open():
+async def _released(coordinator: Coordinator, bus: NatsBus) -> int:
+    """Wait (a few seconds at most) until what the writer held is let go (no live
+    handle, no memfd open) and the bus is connected (a restart closes its socket).
+    A sample taken then sees the host at rest; one that leaks still shows. The
+    handles still live."""
+    with anyio.move_on_after(SETTLE_TIMEOUT_S):
+        while (
+            coordinator.ledger.statistics().live
+            or _memfds_open()
+            or not bus.client.is_connected
+        ):
             await anyio.sleep(0.001)
     return coordinator.ledger.statistics().live
 
