@@ -1160,7 +1160,7 @@ def main(
 ) -> int:
     """The command: its exit status. A closed stdout (``| head -1``) ends any command,
     and argparse's --help and --version, here: status 141, nothing more said."""
-    out = out or sys.stdout
+    out = out or sys.stdout or open(os.devnull, "w")  # noqa: SIM115 (stdout closed: `>&-`)
     try:
         status = _main(argv, out, err or sys.stderr)
         # Output into a pipe is buffered: flushed now, a closed pipe is said here, not

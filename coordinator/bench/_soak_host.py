@@ -150,11 +150,7 @@ async def _released(coordinator: Coordinator, bus: NatsBus) -> int:
     A sample taken then sees the host at rest; one that leaks still shows. The
     handles still live."""
     with anyio.move_on_after(SETTLE_TIMEOUT_S):
-        while (
-            coordinator.ledger.statistics().live
-            or _memfds_open()
-            or not bus.client.is_connected
-        ):
+        while coordinator.ledger.statistics().live or _memfds_open() or not bus.client.is_connected:
             await anyio.sleep(0.001)
     return coordinator.ledger.statistics().live
 

@@ -37,6 +37,7 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -274,7 +275,9 @@ def state_rss(sessions: int, per: int) -> dict[str, Any]:
 
 def _state_rss_fresh(sessions: int, per: int) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, "-m", __name__, "rss", str(sessions), str(per)],
+        with_parent_death_signal(
+            [sys.executable, "-m", __name__, "rss", str(sessions), str(per)], signal.SIGKILL
+        ),
         check=True, capture_output=True, text=True, env=_env(),
     )  # fmt: skip
     found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -480,7 +483,7 @@ async def _fleet_run(url: str, bus: Any, plan: Plan, live: list[int]) -> dict[st
     command = [sys.executable, "-m", __name__, "serve", url, str(port), str(plan.idle_s)]
     asked: list[tuple[float, str, float, int]] = []
     stop = threading.Event()
-    launched = with_parent_death_signal(command)  # a killed bench leaves no server behind
+    launched = with_parent_death_signal(command, signal.SIGKILL)  # dies with the bench
     async with await anyio.open_process(launched, stderr=None, env=_env()) as process:
         assert process.stdout is not None and process.stdin is not None
         lines = anyio.streams.buffered.BufferedByteReceiveStream(process.stdout)

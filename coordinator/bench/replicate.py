@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from typing import Any
 import anyio
 
 from ..bus import NatsBus
+from ..children import with_parent_death_signal
 from ..manifest import build_manifest
 from ..participant import CaptureScope
 from ..replicate import CONTENT_BUCKET, POINTERS_BUCKET, Replicas, Replicator
@@ -269,8 +271,8 @@ def _describe_host(scope: CaptureScope) -> Any:
 
 
 def _probe(script: str, *argv: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True,
-                          text=True, timeout=600, check=True)  # fmt: skip
+    command = with_parent_death_signal([sys.executable, "-c", script, *argv], signal.SIGKILL)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
     figures: dict[str, Any] = json.loads(done.stdout)
     return figures
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -118,7 +119,7 @@ class HistoryCheck:
 async def _child(command: list[str]) -> AsyncIterator[anyio.abc.Process]:
     """A child that dies with the bench (and is killed when the block ends)."""
     process = await anyio.open_process(
-        with_parent_death_signal(command), stdin=subprocess.DEVNULL, stderr=None
+        with_parent_death_signal(command, signal.SIGKILL), stdin=subprocess.DEVNULL, stderr=None
     )
     try:
         yield process
