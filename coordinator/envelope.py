@@ -22,6 +22,8 @@ hash streams run on two threads, because hashlib releases the GIL.
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import hashlib
 import mmap
 import struct
@@ -29,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -65,8 +67,10 @@ __all__ = [
     "KnownDigests",
     "Layout",
     "PayloadEntry",
+    "Scattered",
     "Seal",
     "decode",
+    "decode_scattered",
     "encode",
     "footer_bytes",
     "layout_of",
@@ -603,7 +607,7 @@ class Envelope:
         layout: Layout,
         prefix_digest: str,
         envelope_digest: str,
-        view: memoryview,
+        view: _Bytes,
     ) -> None:
         self.manifest = manifest
         self.layout = layout
@@ -623,9 +627,11 @@ class Envelope:
         return self._views[name]
 
     def release(self) -> None:
-        """Drop this envelope's views so the caller can close an mmap under it."""
+        """Drop this envelope's views so the caller can close an mmap under it (a
+        view someone still exports, a participant's array, stays as it is)."""
         for view in self._views.values():
-            view.release()
+            with contextlib.suppress(BufferError):
+                view.release()
 
     def __repr__(self) -> str:
         return f"<Envelope {self.layout.file_bytes} bytes, payloads {list(self.names)}>"
@@ -658,7 +664,7 @@ class _Table:
 
 
 def _read_table(
-    view: memoryview, manifest_bytes: int, count: int, table_offset: int, footer_offset: int
+    view: _Bytes, manifest_bytes: int, count: int, table_offset: int, footer_offset: int
 ) -> _Table:
     """The structural parts of checks 3-5, which need manifestBytes but not the manifest."""
     found = _Table()
@@ -698,7 +704,7 @@ def _read_table(
     names: set[str] = set()
     for index in range(count):
         at = table_offset + ENTRY_BYTES * index
-        raw_name, offset, length, digest = _ENTRY.unpack_from(view, at)
+        raw_name, offset, length, digest = _ENTRY.unpack(view[at : at + ENTRY_BYTES])
         found.failure = _entry_failure(
             index, at, raw_name, offset, length,
             names=names, previous_end=previous_end, footer_offset=footer_offset,
@@ -761,7 +767,7 @@ def _parse_canonical_manifest(data: BytesLike) -> Any:
     )
 
 
-def _parse_manifest(view: memoryview, manifest_bytes: int) -> Any:
+def _parse_manifest(view: _Bytes, manifest_bytes: int) -> Any:
     """Check 3: strict JSON, already canonical, within the reader's limits."""
     try:
         return _parse_canonical_manifest(view[HEADER_BYTES : HEADER_BYTES + manifest_bytes])
@@ -769,6 +775,49 @@ def _parse_manifest(view: memoryview, manifest_bytes: int) -> Any:
         check = "manifest-canonical" if isinstance(error, NotCanonicalError) else "manifest-json"
         position = HEADER_BYTES + (error.position or 0)
         raise CorruptEnvelopeError(3, check, error.reason, offset=position) from None
+
+
+class _Bytes(Protocol):
+    """What the checks read a file through: a memoryview, or ``Scattered``."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: slice, /) -> memoryview: ...
+
+
+class Scattered:
+    """A whole file held in pieces, in file order, that together cover every byte
+    once (``(offset, view)``): a generation read straight into memory each of
+    its readers provides. A slice within one piece is a view of it; a slice
+    across pieces (only the small parts between payloads) is a copy."""
+
+    def __init__(self, pieces: Sequence[tuple[int, memoryview]]) -> None:
+        self._starts = [offset for offset, _ in pieces]
+        self._views = [view for _, view in pieces]
+        last = pieces[-1] if pieces else (0, memoryview(b""))
+        self._size = last[0] + len(last[1])
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, index: slice, /) -> memoryview:
+        low, high, _ = index.indices(self._size)
+        high = max(low, high)
+        first = max(bisect.bisect_right(self._starts, low) - 1, 0)
+        parts: list[memoryview] = []
+        for start, view in zip(self._starts[first:], self._views[first:], strict=True):
+            if start >= high:
+                break
+            parts.append(view[max(low - start, 0) : min(high - start, len(view))])
+        if len(parts) == 1:
+            return parts[0]
+        return memoryview(b"".join(parts))
+
+    def release(self) -> None:
+        """Drop the views of the pieces (their memory stays with its owners)."""
+        for view in self._views:
+            with contextlib.suppress(BufferError):
+                view.release()
 
 
 class KnownDigests(msgspec.Struct, frozen=True, kw_only=True):
@@ -803,8 +852,19 @@ def decode(data: BytesLike, *, known: KnownDigests | None = None) -> Envelope:
         raise
 
 
+def decode_scattered(pieces: Scattered, known: KnownDigests) -> Envelope:
+    """``decode`` of a file read into pieces (``Scattered``), with the digests the
+    reader took as it filled them: every check, in the spec's order, with no
+    other pass. Payloads come back as views of their pieces."""
+    try:
+        return _decode(pieces, None, known)
+    except BaseException as error:
+        release_frames(error)
+        raise
+
+
 def _decode(
-    view: memoryview, release: Callable[[int, int], None] | None, known: KnownDigests | None
+    view: _Bytes, release: Callable[[int, int], None] | None, known: KnownDigests | None
 ) -> Envelope:
     size = len(view)
     # 1. the header
@@ -813,8 +873,8 @@ def _decode(
             1, "length", "shorter than a header and a footer",
             offset=0, expected=f">= {HEADER_BYTES + FOOTER_BYTES}", actual=size,
         )  # fmt: skip
-    magic, version, header_bytes, manifest_bytes, count, table_offset, reserved = (
-        _HEADER.unpack_from(view, 0)
+    magic, version, header_bytes, manifest_bytes, count, table_offset, reserved = _HEADER.unpack(
+        view[0:HEADER_BYTES]
     )
     if magic != MAGIC:
         raise CorruptEnvelopeError(
@@ -834,7 +894,7 @@ def _decode(
         )
     # 2. the footer; its digest is computed with the payload digests in one pass
     footer_offset = size - FOOTER_BYTES
-    file_bytes, prefix_digest, footer_magic = _FOOTER.unpack_from(view, footer_offset)
+    file_bytes, prefix_digest, footer_magic = _FOOTER.unpack(view[footer_offset:size])
     if footer_magic != FOOTER_MAGIC:
         raise CorruptEnvelopeError(
             2, "footer-magic", "no footer magic (truncated?)",

@@ -121,6 +121,16 @@ class FileSystem:
             size -= len(chunk)
         return b"".join(chunks)
 
+    def read_into(self, fd: int, view: memoryview, offset: int) -> int:
+        """Fill ``view`` from ``offset`` of the file; fewer bytes only at its end."""
+        done = 0
+        while done < len(view):
+            count = os.preadv(fd, [view[done:]], offset + done)
+            if count == 0:
+                break
+            done += count
+        return done
+
     def map(self, fd: int) -> mmap.mmap:
         """A read-only map of the whole file (``decode`` drops its pages as it hashes)."""
         return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)

@@ -12,6 +12,10 @@ coordinator checks them against what it asked (``check_reply``, the
 reference's STATE-01 order): another id or step is ``IdentityMismatchError``,
 another digest ``IncompatibleCaptureError``; either fails the capture and
 fences the epoch. Bare bytes state nothing beyond the call they answer.
+
+A participant may provide the memory its payload is restored into
+(``StagesInPlace``): the bytes are then read once, straight into that memory,
+and verified there before ``stage_restore`` is handed a view of it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ __all__ = [
     "CaptureScope",
     "Participant",
     "RestoreScope",
+    "StagesInPlace",
     "check_reply",
+    "staging_view",
 ]
 
 
@@ -100,6 +106,35 @@ class Participant(Protocol):
     async def activate_restore(self, token: Any) -> None: ...
 
     async def abort_restore(self, token: Any) -> None: ...
+
+
+@runtime_checkable
+class StagesInPlace(Protocol):
+    """A participant that provides the memory its payload is restored into.
+
+    ``restore_buffer`` is called on the event loop, before a byte is read, with
+    the payload's length: it returns fresh writable memory of exactly that many
+    bytes, C-contiguous (``numpy.empty(byte_length, numpy.uint8)``, a
+    ``bytearray``), never live state. The coordinator reads the payload into
+    it, verifies it there, and only then calls ``stage_restore`` with a view of
+    that very memory, which the participant adopts: one copy of the state, no
+    more. A refused restore drops the memory unused; so does a restore that
+    fails before staging. The view handed to ``stage_restore`` stays valid."""
+
+    def restore_buffer(self, byte_length: int, scope: RestoreScope) -> Any: ...
+
+
+def staging_view(buffer: Any, byte_length: int) -> memoryview:
+    """``buffer`` (what ``restore_buffer`` returned) as a flat writable byte view
+    of exactly ``byte_length`` bytes; ``TypeError`` or ``ValueError`` otherwise."""
+    view = memoryview(buffer)
+    if view.readonly or not view.c_contiguous:
+        view.release()
+        raise TypeError("restore_buffer must return writable C-contiguous memory")
+    flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    if flat.nbytes != byte_length:
+        raise ValueError(f"restore_buffer returned {flat.nbytes} bytes for {byte_length}")
+    return flat
 
 
 @runtime_checkable

@@ -101,12 +101,13 @@ from .participant import (
     Participant,
     RestoreScope,
     check_reply,
+    staging_view,
 )
 from .policy import CapturePolicy
 from .presence import DEFAULT_INTERVAL_S, Presence
 from .presence import MAX_TEXT as MAX_PRESENCE_TEXT
 from .reconcile import restored_event, unannounced_restore
-from .store import FileStore, GenerationRecord, StoredCheckpoint
+from .store import FileStore, GenerationRecord, StagedRead, StoredCheckpoint
 from .writer import Outcome, RetryPolicy, Ticket, Writer, WriterLimits
 
 __all__ = [
@@ -779,7 +780,7 @@ class Coordinator:
             with self._restoring:
                 expected = self._host_identity()
                 stored, differences, skipped = await self._select(
-                    checkpoint_id, expected, allow_incompatible
+                    checkpoint_id, expected, allow_incompatible, new_epoch
                 )  # pinned from its selection on: rotation keeps it, we fork from it
                 try:
                     report = await self._install(stored, new_epoch, differences, started)
@@ -809,12 +810,18 @@ class Coordinator:
         return identity_of(_described(self.describe, scope))
 
     async def _select(
-        self, checkpoint_id: str | None, expected: Identity, allow_incompatible: bool
+        self,
+        checkpoint_id: str | None,
+        expected: Identity,
+        allow_incompatible: bool,
+        new_epoch: str,
     ) -> tuple[StoredCheckpoint, tuple[IdentityDifference, ...], tuple[SkippedGeneration, ...]]:
         """The generation to install, read and verified, and its differences from
         ``expected`` (empty unless allowed): the named one, or the newest of the
         timeline whose identity is the host's. A corrupt candidate is an error,
-        never passed over (an older one is the caller's explicit choice)."""
+        never passed over (an older one is the caller's explicit choice). Each
+        payload is read once, into the memory its participant provides
+        (``restore_buffer``) when the head says the candidate is the host's."""
         if checkpoint_id is not None:
             candidates: list[str | None] = [checkpoint_id]
         else:
@@ -823,11 +830,29 @@ class Coordinator:
         skipped: list[SkippedGeneration] = []
         for candidate in candidates:
             try:
-                stored = await self.store.read(candidate, session_id=self.session_id, pin=True)
+                staged = await self.store.open_staged(
+                    candidate, session_id=self.session_id, pin=True
+                )
             except GenerationNotFoundError:
                 if checkpoint_id is not None or candidate is None:
                     raise
                 continue  # rotated away by the commit that was in flight
+            try:
+                look = staged.unverified_manifest()
+                buffers: dict[str, memoryview] = {}
+                # Memory is asked for unless the head shows another host's generation
+                # (skipped unread by a participant; the checks below still run).
+                if (
+                    look is None
+                    or allow_incompatible
+                    or not identity_differences(expected, identity_of(look))
+                ):
+                    buffers = self._staging_buffers(staged, new_epoch)
+                stored = await self.store.read_staged(staged, buffers)
+            except BaseException:
+                staged.close()
+                self.store.unpin(staged.record.checkpoint_id)
+                raise
             differences = identity_differences(expected, identity_of(stored.manifest))
             if not differences or allow_incompatible:
                 return stored, differences, tuple(skipped)
@@ -842,6 +867,32 @@ class Coordinator:
             )
         tried = tuple(s.checkpoint_id for s in skipped) if checkpoint_id is None else ()
         raise IncompatibleStateError(skipped[0].checkpoint_id, skipped[0].differences, tried)
+
+    def _staging_buffers(self, staged: StagedRead, new_epoch: str) -> dict[str, memoryview]:
+        """The memory each participant with a ``restore_buffer`` provides for its
+        payload, as byte views: asked before a byte is read, filled and verified
+        before ``stage_restore`` sees it. A bad buffer fails the restore before
+        anything is staged."""
+        record = staged.record
+        scope = RestoreScope(
+            session_id=self.session_id,
+            epoch=new_epoch,
+            checkpoint_id=record.checkpoint_id,
+            step=int(record.boundary),
+        )
+        lengths = staged.payloads
+        buffers: dict[str, memoryview] = {}
+        for participant in self.participants:
+            provide = getattr(participant, "restore_buffer", None)
+            if provide is None or participant.name not in lengths:
+                continue
+            length = lengths[participant.name]
+            try:
+                buffers[participant.name] = staging_view(provide(length, scope), length)
+            except Exception as error:
+                reason = f"restore_buffer: {error!r}"
+                raise RestoreFailedError(participant.name, reason, ()) from None
+        return buffers
 
     async def _stage_all(
         self, stored: StoredCheckpoint, new_epoch: str

@@ -63,12 +63,17 @@ class World:
     async def capture(self, scope: CaptureScope) -> np.ndarray:
         return self.grid  # the coordinator copies it once, before capture() returns
 
+    def restore_buffer(self, byte_length: int, scope: RestoreScope) -> np.ndarray:
+        # A restore reads the saved grid straight into this fresh array and verifies
+        # it there: one copy of the state, and the live grid untouched until activate.
+        self.incoming = np.empty_like(self.grid)
+        return self.incoming  # (a saved grid of another size is refused: not staged)
+
     async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> np.ndarray:
-        staged = np.frombuffer(payload, dtype=self.grid.dtype)
-        return staged.reshape(self.grid.shape).copy()  # the view is released after
+        return self.incoming  # payload is a view of it, verified: nothing to copy
 
     async def activate_restore(self, token: np.ndarray) -> None:
-        self.grid[...] = token
+        self.grid = token
 
     async def abort_restore(self, token: np.ndarray) -> None:
         pass

@@ -27,6 +27,7 @@ from ._export import export_payloads
 from ._facade import FileStore
 from ._lineage import established_in, on_timeline
 from ._manifest import EpochRecord, Fork, GenerationRecord, SessionRecord, StoreManifest
+from ._staged import StagedRead
 from ._sync import DEFAULT_KEEP, CommitReceipt, StoreStatistics, SyncStore
 from ._threads import lower_thread_priority, run_in_bulk_thread
 from ._verify import StoredCheckpoint, VerifyReport, checked_generation, read_generation
@@ -39,6 +40,7 @@ __all__ = [
     "Fork",
     "GenerationRecord",
     "SessionRecord",
+    "StagedRead",
     "StoreManifest",
     "StoreStatistics",
     "StoredCheckpoint",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -18,6 +18,7 @@ from ..errors import DuplicateCheckpointError, StaleEpochError, StoreClosedError
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest
 from ._manifest import GenerationRecord, SessionRecord
+from ._staged import StagedRead
 from ._sync import (
     BULK_BYTES,
     DEFAULT_KEEP,
@@ -364,6 +365,38 @@ class FileStore:
             if pin:
                 self.unpin(record.checkpoint_id)
             raise
+        return stored
+
+    async def open_staged(
+        self,
+        checkpoint_id: str | None = None,
+        *,
+        session_id: str | None = None,
+        pin: bool = False,
+    ) -> StagedRead:
+        """Open the named generation (or the session's high water) and read its
+        head: its payloads' names and lengths, so a reader can provide the
+        memory each goes into (``read_staged``). Nothing is verified yet. The
+        lock is held only to select and open it (the open file keeps its bytes
+        if a rotation unlinks it). ``pin`` as in ``read``."""
+        async with self._lock:
+            record = self.core.select(checkpoint_id, session_id=session_id)
+            staged: StagedRead = await self._run(self.core.open_staged, record)
+            if pin:
+                self.core.pin(record.checkpoint_id)
+        return staged
+
+    async def read_staged(
+        self, staged: StagedRead, buffers: Mapping[str, memoryview] | None = None
+    ) -> StoredCheckpoint:
+        """Read ``staged`` once, each payload into ``buffers[name]`` (a writable
+        byte view of exactly its length; fresh memory for a name not given),
+        and verify it there with every check ``read`` makes: the digests follow
+        the read, on two threads. The file is closed either way."""
+        try:
+            stored: StoredCheckpoint = await self._run(staged.read, buffers or {})
+        finally:
+            staged.close()
         return stored
 
     async def manifest_bytes(self, checkpoint_id: str, *, session_id: str) -> bytes:

@@ -57,6 +57,7 @@ from ._manifest import (
     StoreManifest,
 )
 from ._manifest_file import parse_store_manifest
+from ._staged import StagedRead, open_staged
 from ._threads import lower_thread_priority
 from ._verify import (
     StoredCheckpoint,
@@ -368,6 +369,12 @@ class SyncStore:
         if len(data) != length:
             raise GenerationCorruptError(record.checkpoint_id, path, "length", "truncated")
         return data
+
+    def open_staged(self, record: GenerationRecord) -> StagedRead:
+        """One generation opened and its head read: where its payloads go, before
+        anything is verified (``StagedRead.read`` fills and checks them)."""
+        self._check_open()
+        return open_staged(self._fs, self._join(record.file), record)
 
     def map(self, record: GenerationRecord) -> tuple[str, mmap.mmap]:
         """One generation's file mapped (its length checked) and its path: what

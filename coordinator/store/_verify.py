@@ -19,7 +19,15 @@ from typing import Self
 import msgspec
 
 from ..buffers import BytesLike
-from ..envelope import FOOTER_BYTES, HEADER_BYTES, Envelope, KnownDigests, decode
+from ..envelope import (
+    FOOTER_BYTES,
+    HEADER_BYTES,
+    Envelope,
+    KnownDigests,
+    Scattered,
+    decode,
+    decode_scattered,
+)
 from ..errors import CorruptEnvelopeError, GenerationCorruptError, ManifestError
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest, manifest_from_builtins
@@ -119,7 +127,7 @@ def map_generation(fs: FileSystem, path: str, record: GenerationRecord) -> mmap.
 def checked_generation(
     record: GenerationRecord,
     where: str,
-    data: BytesLike,
+    data: BytesLike | Scattered,
     closer: Callable[[], None],
     *,
     known: KnownDigests | None = None,
@@ -156,14 +164,25 @@ def checked_generation(
 
 
 def _decode(
-    record: GenerationRecord, path: str, mapped: BytesLike, known: KnownDigests | None = None
+    record: GenerationRecord,
+    path: str,
+    mapped: BytesLike | Scattered,
+    known: KnownDigests | None = None,
 ) -> Envelope:
     try:
-        envelope = decode(mapped, known=known)
+        if isinstance(mapped, Scattered):
+            assert known is not None  # its reader hashed every piece as it read it
+            envelope = decode_scattered(mapped, known)
+        else:
+            envelope = decode(mapped, known=known)
     except CorruptEnvelopeError as error:
         # The spec orders the whole-file digest before the envelope checks;
         # decode gets it for free, so only a refused file pays another pass.
-        if hashlib.sha256(mapped).hexdigest() != record.envelope_digest:
+        if isinstance(mapped, Scattered):
+            file_digest = known.file.hex() if known is not None else ""
+        else:
+            file_digest = hashlib.sha256(mapped).hexdigest()
+        if file_digest != record.envelope_digest:
             raise GenerationCorruptError(
                 record.checkpoint_id, path, "envelope-digest",
                 "the file is not the one the manifest recorded",

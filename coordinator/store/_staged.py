@@ -1,0 +1,291 @@
+"""Reading a generation straight into memory its readers provide.
+
+A restore reads each payload once, into the buffer its participant will adopt
+(or into fresh anonymous memory of its own), and verifies it there: the bytes a
+participant gets are the bytes that were hashed, in memory nobody else can
+change. The file's stream digest (the footer's, and with the footer the whole
+file's) and each payload's digest follow the read on two threads, chunk by
+chunk, so the read and both passes overlap.
+
+Nothing read is trusted before every check: the layout taken from the head
+only says where each byte goes. A head that cannot even be laid out is read
+the ordinary way (``read_generation``), which names the check it fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import mmap
+import queue
+import struct
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+
+from ..envelope import (
+    ENTRY_BYTES,
+    FOOTER_BYTES,
+    HEADER_BYTES,
+    MAGIC,
+    MAX_MANIFEST_BYTES,
+    MAX_PAYLOADS,
+    KnownDigests,
+    Scattered,
+)
+from ..errors import GenerationCorruptError, ManifestError
+from ..fs import FileSystem
+from ..manifest import CheckpointManifest, manifest_from_builtins
+from ._manifest import GenerationRecord
+from ._verify import StoredCheckpoint, checked_generation, read_generation
+
+__all__ = ["StagedRead", "open_staged"]
+
+_HEAD = struct.Struct("<8s6I")
+_ENTRY = struct.Struct("<64sQQ32s")
+# Read (and hashed) in chunks of this size; the hashers follow one chunk behind.
+_CHUNK = 8 << 20
+# Below this many bytes the two hashing threads cost more than they save.
+_THREADED_MIN = 1 << 20
+
+
+class StagedRead:
+    """An open generation whose head was read: where every payload goes, before
+    anything is verified. ``read`` fills the buffers and verifies them."""
+
+    def __init__(
+        self,
+        fs: FileSystem,
+        path: str,
+        record: GenerationRecord,
+        fd: int,
+        *,
+        head: bytes,
+        entries: tuple[tuple[str, int, int], ...],
+    ) -> None:
+        self._fs, self.path, self.record, self._fd = fs, path, record, fd
+        self._head = head
+        #: ``(name, offset, byte_length)`` in table order, as the head says.
+        self.entries = entries
+
+    @property
+    def payloads(self) -> dict[str, int]:
+        """Each payload's name and byte length, as the (unverified) head says."""
+        return {name: length for name, _, length in self.entries}
+
+    def unverified_manifest(self) -> CheckpointManifest | None:
+        """The manifest as the head holds it, unverified: a look (the host's
+        identity, say) before deciding to read the rest. ``None`` if it does not
+        parse; only ``read`` says whether it is the one the footer vouches for."""
+        (manifest_bytes,) = struct.unpack_from("<I", self._head, 16)
+        try:
+            return manifest_from_builtins(
+                msgspec.json.decode(self._head[HEADER_BYTES : HEADER_BYTES + manifest_bytes])
+            )
+        except (ManifestError, msgspec.DecodeError, ValueError):
+            return None
+
+    def read(self, buffers: Mapping[str, memoryview]) -> StoredCheckpoint:
+        """Fill every payload (``buffers[name]``, a writable byte view of exactly
+        its length; fresh anonymous memory for a name not given), hash behind
+        the read, and run every check (``checked_generation``). The checkpoint's
+        payloads are views of those buffers; a name not given gets a read-only
+        view of memory of its own, which stays valid after ``close``."""
+        size = int(self.record.byte_length)
+        own: list[mmap.mmap] = []
+        fill: list[tuple[int, memoryview, Any]] = [(0, memoryview(self._head), None)]
+        shown: list[tuple[int, memoryview]] = [(0, memoryview(self._head))]
+        hashers = []
+        end = len(self._head)
+        for name, offset, length in self.entries:
+            if offset > end:  # the bytes between payloads: read, hashed, checked
+                gap = memoryview(bytearray(offset - end))
+                fill.append((end, gap, None))
+                shown.append((end, gap))
+            hasher = hashlib.sha256()
+            hashers.append(hasher)
+            view = buffers.get(name)
+            if view is not None and (len(view) != length or view.readonly):
+                raise ValueError(f"the buffer for {name} is not {length} writable bytes")
+            if view is None:
+                memory = mmap.mmap(-1, max(length, 1))
+                own.append(memory)
+                view = memoryview(memory)[:length]
+                shown.append((offset, view.toreadonly()))
+            else:
+                shown.append((offset, view))
+            fill.append((offset, view, hasher))
+            end = offset + length
+        footer_offset = size - FOOTER_BYTES
+        if footer_offset > end:
+            gap = memoryview(bytearray(footer_offset - end))
+            fill.append((end, gap, None))
+            shown.append((end, gap))
+        footer = memoryview(bytearray(FOOTER_BYTES))
+        shown.append((footer_offset, footer))
+        body = hashlib.sha256()
+        try:
+            _fill_behind(self._fs, self._fd, fill, body)
+            self._read_exactly(footer, footer_offset)
+        except OSError as error:
+            raise GenerationCorruptError(
+                self.record.checkpoint_id, self.path, "read", error.strerror or str(error)
+            ) from None
+        prefix = body.copy().digest()
+        body.update(footer)
+        known = KnownDigests(
+            prefix=prefix,
+            file=body.digest(),
+            payloads=tuple(
+                (offset, length, hasher.digest())
+                for (_, offset, length), hasher in zip(self.entries, hashers, strict=True)
+            ),
+        )
+        pieces = Scattered(shown)
+
+        def close() -> None:
+            pieces.release()
+            for memory in own:
+                with contextlib.suppress(BufferError):  # a participant kept a view
+                    memory.close()
+
+        try:
+            return checked_generation(self.record, self.path, pieces, close, known=known)
+        except BaseException:
+            close()
+            raise
+
+    def _read_exactly(self, view: memoryview, offset: int) -> None:
+        if self._fs.read_into(self._fd, view, offset) != len(view):
+            raise GenerationCorruptError(
+                self.record.checkpoint_id, self.path, "length", "the file shrank while read"
+            )
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._fd >= 0:
+            self._fs.close(self._fd)
+            self._fd = -1
+
+
+def open_staged(fs: FileSystem, path: str, record: GenerationRecord) -> StagedRead:
+    """Open the generation ``record`` lists at ``path`` and read its head. A
+    head that cannot be laid out is a corrupt file: it is read the ordinary
+    way, which raises ``GenerationCorruptError`` naming the check."""
+    try:
+        fd = fs.open(path)
+    except PermissionError:
+        raise  # unreadable here, not corrupt: the caller reports the OS's reason
+    except OSError as error:
+        raise GenerationCorruptError(
+            record.checkpoint_id, path, "missing", error.strerror or str(error)
+        ) from None
+    try:
+        size = fs.size(fd)
+        laid_out = _lay_out(fs, fd, size) if size == int(record.byte_length) else None
+    except BaseException:
+        fs.close(fd)
+        raise
+    if laid_out is None:
+        fs.close(fd)
+        read_generation(fs, path, record).close()  # raises: this head cannot be valid
+        raise GenerationCorruptError(record.checkpoint_id, path, "layout", "not laid out")
+    head, entries = laid_out
+    return StagedRead(fs, path, record, fd, head=head, entries=entries)
+
+
+def _lay_out(
+    fs: FileSystem, fd: int, size: int
+) -> tuple[bytes, tuple[tuple[str, int, int], ...]] | None:
+    """The head (header, manifest and table) and the entries it states, if they
+    lie in order within the file; ``None`` otherwise. Only where to put bytes:
+    every rule is checked again, on what was read, by the envelope's checks."""
+    if size < HEADER_BYTES + FOOTER_BYTES:
+        return None
+    header = _read(fs, fd, HEADER_BYTES, 0)
+    if len(header) != HEADER_BYTES:
+        return None
+    magic, _, _, manifest_bytes, count, table_offset, _ = _HEAD.unpack(header)
+    footer_offset = size - FOOTER_BYTES
+    table_end = table_offset + ENTRY_BYTES * count
+    if (
+        magic != MAGIC
+        or manifest_bytes > MAX_MANIFEST_BYTES
+        or table_offset < HEADER_BYTES + manifest_bytes
+        or count > MAX_PAYLOADS
+        or table_end > footer_offset
+    ):
+        return None
+    head = header + _read(fs, fd, table_end - HEADER_BYTES, HEADER_BYTES)
+    if len(head) != table_end:
+        return None
+    entries: list[tuple[str, int, int]] = []
+    end = table_end
+    for index in range(count):
+        raw, offset, length, _ = _ENTRY.unpack_from(head, table_offset + ENTRY_BYTES * index)
+        name = raw.rstrip(b"\0")
+        if not name.isascii() or offset < end or offset + length > footer_offset:
+            return None
+        entries.append((name.decode("ascii"), offset, length))
+        end = offset + length
+    if len({name for name, _, _ in entries}) != len(entries):
+        return None
+    return head, tuple(entries)
+
+
+def _read(fs: FileSystem, fd: int, size: int, offset: int) -> bytes:
+    buffer = bytearray(size)
+    got = fs.read_into(fd, memoryview(buffer), offset)
+    return bytes(buffer[:got])
+
+
+def _fill_behind(
+    fs: FileSystem, fd: int, pieces: list[tuple[int, memoryview, Any]], body: Any
+) -> None:
+    """Read every piece not yet filled (all but the first, the head), in file
+    order, feeding ``body`` every piece and each payload's hasher its own, one
+    chunk behind the read on two threads (hashlib releases the GIL)."""
+    total = sum(len(view) for _, view, _ in pieces)
+    threaded = total >= _THREADED_MIN
+    streams: list[queue.SimpleQueue[Callable[[], object] | None]] = []
+    workers: list[threading.Thread] = []
+    if threaded:
+        for name in ("body", "payloads"):
+            jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+            streams.append(jobs)
+            workers.append(
+                threading.Thread(target=_follow, args=(jobs,), name=f"restore-{name}", daemon=True)
+            )
+        for worker in workers:
+            worker.start()
+
+    def hash_later(body_part: memoryview, hasher: Any) -> None:
+        if not threaded:
+            body.update(body_part)
+            if hasher is not None:
+                hasher.update(body_part)
+            return
+        streams[0].put(functools.partial(body.update, body_part))
+        if hasher is not None:
+            streams[1].put(functools.partial(hasher.update, body_part))
+
+    try:
+        for index, (offset, view, hasher) in enumerate(pieces):
+            for low in range(0, len(view), _CHUNK):
+                part = view[low : low + _CHUNK]
+                if index > 0 and fs.read_into(fd, part, offset + low) != len(part):
+                    raise OSError(0, "the file shrank while read")
+                hash_later(part, hasher)
+    finally:
+        for jobs in streams:
+            jobs.put(None)
+        for worker in workers:
+            worker.join()
+
+
+def _follow(jobs: queue.SimpleQueue[Callable[[], object] | None]) -> None:
+    while (job := jobs.get()) is not None:
+        job()

@@ -1,0 +1,204 @@
+"""Restore in one read: each payload goes straight into the memory its
+participant provides (``restore_buffer``), is verified there, and only then is
+staged. A bit flipped anywhere is refused before any participant sees a byte."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hostkit import NAMES, Part, RecordingBus, describe
+
+from coordinator import GenerationCorruptError, RestoreFailedError
+from coordinator.envelope import FOOTER_BYTES, HEADER_BYTES
+from coordinator.session import Coordinator, RestoreScope
+from coordinator.store import FileStore
+
+BIG = 3 << 20  # above the threaded read's threshold
+
+
+class InPlace(Part):
+    """A participant that restores into an array it provides and adopts."""
+
+    def __init__(self, name: str, size: int = 0) -> None:
+        super().__init__(name)
+        if size:
+            self.state = os.urandom(size)
+        self.buffers: list[np.ndarray[Any, Any]] = []
+        self.asked: list[tuple[int, RestoreScope]] = []
+        self.bad: Any = None
+
+    def restore_buffer(self, byte_length: int, scope: RestoreScope) -> Any:
+        self.asked.append((byte_length, scope))
+        if self.bad is not None:
+            return self.bad
+        buffer = np.empty(byte_length, np.uint8)
+        self.buffers.append(buffer)
+        return buffer
+
+    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Any:
+        if self.refuse_restore:
+            raise ValueError("incompatible state")
+        adopted = self.buffers[-1]
+        assert np.shares_memory(np.frombuffer(payload, np.uint8), adopted)  # no copy
+        self.staged.append(bytes(payload))
+        return adopted
+
+    async def activate_restore(self, token: Any) -> None:
+        self.state = token.tobytes()
+
+
+def coordinator(store: FileStore, participants: list[Any], epoch: str = "e1") -> Coordinator:
+    return Coordinator(
+        store, RecordingBus(), participants, session_id="s", epoch=epoch, describe=describe
+    )
+
+
+def mixed(size: int = 0) -> list[Any]:
+    """Half in place, half the classic copy out of a view."""
+    return [InPlace(name, size) if i % 2 == 0 else Part(name) for i, name in enumerate(NAMES)]
+
+
+async def saved(tmp_path: Path, size: int = 0) -> tuple[list[Any], dict[str, bytes]]:
+    participants = mixed(size)
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as host:
+        await host.checkpoint(10)
+    return participants, {p.name: p.state for p in participants}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [0, BIG])
+async def test_each_payload_is_read_into_the_memory_its_participant_provides(
+    tmp_path: Path, size: int
+) -> None:
+    _, states = await saved(tmp_path, size)
+    participants = mixed()
+    async with FileStore(tmp_path) as store, coordinator(store, participants, "e5") as host:
+        resumed = await host.resume()
+        assert resumed.step == 10
+    for participant in participants:
+        assert participant.state == states[participant.name]
+        if isinstance(participant, InPlace):
+            [(length, scope)] = participant.asked
+            assert length == len(states[participant.name])
+            assert (scope.checkpoint_id, scope.step) == ("e1-10", 10)
+            assert scope.epoch == host.epoch
+
+
+def file_of(tmp_path: Path) -> Path:
+    [generation] = tmp_path.glob("*.flysess")
+    return generation
+
+
+def offsets(data: bytes) -> dict[str, int]:
+    """Where to flip a bit: the manifest, the table, each payload, the footer."""
+    manifest_bytes, count, table_offset = struct.unpack_from("<3I", data, 16)
+    where = {
+        "manifest": HEADER_BYTES + manifest_bytes // 2,
+        "table": table_offset + 70,
+        "footer-digest": len(data) - FOOTER_BYTES + 10,
+        "footer-length": len(data) - FOOTER_BYTES,
+    }
+    for index in range(count):
+        _, offset, length, _ = struct.unpack_from("<64sQQ32s", data, table_offset + 112 * index)
+        if length:
+            where[f"payload-{index}-end"] = offset + length - 1
+            where[f"payload-{index}-start"] = offset
+    return where
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [0, BIG])
+async def test_a_flipped_bit_anywhere_is_refused_before_a_participant_sees_a_byte(
+    tmp_path: Path, size: int
+) -> None:
+    await saved(tmp_path, size)
+    generation = file_of(tmp_path)
+    original = generation.read_bytes()
+    for index, (label, at) in enumerate(offsets(original).items()):
+        flipped = bytearray(original)
+        flipped[at] ^= 0x01
+        generation.write_bytes(flipped)
+        participants = mixed()
+        before = [p.state for p in participants]
+        epoch = f"h{index}"
+        async with FileStore(tmp_path) as store, coordinator(store, participants, epoch) as host:
+            with pytest.raises(GenerationCorruptError):
+                await host.restore("e1-10", new_epoch="e6")
+        assert all(p.staged == [] and p.aborted == 0 for p in participants), label
+        assert [p.state for p in participants] == before, label
+    generation.write_bytes(original)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "bad",
+    [bytes(8), bytearray(3), np.empty((4, 4), np.uint8)[:, ::2], "not memory"],
+    ids=["read-only", "wrong-length", "strided", "not-a-buffer"],
+)
+async def test_a_bad_buffer_fails_the_restore_before_anything_is_staged(
+    tmp_path: Path, bad: Any
+) -> None:
+    await saved(tmp_path)
+    participants = mixed()
+    participants[0].bad = bad
+    async with FileStore(tmp_path) as store, coordinator(store, participants, "e5") as host:
+        with pytest.raises(RestoreFailedError) as failed:
+            await host.restore("e1-10", new_epoch="e6")
+        assert failed.value.participant == participants[0].name
+        assert "restore_buffer" in str(failed.value)
+        assert all(p.staged == [] for p in participants)
+        assert host.epoch == "e5"
+        # nothing changed: the next restore, with a good buffer, goes through
+        participants[0].bad = None
+        await host.restore("e1-10", new_epoch="e7")
+        assert host.epoch == "e7"
+
+
+class Copier(Part):
+    """No restore_buffer: it copies out of the view it is handed."""
+
+    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Any:
+        self.readonly = payload.readonly
+        self.view = payload
+        return bytes(payload)
+
+
+@pytest.mark.asyncio
+async def test_without_a_buffer_the_view_is_read_only_memory_released_after(
+    tmp_path: Path,
+) -> None:
+    """A participant without ``restore_buffer`` gets a read-only view of memory
+    the restore allocated for that payload alone (not a map of the file: a
+    later change to the file cannot reach what it copied), released after."""
+    _, states = await saved(tmp_path, BIG)
+    copiers = [Copier(name) for name in NAMES]
+    async with FileStore(tmp_path) as store, coordinator(store, copiers, "e5") as host:
+        await host.restore("e1-10", new_epoch="e6")
+        generation = file_of(tmp_path)
+        with generation.open("r+b") as changed:
+            changed.write(b"\xff" * 4096)
+    for copier in copiers:
+        assert copier.readonly
+        assert copier.state == states[copier.name]
+        with pytest.raises(ValueError, match="released"):
+            bytes(copier.view)
+
+
+@pytest.mark.asyncio
+async def test_a_truncated_or_shrunk_file_is_refused(tmp_path: Path) -> None:
+    await saved(tmp_path, BIG)
+    generation = file_of(tmp_path)
+    original = generation.read_bytes()
+    for index, cut in enumerate((len(original) - 1, len(original) // 2, HEADER_BYTES + 3)):
+        generation.write_bytes(original[:cut])
+        participants = mixed()
+        epoch = f"h{index}"
+        async with FileStore(tmp_path) as store, coordinator(store, participants, epoch) as host:
+            with pytest.raises(GenerationCorruptError):
+                await host.restore("e1-10", new_epoch="e6")
+        assert all(p.staged == [] for p in participants)
