@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from ..envelope import (
+    ALIGNMENT,
     ENTRY_BYTES,
     FOOTER_BYTES,
     HEADER_BYTES,
@@ -214,7 +215,7 @@ def _lay_out(
     if (
         magic != MAGIC
         or manifest_bytes > MAX_MANIFEST_BYTES
-        or table_offset < HEADER_BYTES + manifest_bytes
+        or not 0 <= table_offset - HEADER_BYTES - manifest_bytes < ALIGNMENT
         or count > MAX_PAYLOADS
         or table_end > footer_offset
     ):
@@ -227,11 +228,14 @@ def _lay_out(
     for index in range(count):
         raw, offset, length, _ = _ENTRY.unpack_from(head, table_offset + ENTRY_BYTES * index)
         name = raw.rstrip(b"\0")
-        if not name.isascii() or offset < end or offset + length > footer_offset:
+        # (a gap is alignment padding: a hostile one is never allocated)
+        if not name.isascii() or not 0 <= offset - end < ALIGNMENT:
+            return None
+        if offset + length > footer_offset:
             return None
         entries.append((name.decode("ascii"), offset, length))
         end = offset + length
-    if len({name for name, _, _ in entries}) != len(entries):
+    if len({name for name, _, _ in entries}) != len(entries) or footer_offset - end >= ALIGNMENT:
         return None
     return head, tuple(entries)
 
