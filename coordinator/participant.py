@@ -20,6 +20,7 @@ and verified there before ``stage_restore`` is handed a view of it.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -36,6 +37,7 @@ __all__ = [
     "Participant",
     "RestoreScope",
     "StagesInPlace",
+    "address_range",
     "check_reply",
     "staging_view",
 ]
@@ -135,6 +137,18 @@ def staging_view(buffer: Any, byte_length: int) -> memoryview:
     if flat.nbytes != byte_length:
         raise ValueError(f"restore_buffer returned {flat.nbytes} bytes for {byte_length}")
     return flat
+
+
+def address_range(view: memoryview) -> tuple[int, int]:
+    """Where a writable byte view's memory lies: ``(first, past the last)``."""
+    if not view.nbytes:
+        return (0, 0)
+    probe = (ctypes.c_char * view.nbytes).from_buffer(view)
+    try:
+        first = ctypes.addressof(probe)
+    finally:
+        del probe  # its export of ``view``
+    return (first, first + view.nbytes)
 
 
 @runtime_checkable

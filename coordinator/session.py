@@ -100,6 +100,7 @@ from .participant import (
     CaptureScope,
     Participant,
     RestoreScope,
+    address_range,
     check_reply,
     staging_view,
 )
@@ -882,16 +883,23 @@ class Coordinator:
         )
         lengths = staged.payloads
         buffers: dict[str, memoryview] = {}
+        taken: list[tuple[int, int, str]] = []  # (first, past the last, whose)
         for participant in self.participants:
             provide = getattr(participant, "restore_buffer", None)
             if provide is None or participant.name not in lengths:
                 continue
             length = lengths[participant.name]
             try:
-                buffers[participant.name] = staging_view(provide(length, scope), length)
+                view = staging_view(provide(length, scope), length)
+                first, end = address_range(view)
+                for other_first, other_end, other in taken:
+                    if first < other_end and other_first < end:
+                        raise ValueError(f"its memory overlaps {other}'s")
             except Exception as error:
                 reason = f"restore_buffer: {error!r}"
                 raise RestoreFailedError(participant.name, reason, ()) from None
+            taken.append((first, end, participant.name))
+            buffers[participant.name] = view
         return buffers
 
     async def _stage_all(

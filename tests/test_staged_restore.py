@@ -202,3 +202,158 @@ async def test_a_truncated_or_shrunk_file_is_refused(tmp_path: Path) -> None:
             with pytest.raises(GenerationCorruptError):
                 await host.restore("e1-10", new_epoch="e6")
         assert all(p.staged == [] for p in participants)
+
+
+class Sharing(InPlace):
+    """Its restore_buffer hands out (part of) one shared array."""
+
+    shared = np.empty(1 << 20, np.uint8)
+
+    def __init__(self, name: str, start: int) -> None:
+        super().__init__(name)
+        self.start = start
+
+    def restore_buffer(self, byte_length: int, scope: RestoreScope) -> Any:
+        return self.shared[self.start : self.start + byte_length]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("second_start", [0, 3])
+async def test_buffers_that_overlap_fail_the_restore_naming_the_second(
+    tmp_path: Path, second_start: int
+) -> None:
+    """Two participants handed the same (or overlapping) memory: one payload
+    would be read over the other after it was hashed."""
+    await saved(tmp_path)
+    participants = [Part(name) for name in NAMES]
+    participants[0] = Sharing(NAMES[0], 0)
+    participants[2] = Sharing(NAMES[2], second_start)
+    async with FileStore(tmp_path) as store, coordinator(store, participants, "e5") as host:
+        with pytest.raises(RestoreFailedError, match="overlaps") as failed:
+            await host.restore("e1-10", new_epoch="e6")
+        assert failed.value.participant == NAMES[2]
+        assert all(p.staged == [] for p in participants)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("change", ["grow", "shrink"])
+async def test_a_file_that_changes_length_during_the_restore_is_refused_as_length(
+    tmp_path: Path, change: str
+) -> None:
+    """The file grows or shrinks between the head's read and the rest (from
+    restore_buffer, which runs in between): ``length``, as ``read`` names it."""
+    await saved(tmp_path, BIG)
+    generation = file_of(tmp_path)
+    size = generation.stat().st_size
+
+    class Changer(InPlace):
+        def restore_buffer(self, byte_length: int, scope: RestoreScope) -> Any:
+            with generation.open("r+b") as file:
+                if change == "grow":
+                    file.seek(0, os.SEEK_END)
+                    file.write(bytes(4096))
+                else:
+                    file.truncate(size // 2)
+            return super().restore_buffer(byte_length, scope)
+
+    participants = mixed()
+    participants[0] = Changer(NAMES[0])
+    async with FileStore(tmp_path) as store, coordinator(store, participants, "e5") as host:
+        with pytest.raises(GenerationCorruptError) as refused:
+            await host.restore("e1-10", new_epoch="e6")
+        assert refused.value.check == "length"
+        assert all(p.staged == [] for p in participants)
+
+
+def rewrite(tmp_path: Path, change: Any) -> None:
+    """Change the generation's bytes and record its new digest in the store
+    manifest, so the envelope's own checks are what refuses it."""
+    generation = file_of(tmp_path)
+    data = bytearray(generation.read_bytes())
+    change(data)
+    generation.write_bytes(data)
+    manifest = tmp_path / "manifest.json"
+    text = manifest.read_text()
+    import hashlib
+    import json
+
+    record = json.loads(text)
+    for entry in record["generations"]:
+        entry["envelopeDigest"] = hashlib.sha256(data).hexdigest()
+    import rfc8785
+
+    manifest.write_bytes(rfc8785.dumps(record))
+
+
+@pytest.mark.asyncio
+async def test_a_deeply_nested_manifest_is_refused_not_a_recursion_error(tmp_path: Path) -> None:
+    await saved(tmp_path)
+
+    def nest(data: bytearray) -> None:
+        (manifest_bytes,) = struct.unpack_from("<I", data, 16)
+        deep = b"[" * 1000 + b"]" * 1000
+        data[HEADER_BYTES : HEADER_BYTES + manifest_bytes] = deep.ljust(manifest_bytes, b" ")
+
+    rewrite(tmp_path, nest)
+    participants = mixed()
+    async with FileStore(tmp_path) as store, coordinator(store, participants, "e5") as host:
+        with pytest.raises(GenerationCorruptError):
+            await host.restore("e1-10", new_epoch="e6")
+        assert all(p.staged == [] for p in participants)
+
+
+@pytest.mark.asyncio
+async def test_a_structural_failure_is_refused_without_copying_the_file(tmp_path: Path) -> None:
+    """A bit flipped in a payload's name: the table fails part way, and the
+    digests taken during the read still serve; the file is never joined into
+    one copy to be hashed again."""
+    import tracemalloc
+
+    await saved(tmp_path, BIG)
+
+    def rename(data: bytearray) -> None:
+        _, _, table_offset = struct.unpack_from("<3I", data, 16)
+        data[table_offset + 112 * 2] ^= 0x20  # lower case to upper case: not an Id
+
+    rewrite(tmp_path, rename)
+    participants = [Part(name) for name in NAMES]  # (the memory they are given is not traced)
+    async with FileStore(tmp_path) as store, coordinator(store, participants, "e5") as host:
+        tracemalloc.start()
+        try:
+            with pytest.raises(GenerationCorruptError) as refused:
+                await host.restore("e1-10", new_epoch="e6")
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert refused.value.check.startswith("envelope:")
+        assert peak < BIG, peak
+
+
+def mapped_sizes() -> list[int]:
+    sizes = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        low, high = (int(x, 16) for x in line.split()[0].split("-"))
+        sizes.append(high - low)
+    return sizes
+
+
+@pytest.mark.asyncio
+async def test_a_kept_error_does_not_keep_the_refused_payloads_memory(tmp_path: Path) -> None:
+    odd = (5 << 20) + 12345  # a size no other mapping has
+    rounded = (odd + 4095) // 4096 * 4096
+    participants = [Part(name) for name in NAMES]
+    participants[1].state = os.urandom(odd)
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as host:
+        await host.checkpoint(10)
+    generation = file_of(tmp_path)
+    data = bytearray(generation.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    generation.write_bytes(data)
+    kept: list[BaseException] = []
+    async with FileStore(tmp_path) as store, coordinator(store, mixed(), "e5") as host:
+        try:
+            await host.restore("e1-10", new_epoch="e6")
+        except GenerationCorruptError as error:
+            kept.append(error)
+        assert kept
+        assert rounded not in mapped_sizes()

@@ -37,7 +37,7 @@ from ..envelope import (
     KnownDigests,
     Scattered,
 )
-from ..errors import GenerationCorruptError, ManifestError
+from ..errors import GenerationCorruptError, ManifestError, release_frames
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest, manifest_from_builtins
 from ._manifest import GenerationRecord
@@ -86,8 +86,8 @@ class StagedRead:
             return manifest_from_builtins(
                 msgspec.json.decode(self._head[HEADER_BYTES : HEADER_BYTES + manifest_bytes])
             )
-        except (ManifestError, msgspec.DecodeError, ValueError):
-            return None
+        except (ManifestError, msgspec.DecodeError, ValueError, RecursionError):
+            return None  # (msgspec refuses nesting past 1000 with RecursionError)
 
     def read(self, buffers: Mapping[str, memoryview]) -> StoredCheckpoint:
         """Fill every payload (``buffers[name]``, a writable byte view of exactly
@@ -97,6 +97,7 @@ class StagedRead:
         view of memory of its own, which stays valid after ``close``."""
         size = int(self.record.byte_length)
         own: list[mmap.mmap] = []
+        views: list[memoryview] = []  # every view of our own memory, released on close
         fill: list[tuple[int, memoryview, Any]] = [(0, memoryview(self._head), None)]
         shown: list[tuple[int, memoryview]] = [(0, memoryview(self._head))]
         hashers = []
@@ -112,10 +113,14 @@ class StagedRead:
             if view is not None and (len(view) != length or view.readonly):
                 raise ValueError(f"the buffer for {name} is not {length} writable bytes")
             if view is None:
-                memory = mmap.mmap(-1, max(length, 1))
+                # private: a fork()ed child never shares what a participant is given
+                memory = mmap.mmap(-1, max(length, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                 own.append(memory)
-                view = memoryview(memory)[:length]
-                shown.append((offset, view.toreadonly()))
+                whole = memoryview(memory)
+                view = whole[:length]
+                views.extend((whole, view))
+                views.append(view.toreadonly())
+                shown.append((offset, views[-1]))
             else:
                 shown.append((offset, view))
             fill.append((offset, view, hasher))
@@ -127,14 +132,47 @@ class StagedRead:
             shown.append((end, gap))
         footer = memoryview(bytearray(FOOTER_BYTES))
         shown.append((footer_offset, footer))
+        pieces = Scattered(shown)
+
+        def close() -> None:
+            pieces.release()
+            for view in views:
+                view.release()
+            for memory in own:
+                with contextlib.suppress(BufferError):  # a participant kept a view
+                    memory.close()
+
+        try:
+            return self._read_and_check(fill, footer, pieces, hashers, close)
+        except BaseException as error:
+            release_frames(error)  # its frames hold views of the memory closed here
+            close()
+            raise
+
+    def _read_and_check(
+        self,
+        fill: list[tuple[int, memoryview, Any]],
+        footer: memoryview,
+        pieces: Scattered,
+        hashers: list[Any],
+        close: Callable[[], None],
+    ) -> StoredCheckpoint:
+        size = int(self.record.byte_length)
+        footer_offset = size - FOOTER_BYTES
         body = hashlib.sha256()
         try:
-            _fill_behind(self._fs, self._fd, fill, body)
-            self._read_exactly(footer, footer_offset)
+            whole = _fill_behind(self._fs, self._fd, fill, body)
+            whole = whole and self._fs.read_into(self._fd, footer, footer_offset) == FOOTER_BYTES
+            grown = self._fs.size(self._fd) != size
         except OSError as error:
             raise GenerationCorruptError(
                 self.record.checkpoint_id, self.path, "read", error.strerror or str(error)
             ) from None
+        if not whole or grown:
+            raise GenerationCorruptError(
+                self.record.checkpoint_id, self.path, "length",
+                f"the file changed length while read (the manifest records {size} bytes)",
+            )  # fmt: skip
         prefix = body.copy().digest()
         body.update(footer)
         known = KnownDigests(
@@ -145,25 +183,7 @@ class StagedRead:
                 for (_, offset, length), hasher in zip(self.entries, hashers, strict=True)
             ),
         )
-        pieces = Scattered(shown)
-
-        def close() -> None:
-            pieces.release()
-            for memory in own:
-                with contextlib.suppress(BufferError):  # a participant kept a view
-                    memory.close()
-
-        try:
-            return checked_generation(self.record, self.path, pieces, close, known=known)
-        except BaseException:
-            close()
-            raise
-
-    def _read_exactly(self, view: memoryview, offset: int) -> None:
-        if self._fs.read_into(self._fd, view, offset) != len(view):
-            raise GenerationCorruptError(
-                self.record.checkpoint_id, self.path, "length", "the file shrank while read"
-            )
+        return checked_generation(self.record, self.path, pieces, close, known=known)
 
     def close(self) -> None:
         """Close the file (idempotent)."""
@@ -248,10 +268,11 @@ def _read(fs: FileSystem, fd: int, size: int, offset: int) -> bytes:
 
 def _fill_behind(
     fs: FileSystem, fd: int, pieces: list[tuple[int, memoryview, Any]], body: Any
-) -> None:
+) -> bool:
     """Read every piece not yet filled (all but the first, the head), in file
     order, feeding ``body`` every piece and each payload's hasher its own, one
-    chunk behind the read on two threads (hashlib releases the GIL)."""
+    chunk behind the read on two threads (hashlib releases the GIL). ``False``
+    if the file ended first."""
     total = sum(len(view) for _, view, _ in pieces)
     threaded = total >= _THREADED_MIN
     streams: list[queue.SimpleQueue[Callable[[], object] | None]] = []
@@ -281,13 +302,14 @@ def _fill_behind(
             for low in range(0, len(view), _CHUNK):
                 part = view[low : low + _CHUNK]
                 if index > 0 and fs.read_into(fd, part, offset + low) != len(part):
-                    raise OSError(0, "the file shrank while read")
+                    return False
                 hash_later(part, hasher)
     finally:
         for jobs in streams:
             jobs.put(None)
         for worker in workers:
             worker.join()
+    return True
 
 
 def _follow(jobs: queue.SimpleQueue[Callable[[], object] | None]) -> None:
