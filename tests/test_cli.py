@@ -256,8 +256,9 @@ def test_every_bench_group_runs_and_reports_baselines() -> None:
         "replicate",
         "dashboard",
         "host",
+        "restore",
         "soak",
-    ]  # fmt: skip  (replicate, dashboard, host, soak: their own test files)
+    ]  # fmt: skip  (replicate, dashboard, host, restore, soak: their own test files)
     documents = []
     for group in ("envelope", "store", "runtime"):  # bus: tests/test_bench_bus.py, tiny counts
         code, out, _ = run("bench", group, "--size", "8MiB", "--runs", "1", "--json")

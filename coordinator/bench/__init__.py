@@ -129,6 +129,12 @@ def _host(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Res
     return run(size=size, runs=runs, progress=progress)
 
 
+def _restore(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Result]:
+    from .restore import run
+
+    return run(size=size, runs=runs, progress=progress)
+
+
 def _soak(size: int, runs: int, progress: Progress = NO_PROGRESS, /) -> list[Result]:
     """100,000 checkpoints (``coordinator bench soak --checkpoints/--hours`` sets it)."""
     from .soak import run
@@ -144,5 +150,6 @@ GROUPS: dict[str, Group] = {
     "replicate": _replicate,
     "dashboard": _dashboard,
     "host": _host,
+    "restore": _restore,
     "soak": _soak,
 }
