@@ -28,7 +28,7 @@ import hashlib
 import mmap
 import struct
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -312,10 +312,12 @@ def _find_transient_key(value: Any) -> str | None:
 
 
 class Seal(msgspec.Struct, frozen=True, kw_only=True):
-    """What sealing an envelope produced: its footer and the whole file's SHA-256."""
+    """What sealing an envelope produced: its footer, the whole file's SHA-256,
+    and each payload's SHA-256 (hex, table order) as the table records it."""
 
     footer: bytes
     envelope_digest: str
+    payload_digests: tuple[str, ...] = ()
 
 
 class EnvelopePlan:
@@ -324,77 +326,157 @@ class EnvelopePlan:
     ``pieces()`` are every byte before the footer, in file order, and never
     copy a payload; ``seal()`` hashes them and makes the footer. ``stream()``
     does both, hashing on worker threads while the caller consumes the pieces.
+
+    Where a payload goes never depends on a digest (one is 64 hex characters
+    in the manifest and 32 bytes in the table), so a plan can be made before
+    some digests are known (``plan(..., digests_pending=...)``): ``placed()``
+    is every payload byte at its final offset, to be written at once, while
+    ``digest()`` computes them; only after it are ``prefix`` (header,
+    manifest, table) and the footer known.
     """
 
     def __init__(
-        self, prefix: bytes, layout: Layout, payloads: Sequence[memoryview], *, verify: bool = True
+        self,
+        prefix: bytes,
+        layout: Layout,
+        payloads: Sequence[memoryview],
+        *,
+        verify: bool = True,
+        manifest: Mapping[str, Any] | None = None,
+        pending: Collection[int] = (),
     ) -> None:
         self.prefix = prefix
         self.layout = layout
         self._verify = verify
         self.sealed: Seal | None = None
         self._payloads = tuple(payloads)
+        self._pending = frozenset(pending)
+        if self._pending and manifest is None:
+            raise ValueError("a plan with digests pending needs its manifest")
+        self._manifest = manifest
+        # Every payload's raw digest, once known (trusted claims are known at once).
+        self._digests: tuple[bytes, ...] | None = None
+        if not verify and not self._pending:
+            self._digests = tuple(bytes.fromhex(entry.digest) for entry in layout.entries)
 
     @property
     def size(self) -> int:
         return self.layout.file_bytes
 
+    @property
+    def digested(self) -> bool:
+        """Whether every payload's digest is known and proven: ``prefix`` is final."""
+        return self._digests is not None
+
     def pieces(self) -> Iterator[memoryview]:
         """The prefix (header, manifest, table), then each payload and its padding."""
         yield memoryview(self.prefix)
+        for _, piece in self.placed():
+            yield piece
+
+    def placed(self) -> Iterator[tuple[int, memoryview]]:
+        """Every byte between the prefix and the footer, as ``(file offset, view)``:
+        each payload, then the zero padding up to the next. None of it depends on a
+        digest, so it can be written before ``digest()`` has run."""
         entries = self.layout.entries
         for index, (entry, view) in enumerate(zip(entries, self._payloads, strict=True)):
-            yield view
+            yield entry.offset, view
             if index + 1 < len(entries):
                 gap = entries[index + 1].offset - entry.end
                 if gap:
-                    yield memoryview(bytes(gap))
+                    yield entry.end, memoryview(bytes(gap))
 
-    def seal(self) -> Seal:
-        """Hash every piece and produce the footer; raises ``EnvelopeInputError`` if a
+    def digest(
+        self, threads: int = 1, *, thread_setup: Callable[[], None] | None = None
+    ) -> tuple[str, ...]:
+        """Every payload's SHA-256 (hex, table order): pending ones computed, claimed
+        ones proven unless trusted (``payloads_verified``), split across ``threads``
+        threads, the caller's among them (hashlib releases the GIL; ``thread_setup``
+        runs first on each other one). Computed digests go into the manifest and the
+        table, so ``prefix`` is final from here on; the layout does not move.
+        ``EnvelopeInputError`` if a payload disagrees with its claim. Idempotent."""
+        if self._digests is None:
+            entries = self.layout.entries
+            todo = [i for i in range(len(entries)) if self._verify or i in self._pending]
+            hashed = _digest_views([self._payloads[i] for i in todo], threads, thread_setup)
+            digests = [bytes.fromhex(entry.digest) for entry in entries]
+            for index, actual in zip(todo, hashed, strict=True):
+                if index not in self._pending:
+                    _check_claim(entries[index], actual)
+                digests[index] = actual
+            if self._pending:
+                self._fill_in(digests)
+            self._digests = tuple(digests)
+        return tuple(digest.hex() for digest in self._digests)
+
+    def _fill_in(self, digests: Sequence[bytes]) -> None:
+        """The prefix and layout again, with the pending digests computed."""
+        assert self._manifest is not None
+        body = dict(self._manifest)
+        records = [dict(record) for record in body["payloads"]]
+        for index in self._pending:
+            records[index]["digest"] = digests[index].hex()
+        body["payloads"] = records
+        lengths = [(entry.name, entry.byte_length) for entry in self.layout.entries]
+        prefix, layout = _lay_out(body, lengths)
+        spans = [(e.offset, e.byte_length) for e in layout.entries]
+        if len(prefix) != len(self.prefix) or spans != [
+            (e.offset, e.byte_length) for e in self.layout.entries
+        ]:  # a digest is a fixed-length string: never reached
+            raise RuntimeError("the envelope's layout moved when its digests were filled in")
+        self.prefix, self.layout, self._manifest = prefix, layout, body
+
+    def seal(self, *, threads: int = 2, thread_setup: Callable[[], None] | None = None) -> Seal:
+        """Hash what is left and produce the footer; raises ``EnvelopeInputError`` if a
         payload disagrees with the digest its manifest record claims (it changed after
         it was described).
 
-        With ``payloads_verified`` (see ``plan``) only the footer's hash is taken.
+        The payloads' digests come first (``digest()``, on ``threads`` threads), then
+        the footer's SHA-256 over every byte before it: it covers the table that holds
+        them, so it cannot start earlier, and it is one sequential pass. Only claims
+        to prove (no digest pending) let the two run at once, on two threads. With
+        ``payloads_verified`` (see ``plan``) only the footer's hash is taken.
         """
-        if not self._verify or self.layout.footer_offset < _PARALLEL_MIN:  # one stream
-            body_hash = hashlib.sha256()
-            for piece in self.pieces():
-                body_hash.update(piece)
-            actual = (
-                [hashlib.sha256(view).digest() for view in self._payloads]
-                if self._verify
-                else [bytes.fromhex(entry.digest) for entry in self.layout.entries]
-            )
-        else:
-            body: list[tuple[int, memoryview]] = []
-            offset = 0
-            for piece in self.pieces():
-                body.append((offset, piece))
-                offset += len(piece)
+        large = self.layout.footer_offset >= _PARALLEL_MIN
+        if self._digests is None and not self._pending and large and threads >= 2:
+            body: list[tuple[int, memoryview]] = [(0, memoryview(self.prefix))]
+            body.extend(self.placed())
             spans = [
                 (e.offset, v) for e, v in zip(self.layout.entries, self._payloads, strict=True)
             ]
             body_hash, actual = _hash_streams(body, spans, self.layout.footer_offset)
-        for entry, digest in zip(self.layout.entries, actual, strict=True):
-            if digest.hex() != entry.digest:
-                raise EnvelopeInputError(
-                    f"payload {entry.name!r} does not match its manifest digest "
-                    f"{entry.digest}: its bytes hash to {digest.hex()}"
-                )
+            for entry, digest in zip(self.layout.entries, actual, strict=True):
+                _check_claim(entry, digest)
+            self._digests = tuple(actual)
+        else:
+            self.digest(threads, thread_setup=thread_setup)
+            body_hash = hashlib.sha256()
+            for piece in self.pieces():
+                body_hash.update(piece)
+        assert self._digests is not None
         footer = footer_bytes(self.layout, body_hash.copy().digest())
         body_hash.update(footer)
-        return Seal(footer=footer, envelope_digest=body_hash.hexdigest())
+        return Seal(
+            footer=footer,
+            envelope_digest=body_hash.hexdigest(),
+            payload_digests=tuple(digest.hex() for digest in self._digests),
+        )
 
-    def stream(self, *, thread_setup: Callable[[], None] | None = None) -> Iterator[memoryview]:
+    def stream(
+        self, *, thread_setup: Callable[[], None] | None = None, threads: int = 2
+    ) -> Iterator[memoryview]:
         """Every byte of the envelope, piece by piece, the footer last.
 
         Hashing runs on worker threads while the caller handles the pieces; a
         payload that disagrees with its digest raises before the footer. Once
         the footer is out, ``self.sealed`` holds the seal (whole-file digest).
+        Pending digests are computed first (the prefix holds them), on
+        ``threads`` threads.
         """
+        if self._pending and self._digests is None:
+            self.digest(threads, thread_setup=thread_setup)
         if self.layout.footer_offset < _PARALLEL_MIN:
-            self.sealed = self.seal()
+            self.sealed = self.seal(threads=threads)
             yield from self.pieces()
             yield memoryview(self.sealed.footer)
             return
@@ -404,7 +486,7 @@ class EnvelopePlan:
             try:
                 if thread_setup is not None:
                     thread_setup()  # e.g. the store lowers this thread's priority
-                outcome.append(self.seal())
+                outcome.append(self.seal(threads=threads))
             except BaseException as error:  # handed to the consumer below
                 outcome.append(error)
 
@@ -419,6 +501,44 @@ class EnvelopePlan:
             raise result
         self.sealed = result
         yield memoryview(result.footer)
+
+
+def _check_claim(entry: PayloadEntry, digest: bytes) -> None:
+    if digest.hex() != entry.digest:
+        raise EnvelopeInputError(
+            f"payload {entry.name!r} does not match its manifest digest "
+            f"{entry.digest}: its bytes hash to {digest.hex()}"
+        )
+
+
+def _digest_views(
+    views: Sequence[memoryview], threads: int, thread_setup: Callable[[], None] | None = None
+) -> list[bytes]:
+    """The SHA-256 of each view, split across ``threads`` threads, this one among
+    them: one payload is one thread's sequential pass, different payloads run at
+    once (hashlib releases the GIL). Longest first, each onto the least loaded."""
+    if threads < 2 or len(views) < 2 or sum(len(v) for v in views) < _PARALLEL_MIN:
+        return [hashlib.sha256(view).digest() for view in views]
+    shares: list[list[int]] = [[] for _ in range(min(threads, len(views)))]
+    loads = [0] * len(shares)
+    for index in sorted(range(len(views)), key=lambda i: -len(views[i])):
+        least = loads.index(min(loads))
+        shares[least].append(index)
+        loads[least] += len(views[index])
+    digests = [b""] * len(views)
+
+    def run(share: list[int]) -> None:
+        for index in share:
+            digests[index] = hashlib.sha256(views[index]).digest()
+
+    with ThreadPoolExecutor(
+        max_workers=len(shares) - 1, thread_name_prefix="flysess-digest", initializer=thread_setup
+    ) as pool:
+        others = [pool.submit(run, share) for share in shares[1:]]
+        run(shares[0])
+        for job in others:
+            job.result()
+    return digests
 
 
 def manifest_length(header: BytesLike) -> int:
@@ -453,6 +573,7 @@ def plan(
     payloads: Sequence[tuple[str, BytesLike]],
     *,
     payloads_verified: bool = False,
+    digests_pending: Collection[str] = (),
 ) -> EnvelopePlan:
     """Lay out an envelope for ``manifest`` and ``payloads`` (written in that order).
 
@@ -461,7 +582,15 @@ def plan(
     and ``seal()`` proves them against the bytes. A caller whose payloads are
     immutable and were digested moments ago (the writer's artifact handles)
     passes ``payloads_verified=True`` so that pass is not paid twice.
+
+    ``digests_pending`` names payloads whose digests nobody has computed yet:
+    their records hold a placeholder (any Digest), and the plan computes them
+    (``EnvelopePlan.digest``) and writes them into the manifest and the table.
+    The layout is the same as with the real digests, so the payloads can be
+    written at their offsets (``EnvelopePlan.placed``) while they are hashed.
     """
+    if isinstance(digests_pending, str):
+        raise EnvelopeInputError("digests_pending is a collection of payload names")
     if len(payloads) > MAX_PAYLOADS:
         raise EnvelopeInputError(f"{len(payloads)} payloads; an envelope holds at most 64")
     names: list[str] = []
@@ -476,8 +605,14 @@ def plan(
             views.append(_byte_view(data))
         except TypeError as error:
             raise EnvelopeInputError(f"payload {name!r}: {error}") from None
+    unknown = set(digests_pending) - set(names)
+    if unknown:
+        raise EnvelopeInputError(f"digests pending for payloads not given: {sorted(unknown)}")
     prefix, layout = _lay_out(manifest, list(zip(names, map(len, views), strict=True)))
-    return EnvelopePlan(prefix, layout, views, verify=not payloads_verified)
+    pending = [index for index, name in enumerate(names) if name in digests_pending]
+    return EnvelopePlan(
+        prefix, layout, views, verify=not payloads_verified, manifest=manifest, pending=pending
+    )
 
 
 def layout_of(manifest: Mapping[str, Any]) -> tuple[bytes, Layout]:

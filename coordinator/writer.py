@@ -2,13 +2,20 @@
 
 Two bounds keep it from growing without limit:
 
-- **outstanding captures** (default 2): a slot is reserved *before* any
-  participant is asked (``reserve()``), and held until the writer takes the
+- **outstanding captures** (default 2 of any size): a slot is reserved *before*
+  any participant is asked (``reserve()``), and held until the writer takes the
   job (or it is superseded or refused). With no slot free, ``reserve()`` raises
-  ``WriterBusyError``: the host keeps stepping and tries again later;
+  ``WriterBusyError``: the host keeps stepping and tries again later. Behind a
+  commit in progress, small captures may take more slots (``WriterLimits``:
+  ``max_small_outstanding``, ``small_capture_bytes``), within the byte budget;
 - **queued payload bytes** (default 64 MiB), checked by ``submit()``, counting
   the bytes a supersede would free. A capture larger than the whole budget is
   taken when it would wait alone (it could never fit otherwise).
+
+**Group commits.** The job task takes the first queued job and the small ones
+ready right behind it (``_take``), and the store makes them durable as one group
+(their files, one directory fsync, one manifest). Each job still ends on its
+own, in queue order: released, then its terminal event, then its ticket.
 
 A newer *replaceable* capture supersedes the oldest replaceable one still in
 the queue; a non-replaceable (durable) capture is never superseded by another
@@ -121,9 +128,24 @@ ABANDONED_KEPT = 64  # abandoned epochs the writer refuses by name (the store, a
 
 
 class WriterLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """The writer's bounds (docs/runtime.md, "The writer" and "Group commits").
+
+    ``max_outstanding`` captures of any size may be reserved at once. Behind a
+    commit in progress, small captures may queue up beyond it, up to
+    ``max_small_outstanding`` reservations in all, while the newest capture
+    submitted was small (at most ``small_capture_bytes`` of payloads) and the
+    byte budget could take every such slot's capture at that size; a capture
+    taken on such a slot must be small too. ``max_queued_bytes`` bounds the
+    queue whatever the count. The writer commits up to ``max_group`` queued
+    checkpoints as one group (the first queued, and the small ones behind it).
+    """
+
     max_outstanding: int = 2
     max_queued_bytes: int = 64 << 20
     load_timeout: float = 60.0  # a remote handle's load() that takes longer fails its job
+    max_small_outstanding: int = 64
+    small_capture_bytes: int = 256 << 10
+    max_group: int = 64
 
 
 class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,16 +192,21 @@ _MOVES: dict[JobState, frozenset[JobState]] = {
 
 
 class _Wake:
-    """An event to wait on again and again: ``set()`` wakes whoever waits now."""
+    """An event to wait on again and again: ``set()`` wakes whoever waits now
+    (and costs nothing when nobody does: every waiter checks its condition first)."""
 
     def __init__(self) -> None:
         self._event = anyio.Event()
+        self._waited = False  # someone waits on ``_event`` (or did, and was cancelled)
 
     def set(self) -> None:
-        self._event.set()
-        self._event = anyio.Event()
+        if self._waited:
+            self._waited = False
+            self._event.set()
+            self._event = anyio.Event()
 
     async def wait(self) -> None:
+        self._waited = True
         await self._event.wait()
 
 
@@ -219,14 +246,15 @@ class Reservation:
     """One outstanding-capture slot. Hand it to ``submit()``, or ``cancel()`` it
     (leaving the ``with`` block does) if the capture did not happen."""
 
-    def __init__(self, writer: Writer) -> None:
+    def __init__(self, writer: Writer, *, small: bool = False) -> None:
         self._writer = writer
         self._held = True
+        self.small = small  # a slot for a small capture only (``WriterLimits``)
 
     def cancel(self) -> None:
         if self._held:
             self._held = False
-            self._writer._free_slot()
+            self._writer._free_slot(self.small)
 
     def _claim(self) -> None:
         if not self._held:
@@ -253,6 +281,7 @@ class _Job:
     ticket: Ticket
     byte_length: int
     captured_at: float
+    small_slot: bool = False  # the reservation it holds until taken was a small one
     queued_at: float = 0.0
     state: JobState = JobState.QUEUED
     timings: dict[str, float] = field(default_factory=dict)
@@ -301,8 +330,10 @@ class Writer:
         self._clock = clock
         self._queue: collections.deque[_Job] = collections.deque()
         self._queued_bytes = 0
-        self._outstanding = 0
-        self._in_flight: _Job | None = None
+        self._outstanding = 0  # slots for a capture of any size, reserved
+        self._small_outstanding = 0  # slots for small captures, reserved
+        self._newest_size: int | None = None  # payload bytes of the newest capture
+        self._in_flight: list[_Job] = []  # the group being written
         self._outbox: collections.deque[Event] = collections.deque()
         self._seq: dict[str, int] = collections.defaultdict(int)
         # Each task waits on a wake of its own (fewer switches per checkpoint).
@@ -489,17 +520,44 @@ class Writer:
 
     def reserve(self) -> Reservation:
         """A capture slot, taken before any participant is asked. Raises the last
-        save failure first, if nobody has seen it; ``WriterBusyError`` when full."""
+        save failure first, if nobody has seen it; ``WriterBusyError`` when full.
+
+        A slot for a capture of any size while one of ``max_outstanding`` is
+        free; else, behind a commit in progress and while captures are small, a
+        slot for a small capture (up to ``max_small_outstanding`` in all)."""
         self.raise_failure()
         if self._closing or self._group is None:
             raise WriterClosedError("the writer is closed")
-        if self._outstanding >= self.limits.max_outstanding:
-            self._counts["rejected"] += 1
-            raise WriterBusyError(
-                f"{self._outstanding} captures outstanding (limit {self.limits.max_outstanding})"
-            )
-        self._outstanding += 1
-        return Reservation(self)
+        limits = self.limits
+        if self._outstanding < limits.max_outstanding:
+            self._outstanding += 1
+            return Reservation(self)
+        if self._small_room():
+            self._small_outstanding += 1
+            return Reservation(self, small=True)
+        self._counts["rejected"] += 1
+        raise WriterBusyError(
+            f"{self._outstanding + self._small_outstanding} captures outstanding "
+            f"(limit {limits.max_outstanding}, or {limits.max_small_outstanding} "
+            "small ones behind a commit in progress)"
+        )
+
+    def _small_room(self) -> bool:
+        """Whether a small capture may take a slot of its own now: a commit is in
+        progress (it would wait for it, and join the next group), the newest
+        capture was small (the next one is likely to be), the count allows, and
+        the byte budget would take every small slot's capture at its largest
+        (so small slots never hold more memory than the budget)."""
+        limits = self.limits
+        small = limits.small_capture_bytes
+        return (
+            bool(self._in_flight)
+            and self._newest_size is not None
+            and self._newest_size <= small
+            and self._outstanding + self._small_outstanding < limits.max_small_outstanding
+            and self._queued_bytes + (self._small_outstanding + 1) * small
+            <= limits.max_queued_bytes
+        )
 
     def submit(
         self,
@@ -518,6 +576,7 @@ class Writer:
         restore abandoned this epoch), ``WriterClosedError``.
         """
         reservation._claim()
+        small = reservation.small
         handles = list(handles)
         try:
             remote = tuple(bool(handle.remote) for handle in handles)
@@ -531,8 +590,19 @@ class Writer:
             refusal = ArtifactUnavailableError("a handle failed to say whether it is remote")
         if refusal is None and len(handles) != len(manifest.payloads):
             refusal = WriterClosedError("the manifest does not list one payload per handle")
+        if refusal is None and small and byte_length > self.limits.small_capture_bytes:
+            if self._outstanding < self.limits.max_outstanding:  # a slot for it is free now
+                self._small_outstanding -= 1
+                self._outstanding += 1
+                small = False
+            else:
+                self._counts["rejected"] += 1
+                refusal = WriterBusyError(
+                    f"{byte_length} bytes took a slot for small captures (at most "
+                    f"{self.limits.small_capture_bytes}), and none for a larger one is free"
+                )
         if refusal is not None:
-            self._free_slot()
+            self._free_slot(small)
             self._discard(handles)
             raise refusal
         job = _Job(
@@ -543,6 +613,7 @@ class Writer:
             ticket=Ticket(manifest.checkpoint_id),
             byte_length=byte_length,
             captured_at=self._clock(),
+            small_slot=small,
             pending=_pending_digests(handles),
         )
         if capture_ms is not None:
@@ -591,6 +662,7 @@ class Writer:
         # wait beside it: its bytes are captured already, and it could never fit.
         others = self._queued_bytes - freed
         size = sum(int(record.byte_length) for record in manifest.payloads)
+        self._newest_size = size  # what the next reservation expects
         if others and others + size > self.limits.max_queued_bytes:
             self._counts["rejected"] += 1
             return WriterBusyError(
@@ -631,8 +703,11 @@ class Writer:
         """The restore did not happen after all: ``epoch`` may capture again."""
         self._abandoned.pop(epoch, None)
 
-    def _free_slot(self) -> None:
-        self._outstanding -= 1
+    def _free_slot(self, small: bool = False) -> None:
+        if small:
+            self._small_outstanding -= 1
+        else:
+            self._outstanding -= 1
         self._room.set()
 
     async def wait_for_room(self) -> None:
@@ -643,7 +718,7 @@ class Writer:
 
     async def wait_written(self, epoch: str) -> None:
         """Wait until no capture of ``epoch`` is being written."""
-        while self._in_flight is not None and self._in_flight.epoch == epoch:
+        while any(job.epoch == epoch for job in self._in_flight):
             await self._job_done.wait()
 
     # --- the job task --------------------------------------------------------------
@@ -657,9 +732,25 @@ class Writer:
                         await self._jobs_wake.wait()
                     if not self._queue:
                         return
-                    await self._write(self._queue.popleft())
+                    await self._write(self._take())
         finally:
             self._jobs_done.set()
+
+    def _take(self) -> list[_Job]:
+        """The next group: the first queued job, and the small ones queued right
+        behind it that can be written at once (local, their digests known), up
+        to ``max_group``, in queue order. Under a retry policy (``attempts >
+        1``) a job is a group of its own: a commit retried after a later one
+        would move the session's high water back."""
+        group = [self._queue.popleft()]
+        limit = 1 if self.retry.attempts > 1 else self.limits.max_group
+        small = self.limits.small_capture_bytes
+        while self._queue and len(group) < limit:
+            job = self._queue[0]
+            if job.byte_length > small or any(job.remote) or not job.digested.is_set():
+                break
+            group.append(self._queue.popleft())
+        return group
 
     # --- the digest task -----------------------------------------------------------
 
@@ -715,35 +806,38 @@ class Writer:
                 job.digest_failure = WriterClosedError("this checkpoint was never digested")
             job.digested.set()
 
-    async def _write(self, job: _Job) -> None:
-        """One job from taken to terminal; a stop (cancellation) during the load
-        fails it, and nothing else can interrupt it."""
-        self._queued_bytes -= job.byte_length
-        self._free_slot()
-        job.move(JobState.WRITING)
-        job.timings["queue_wait_ms"] = (self._clock() - job.queued_at) * 1000
-        self._in_flight = job
+    async def _write(self, group: list[_Job]) -> None:
+        """One group, from taken to terminal; a stop (cancellation) during the
+        loads fails every job of it, and nothing else can interrupt it."""
+        taken = self._clock()
+        for job in group:
+            self._queued_bytes -= job.byte_length
+            self._free_slot(job.small_slot)
+            job.move(JobState.WRITING)
+            job.timings["queue_wait_ms"] = (taken - job.queued_at) * 1000
+        self._in_flight = group
         try:
-            failure = await self._load(job)
+            failures = [await self._load(job) for job in group]
             with anyio.CancelScope(shield=True):
                 try:
-                    if failure is None:
-                        await self._commit(job)
-                    else:
-                        await self._end(job, JobState.FAILED, failure)
-                except Exception as error:  # a bug of ours: this job fails, the writer goes on
-                    if job.state is JobState.WRITING:
-                        internal = CoordinatorError(f"the writer failed this job: {error!r}")
-                        await self._end(job, JobState.FAILED, internal)
+                    await self._commit(group, failures)
+                except Exception as error:  # a bug of ours: these jobs fail, the writer goes on
+                    internal = CoordinatorError(f"the writer failed this job: {error!r}")
+                    for job in group:
+                        if job.state is JobState.WRITING:
+                            await self._end(job, JobState.FAILED, internal)
         except BaseException:  # stopped while loading
             with anyio.CancelScope(shield=True):
-                await job.digested.wait()  # no thread hashes its handles any more
-                if job.state is JobState.WRITING:
-                    closed = WriterClosedError("the writer stopped while loading this checkpoint")
-                    await self._end(job, JobState.FAILED, closed, attempt=0)
+                for job in group:
+                    await job.digested.wait()  # no thread hashes its handles any more
+                    if job.state is JobState.WRITING:
+                        closed = WriterClosedError(
+                            "the writer stopped while loading this checkpoint"
+                        )
+                        await self._end(job, JobState.FAILED, closed, attempt=0)
             raise
         finally:
-            self._in_flight = None
+            self._in_flight = []
             self._job_done.set()
 
     async def _load(self, job: _Job) -> CoordinatorError | None:
@@ -776,33 +870,62 @@ class Writer:
         job.timings["fetch_ms"] = (self._clock() - started) * 1000
         return None
 
-    async def _commit(self, job: _Job) -> None:
-        """Shielded: views, the commit step, then release and the outcome."""
+    async def _commit(self, group: list[_Job], failures: list[CoordinatorError | None]) -> None:
+        """Shielded: every job's views, the commit step for those that have them
+        (one store group), then, in queue order, each job's release and outcome."""
         copies: list[object] = []  # the writer's own copies of memory it did not own
+        results: list[CommitReceipt | CoordinatorError | None] = list(failures)
+        attempts = [1] * len(group)
+        ready: list[tuple[int, list[memoryview], bool]] = []  # (index, views, trusted)
         try:
-            views, trusted = await self._views(job, copies)
-        except BaseException as error:
-            if _ours(error):
-                raise
+            for index, job in enumerate(group):
+                if results[index] is not None:
+                    continue
+                try:
+                    views, trusted = await self._views(job, copies)
+                except BaseException as error:
+                    if _ours(error):
+                        raise
+                    results[index] = _as_artifact_error(error, ArtifactUnavailableError)
+                    continue
+                ready.append((index, views, trusted))
+            if len(ready) == 1:  # alone: under the retry policy
+                index, views, trusted = ready[0]
+                job = group[index]
+                payloads = _named(job, views)
+                receipt, failure, attempts[index] = await self._attempts(job, payloads, trusted)
+                del payloads
+                results[index] = receipt if receipt is not None else failure
+            elif ready:
+                members = [
+                    (group[index].manifest, _named(group[index], views), trusted)
+                    for index, views, trusted in ready
+                ]
+                outcomes = await self.store.commit_group(members)
+                del members
+                for (index, _, _), outcome in zip(ready, outcomes, strict=True):
+                    if isinstance(outcome, CommitReceipt):
+                        results[index] = outcome
+                    else:
+                        release_frames(outcome)  # its frames hold views of the payloads
+                        results[index] = _as_commit_failure(outcome)
+                del outcomes
+        finally:
+            for _, views, _ in ready:
+                _release_views(views)  # before the handles: a map with views cannot close
             await release_copies(copies)
-            unavailable = _as_artifact_error(error, ArtifactUnavailableError)
-            await self._end(job, JobState.FAILED, unavailable)
-            return
-        names = [record.name for record in job.manifest.payloads]
-        payloads = list(zip(names, views, strict=True))
-        receipt, failure, tried = await self._attempts(job, payloads, trusted)
-        del payloads
-        _release_views(views)  # before the handles: a map with views cannot close
-        await release_copies(copies)
-        job.timings["total_ms"] = (self._clock() - job.captured_at) * 1000
-        if receipt is None:
-            assert failure is not None
-            await self._end(job, JobState.FAILED, failure, attempt=tried)
-            return
-        job.timings["write_ms"] = receipt.timings_ms.get("write", 0.0)
-        job.timings["fsync_ms"] = receipt.timings_ms.get("fsync", 0.0)
-        self._durable = job.checkpoint_id
-        await self._end(job, JobState.COMMITTED, receipt)
+        ended = self._clock()
+        for index, job in enumerate(group):
+            result = results[index]
+            assert result is not None
+            job.timings["total_ms"] = (ended - job.captured_at) * 1000
+            if isinstance(result, CoordinatorError):
+                await self._end(job, JobState.FAILED, result, attempt=attempts[index])
+                continue
+            job.timings["write_ms"] = result.timings_ms.get("write", 0.0)
+            job.timings["fsync_ms"] = result.timings_ms.get("fsync", 0.0)
+            self._durable = job.checkpoint_id
+            await self._end(job, JobState.COMMITTED, result)
 
     async def _views(self, job: _Job, copies: list[object]) -> tuple[list[memoryview], bool]:
         """Every handle's bytes, and whether their digests may be trusted without
@@ -895,7 +1018,7 @@ class Writer:
         released in a task of the writer's, then its ticket resolves."""
         self._queue.remove(victim)
         self._queued_bytes -= victim.byte_length
-        self._free_slot()
+        self._free_slot(victim.small_slot)
         victim.move(JobState.SUPERSEDED)
         if victim in self._to_digest and self._to_digest[0] is not victim:
             self._to_digest.remove(victim)  # not started: nothing to hash, nothing to wait for
@@ -916,7 +1039,7 @@ class Writer:
         while self._queue:
             job = self._queue.popleft()
             self._queued_bytes -= job.byte_length
-            self._free_slot()
+            self._free_slot(job.small_slot)
             closed = WriterClosedError("the writer stopped before this checkpoint was written")
             await self._end(job, JobState.FAILED, closed, attempt=0)
 
@@ -1075,7 +1198,7 @@ class Writer:
         return WriterStatistics(
             queued=len(self._queue),
             queued_bytes=self._queued_bytes,
-            outstanding=self._outstanding,
+            outstanding=self._outstanding + self._small_outstanding,
             committed=self._counts["committed"],
             failed=self._counts["failed"],
             superseded=self._counts["superseded"],
@@ -1120,6 +1243,11 @@ def _ours(error: BaseException) -> bool:
     cancellation a handle or a bus raises on its own is theirs: the writer's own
     stop is told apart by its cancel scope.)"""
     return isinstance(error, KeyboardInterrupt | SystemExit | GeneratorExit)
+
+
+def _named(job: _Job, views: list[memoryview]) -> list[tuple[str, memoryview]]:
+    """``job``'s payloads as the store takes them: (name, bytes), in table order."""
+    return list(zip((record.name for record in job.manifest.payloads), views, strict=True))
 
 
 def _release_views(views: list[memoryview]) -> None:

@@ -245,6 +245,8 @@ class FileStore:
 
     # --- commits -------------------------------------------------------------------
 
+    _GROUP_MAX = 64  # checkpoints in one group at most: each costs O(listed) in the manifest
+
     async def commit(
         self,
         manifest: CheckpointManifest,
@@ -252,59 +254,115 @@ class FileStore:
         *,
         payloads_verified: bool = False,
     ) -> CommitReceipt:
-        """Make one checkpoint durable (see ``SyncStore.commit``). Commits of other
-        sessions that wait meanwhile are made durable with it, as one group: one
-        directory fsync and one manifest for all (``SyncStore.commit_group``)."""
+        """Make one checkpoint durable (see ``SyncStore.commit``). Commits that
+        wait meanwhile (other sessions', or a writer's queued ones) are made
+        durable with it, as one group: one directory fsync and one manifest for
+        all (``SyncStore.commit_group``)."""
+        (outcome,) = await self._commit_members([
+            GroupMember(manifest, payloads, payloads_verified)
+        ])  # fmt: skip
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def commit_group(
+        self,
+        checkpoints: Sequence[tuple[CheckpointManifest, Sequence[tuple[str, BytesLike]], bool]],
+    ) -> list[CommitReceipt | Exception]:
+        """Make several checkpoints durable, in their order (a writer's queue: one
+        session's, or many), each ``(manifest, payloads, payloads_verified)`` as
+        ``commit`` takes them, together with the commits that wait for the store
+        meanwhile: in as few groups as ``_take_group`` allows, usually one.
+        Returns each checkpoint's receipt or error, in order.
+
+        Cancelled before any member was taken into a group, nothing is committed
+        and the cancellation propagates. Once one is taken, every member is
+        committed (a commit is never left half done) and the outcomes are
+        returned: like a thread's result, the cancellation is the caller's, at
+        its next await."""
+        return await self._commit_members([GroupMember(*checkpoint) for checkpoint in checkpoints])
+
+    async def _commit_members(
+        self, members: Sequence[GroupMember]
+    ) -> list[CommitReceipt | Exception]:
+        waiting = [_Waiting(member, self._payload_bytes(member.payloads)) for member in members]
+        self._waiting.extend(waiting)
+        try:
+            await self._lead(waiting)
+        except BaseException as error:
+            if not any(w.taken for w in waiting):
+                for w in waiting:
+                    self._waiting.remove(w)
+                raise
+            with anyio.CancelScope(shield=True):  # taken: the rest go too
+                await self._lead(waiting)
+            if not isinstance(error, anyio.get_cancelled_exc_class()):
+                raise
+        outcomes: list[CommitReceipt | Exception] = []
+        for w in waiting:
+            if isinstance(w.outcome, BaseException) and not isinstance(w.outcome, Exception):
+                raise w.outcome  # (an interrupt in the group's thread)
+            assert w.outcome is not None
+            outcomes.append(w.outcome)
+        return outcomes
+
+    @staticmethod
+    def _payload_bytes(payloads: Sequence[tuple[str, BytesLike]]) -> int:
         size = 0
         for _, data in payloads:
             with memoryview(data) as view:
                 size += view.nbytes
-        waiting = _Waiting(GroupMember(manifest, payloads, payloads_verified), size)
-        self._waiting.append(waiting)
-        try:
+        return size
+
+    async def _lead(self, waiting: list[_Waiting]) -> None:
+        """Lead groups until every one of ``waiting`` is taken (by this caller
+        or another), then wait for their outcomes."""
+        while not all(w.taken for w in waiting):
             async with self._lock:
-                if not waiting.taken:  # nobody took it along: lead a group
+                if not all(w.taken for w in waiting):  # nobody took them along
                     await self._commit_group(self._take_group())
-        except BaseException as error:
-            if not waiting.taken:
-                self._waiting.remove(waiting)
-                raise
-            with anyio.CancelScope(shield=True):  # taken: a commit is never left half done
-                await waiting.done.wait()
-            if not isinstance(error, anyio.get_cancelled_exc_class()):
-                raise
-            # Like a thread's result: the outcome is the caller's, and the cancellation
-            # is delivered at its next await (a commit is never discarded).
-        outcome = waiting.outcome
-        if isinstance(outcome, BaseException):
-            raise outcome
-        assert outcome is not None
-        return outcome
+        for w in waiting:
+            await w.done.wait()
 
     def _take_group(self) -> list[_Waiting]:
-        """Every waiting commit, one per session (in arrival order): the rest wait
-        for the next group."""
+        """The waiting commits, in arrival order, each checkpoint id once and at
+        most ``_GROUP_MAX``: a commit of an id the group holds already waits for
+        the next group, and so does every later commit of its session (a
+        session's commits are made durable in their order)."""
         group: list[_Waiting] = []
-        sessions: set[str] = set()
+        ids: set[str] = set()
+        deferred: set[str] = set()  # sessions whose next commit waits
         for waiting in self._waiting:
-            session_id = waiting.member.manifest.source_scope.session_id
-            if session_id not in sessions:
-                sessions.add(session_id)
-                group.append(waiting)
+            if len(group) >= self._GROUP_MAX:
+                break
+            scope = waiting.member.manifest.source_scope
+            checkpoint_id = waiting.member.manifest.checkpoint_id
+            if scope.session_id in deferred:
+                continue
+            if checkpoint_id in ids:
+                deferred.add(scope.session_id)
+                continue
+            ids.add(checkpoint_id)
+            group.append(waiting)
         for waiting in group:
             self._waiting.remove(waiting)
             waiting.taken = True
         return group
 
     async def _commit_group(self, group: list[_Waiting]) -> None:
+        """Commit ``group`` in a thread; every member learns its outcome (an error
+        of the whole call included: a bug, or the store closed meanwhile)."""
         size = sum(waiting.size for waiting in group)
         run = run_in_bulk_thread if size >= BULK_BYTES else self._run
+        outcomes: Sequence[CommitReceipt | BaseException] = []
         try:
             # Taken commits are owed an outcome: the leader's own cancellation
             # comes after (at its next await), never instead of the group.
             with anyio.CancelScope(shield=True):
                 outcomes = await run(self.core.commit_group, [w.member for w in group])
-        except BaseException as error:  # (a bug, or the store closed): each member learns it
+        except Exception as error:  # each member learns it
+            outcomes = [error] * len(group)
+        except BaseException as error:  # (an interrupt): each member learns it too
             outcomes = [error] * len(group)
             raise
         finally:

@@ -433,23 +433,29 @@ class SyncStore:
         return outcome
 
     def commit_group(self, members: Sequence[GroupMember]) -> list[CommitReceipt | Exception]:
-        """Make several checkpoints durable together, one per session: each
-        generation file written, fsynced and renamed (steps 1-3 of the sequence;
-        the files' fsyncs run at once), one directory fsync for all of them (step
-        4), and one store manifest that lists them all (step 5: its rename is the
-        commit point of the whole group).
+        """Make several checkpoints durable together (of one session or many, each
+        checkpoint id once): each generation file written, fsynced and renamed
+        (steps 1-3 of the sequence; the files' fsyncs run at once), one directory
+        fsync for all of them (step 4), and one store manifest that lists them all
+        (step 5: its rename is the commit point of the whole group). Members of
+        one session are committed in their order here, and rotation never drops a
+        member of its own group: a session whose group holds more than ``keep``
+        checkpoints has them all listed until its next commit.
 
         A member refused or failing before step 4 gets its error (its file is
         gone) and the others go on; from step 4 on, the group succeeds or fails
         whole. Returns each member's receipt or error, in order."""
         outcomes: list[CommitReceipt | Exception | None] = [None] * len(members)
-        sessions = [m.manifest.source_scope.session_id for m in members]
-        if len(set(sessions)) != len(sessions):  # a later one would rotate an earlier away
-            raise UsageError(f"a commit group holds one checkpoint per session: {sessions}")
+        checkpoint_ids = [m.manifest.checkpoint_id for m in members]
+        if len(set(checkpoint_ids)) != len(checkpoint_ids):  # two files, one name
+            raise UsageError(f"a commit group holds each checkpoint id once: {checkpoint_ids}")
         working = self._manifest
         pending: list[_Written] = []
+        # Rotation never drops a member of the group: it would be acknowledged as
+        # committed without ever being listed by a durable manifest.
+        pins = frozenset(self._pinned) | frozenset(checkpoint_ids)
         try:
-            working = self._write_members(members, working, pending, outcomes)
+            working = self._write_members(members, working, pending, outcomes, pins)
         except BaseException:  # (an interrupt): no file of the group is left open
             for done in pending:
                 self._io.discard(done.file.fd, done.file.path)
@@ -461,7 +467,7 @@ class SyncStore:
                 self._io.unlink(done.path)
             raise
         if len(written) < len(pending):  # a member failed its fsync or rename
-            working = self._relisted(written)
+            working = self._relisted(written, pins)
         if written:
             failure = self._publish_group(written, working)
             ids = [done.record.checkpoint_id for done in written]
@@ -479,9 +485,11 @@ class SyncStore:
         working: StoreManifest,
         pending: list[_Written],
         outcomes: list[CommitReceipt | Exception | None],
+        pins: frozenset[str],
     ) -> StoreManifest:
         """Step 1 for each member in turn, checked against ``working`` as the
-        members before it leave it; returns the manifest with all of them."""
+        members before it leave it; returns the manifest with all of them
+        (rotation keeping ``pins``: the store's pins and the group's members)."""
         for index, member in enumerate(members):
             try:
                 self._check_member(member, working)
@@ -495,9 +503,7 @@ class SyncStore:
                 outcomes[index] = error
                 continue
             try:  # (checked before it was written: it cannot fail here, in fact)
-                working, dropped = with_generation(
-                    working, done.record, self.keep, frozenset(self._pinned)
-                )
+                working, dropped = with_generation(working, done.record, self.keep, pins)
             except Exception as error:
                 self._io.discard(done.file.fd, done.file.path)
                 self._failed += 1
@@ -605,7 +611,7 @@ class SyncStore:
         done.timings["rename_and_sync_dir"] = round((time.perf_counter() - started) * 1000, 3)
         return None
 
-    def _relisted(self, written: list[_Written]) -> StoreManifest:
+    def _relisted(self, written: list[_Written], pins: frozenset[str]) -> StoreManifest:
         """The group's manifest again without the members that failed: the rest
         listed in order, their sequence numbers closed up, rotation redone."""
         working = self._manifest
@@ -614,7 +620,7 @@ class SyncStore:
                 done.record, sequence=str(int(working.last_sequence) + 1)
             )
             working, dropped = with_generation(
-                working, done.record, self.keep, frozenset(self._pinned)
+                working, done.record, self.keep, pins
             )  # (each member was checked against the durable manifest as well)
             done.dropped = tuple(dropped)
         return working

@@ -1,4 +1,15 @@
-"""Bulk work on threads of its own, at a lower priority than the host's loop."""
+"""Bulk work on threads of its own, a little below the host's priority.
+
+Bulk threads run at the host's nice + ``BULK_NICE_OFFSET`` (3; it was 10).
+Measured on the 2-core VM during a 1 GiB save (issue 29, part 3; docs/runtime.md,
+"Bulk threads and their priority"): with the host's own work keeping both cores
+busy (two spinning processes of its session), the save took 11-28 s at +10,
+4.5-6.7 s at +3 and 3.1-4.0 s at +0; with nothing else of the host's running, the
+loop's lag p99 was 3.8 ms at +10, 3.9 ms at +3 and 6.8 ms at +0. The scheduler
+(EEVDF) lets a waking thread preempt one whose virtual deadline is later, and a
+thread of half the weight (+3) has its deadline twice as far: the loop still
+preempts at once, while a busy host leaves the save half a fair share, not a tenth.
+"""
 
 from __future__ import annotations
 
@@ -14,24 +25,31 @@ import anyio.lowlevel
 
 __all__ = ["lower_thread_priority", "run_in_bulk_thread"]
 
-# Bulk threads run at the host's nice + 10 (read once, on import).
-_BULK_NICE = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10) if hasattr(os, "getpriority") else 0
+#: How much nicer than the host bulk threads run (see the module's docstring).
+BULK_NICE_OFFSET = 3
+_BULK_NICE = (
+    min(19, os.getpriority(os.PRIO_PROCESS, 0) + BULK_NICE_OFFSET)
+    if hasattr(os, "getpriority")
+    else 0
+)  # (read once, on import)
 
 
 def lower_thread_priority() -> None:
-    """Make the calling thread yield to the host's event loop (the host's nice + 10:
-    Linux applies it to this thread only). Bulk work still uses every idle core, but
-    the scheduler preempts it as soon as the loop wakes up. Idempotent: a thread
-    started by a bulk thread inherits its nice, and is not lowered again."""
+    """Give the calling thread the bulk threads' priority, the host's nice +
+    ``BULK_NICE_OFFSET`` (Linux applies it to this thread only): the host's loop
+    preempts it whenever it wakes, and a host busy on every core still leaves it
+    about half a fair share. Idempotent: a thread started by a bulk thread
+    inherits its nice, and is not lowered again."""
     with contextlib.suppress(OSError, AttributeError):
         if os.getpriority(os.PRIO_PROCESS, 0) < _BULK_NICE:
             os.setpriority(os.PRIO_PROCESS, 0, _BULK_NICE)
 
 
 async def run_in_bulk_thread(function: Callable[..., Any], *args: Any) -> Any:
-    """Run ``function`` on a new low-priority thread and wait for it, never abandoning
-    it (a cancellation is delivered once it is done). A thread of its own, because
-    lowering a pooled thread's priority could not be undone without privileges."""
+    """Run ``function`` on a new bulk thread (``lower_thread_priority``) and wait for
+    it, never abandoning it (a cancellation is delivered once it is done). A thread
+    of its own: a pooled thread's lowered priority could not be undone without
+    privileges, and a long job does not hold one of anyio's pool."""
     token = anyio.lowlevel.current_token()
     done = anyio.Event()
     outcome: list[Any] = []
