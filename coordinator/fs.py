@@ -55,6 +55,10 @@ class FileSystem:
     def write(self, fd: int, data: memoryview) -> int:
         return os.write(fd, data)
 
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        """Write at ``offset`` without moving the file position (thread-safe)."""
+        return os.pwrite(fd, data, offset)
+
     def start_writeback(self, fd: int, offset: int, length: int) -> None:
         """Ask the kernel to start writing these bytes out now (not a durability
         promise: only fsync is). The final fsync then has less left to wait for."""

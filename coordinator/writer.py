@@ -290,6 +290,10 @@ class _Job:
     pending: tuple[int, ...] = ()
     digested: anyio.Event = field(default_factory=anyio.Event)
     digest_failure: CoordinatorError | None = None
+    digest_started: bool = False  # the digest task took it up
+    # Pending digests the store computes as it writes (the job was taken before the
+    # digest task began on it): their names.
+    store_digests: tuple[str, ...] = ()
 
     @property
     def checkpoint_id(self) -> str:
@@ -618,10 +622,10 @@ class Writer:
         )
         if capture_ms is not None:
             job.timings["capture_ms"] = capture_ms
-        if job.pending:
-            self._to_digest.append(job)
+        if job.pending and (self._in_flight or self._queue):
+            self._to_digest.append(job)  # hashed while the jobs before it are written
             self._digests_wake.set()
-        else:
+        else:  # the job task takes it at once: the store hashes it while it writes
             job.digested.set()
         self._emit(self._captured(job))
         victim = self._victim(replaceable)
@@ -780,6 +784,7 @@ class Writer:
         """Every pending digest of ``job``, its payloads hashed at once in worker
         threads (superseded meanwhile: nothing to do). A handle that cannot be
         hashed fails its own job, never the writer."""
+        job.digest_started = True
         started = self._clock()
         failures: list[BaseException] = []
         # One fewer than the cores, on threads of their own at a lower priority than
@@ -846,10 +851,17 @@ class Writer:
         fails the save (nothing was written), like a failed commit. Only the
         writer's own stop interrupts it."""
         if job.pending:
+            if not job.digest_started and not job.digested.is_set():
+                self._to_digest.remove(job)  # taken before its turn: the store hashes it
+                job.digested.set()
             await job.digested.wait()
             if job.digest_failure is not None:
                 return job.digest_failure
-            job.manifest = _with_digests(job)
+            if job.digest_started:
+                job.manifest = _with_digests(job)
+            else:
+                names = [job.manifest.payloads[index].name for index in job.pending]
+                job.store_digests = tuple(names)
         if not any(job.remote):
             return None
         started = self._clock()
@@ -898,7 +910,12 @@ class Writer:
                 results[index] = receipt if receipt is not None else failure
             elif ready:
                 members = [
-                    (group[index].manifest, _named(group[index], views), trusted)
+                    (
+                        group[index].manifest,
+                        _named(group[index], views),
+                        trusted,
+                        group[index].store_digests,
+                    )
                     for index, views, trusted in ready
                 ]
                 outcomes = await self.store.commit_group(members)
@@ -924,6 +941,9 @@ class Writer:
                 continue
             job.timings["write_ms"] = result.timings_ms.get("write", 0.0)
             job.timings["fsync_ms"] = result.timings_ms.get("fsync", 0.0)
+            if job.store_digests:  # the records say what the store computed
+                job.manifest = _with_store_digests(job.manifest, result.payload_digests)
+                job.timings["digest_ms"] = result.timings_ms.get("digest", 0.0)
             self._durable = job.checkpoint_id
             await self._end(job, JobState.COMMITTED, result)
 
@@ -940,7 +960,10 @@ class Writer:
                 if not isinstance(view, memoryview):
                     raise TypeError(f"view() returned a {type(view).__name__}")
                 views.append(view)
-                verified = is_verified(handle, int(record.byte_length), record.digest, view)
+                # (a digest the store computes is over these very bytes: nothing to prove)
+                verified = record.name in job.store_digests or is_verified(
+                    handle, int(record.byte_length), record.digest, view
+                )
                 if not (verified and is_owned(view) and view.c_contiguous):
                     trusted = False
                     if not (is_owned(view) and view.c_contiguous):
@@ -961,7 +984,12 @@ class Writer:
         attempts = max(1, self.retry.attempts)
         for attempt in range(1, attempts + 1):
             try:
-                receipt = await self.store.commit(job.manifest, payloads, payloads_verified=trusted)
+                receipt = await self.store.commit(
+                    job.manifest,
+                    payloads,
+                    payloads_verified=trusted,
+                    digests_pending=job.store_digests,
+                )
             except Exception as error:
                 release_frames(error)  # its frames hold views of the payloads
                 failure = _as_commit_failure(error)
@@ -1232,6 +1260,15 @@ def _with_digests(job: _Job) -> CheckpointManifest:
         assert digest is not None
         records[index] = msgspec.structs.replace(records[index], digest=digest)
     return msgspec.structs.replace(job.manifest, payloads=records)
+
+
+def _with_store_digests(manifest: CheckpointManifest, digests: Sequence[str]) -> CheckpointManifest:
+    """``manifest`` with every payload's digest as the store computed or proved it."""
+    records = [
+        msgspec.structs.replace(record, digest=digest)
+        for record, digest in zip(manifest.payloads, digests, strict=True)
+    ]
+    return msgspec.structs.replace(manifest, payloads=records)
 
 
 def _is_cancellation(error: BaseException) -> bool:

@@ -72,6 +72,13 @@ class RecordingFS(FileSystem):
         self.ops.append(("write", fd, offset, payload))
         return count
 
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        self._check("write", self.paths[fd])
+        count = super().pwrite(fd, data, offset)
+        payload = bytes(data[:count]) if self.keep_data else b""
+        self.ops.append(("write", fd, offset, payload))
+        return count
+
     def fsync(self, fd: int) -> None:
         if fd in self.fsync_failed:
             self.fsync_after_failure += 1

@@ -74,7 +74,7 @@ async def test_capture_returns_before_any_large_payload_is_hashed(
         outcome = await ticket.wait()
         assert isinstance(outcome, Committed)
         assert outcome.timings.digest_ms is not None
-    assert seen and all(seen), seen
+    assert all(seen), seen  # (alone in the writer, the store hashes them as it writes)
     captured = next(e for e in bus.events if isinstance(e, Captured))
     digests = {p.name: p.digest for p in captured.payloads}
     assert digests[NAMES[0]] is None and digests[NAMES[1]] is None
@@ -157,13 +157,27 @@ async def test_a_capture_superseded_while_its_digest_runs_leaks_nothing(
         assert [g.checkpoint_id for g in store.generations] == ["epoch-1-1", "epoch-1-3"]
 
 
+async def behind_a_held_commit(host: Any, fs: GateFS, participants: list[Large]) -> Any:
+    """A small capture held in its commit (``fs``), so that the next one waits in
+    the queue and the writer's digest task hashes it (a capture alone in the
+    writer is hashed by the store as it writes)."""
+    large = [p.state for p in participants]
+    for part in participants:
+        part.state = b"small"
+    first = await host.capture(1, replaceable=False)
+    await anyio.to_thread.run_sync(fs.waiting.wait)  # it is being written
+    for part, state in zip(participants, large, strict=True):
+        part.state = state
+    return first
+
+
 @pytest.mark.asyncio
 async def test_a_cancelled_host_stops_a_digest_cleanly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The host is cancelled while a capture's digest runs: the job fails as
-    writer.closed (never committed with an unknown digest), its ticket resolves,
-    and nothing stays live."""
+    """The host is cancelled while a queued capture's digest runs: the job fails
+    as writer.closed (never committed with an unknown digest), its ticket
+    resolves, and nothing stays live."""
     gate = threading.Event()
     original = artifacts.sha256_hex
 
@@ -171,21 +185,24 @@ async def test_a_cancelled_host_stops_a_digest_cleanly(
         gate.wait(10)
         return original(data)
 
-    monkeypatch.setattr(artifacts, "sha256_hex", slow)
+    fs = GateFS()
     participants = [Large(n) for n in NAMES]
-    async with FileStore(tmp_path) as store:
+    async with FileStore(tmp_path, fs=fs) as store:
         host = coordinator(store, participants)
         with anyio.CancelScope() as scope:
             async with host:
-                ticket = await host.capture(1, replaceable=False)
+                await behind_a_held_commit(host, fs, participants)
+                monkeypatch.setattr(artifacts, "sha256_hex", slow)
+                ticket = await host.capture(2, replaceable=False)
                 await anyio.sleep(0.05)  # its hash is held in a worker thread
                 scope.cancel()
                 threading.Timer(0.1, gate.set).start()
+                fs.open_all()
                 await anyio.sleep(1)
         outcome = await ticket.wait()
         assert isinstance(outcome, Failed) and outcome.code == "writer.closed"
         assert host.ledger.statistics().live == 0
-        assert store.generations == ()
+        assert "epoch-1-2" not in [g.checkpoint_id for g in store.generations]
 
 
 @pytest.mark.asyncio
@@ -202,15 +219,20 @@ async def test_a_payload_that_cannot_be_hashed_fails_its_own_job(
             raise OSError("the page under this payload is gone")
         return original(data)
 
-    monkeypatch.setattr(artifacts, "sha256_hex", broken)
+    fs = GateFS()
     participants = [Large(n) for n in NAMES]
-    async with FileStore(tmp_path) as store, coordinator(store, participants) as host:
-        first = await (await host.capture(1, replaceable=False)).wait()
-        assert isinstance(first, Failed) and first.code == "artifact.unavailable"
+    async with FileStore(tmp_path, fs=fs) as store, coordinator(store, participants) as host:
+        held = await behind_a_held_commit(host, fs, participants)
+        monkeypatch.setattr(artifacts, "sha256_hex", broken)
+        queued = await host.capture(2, replaceable=False)
+        fs.open_all()
+        assert isinstance(await held.wait(), Committed)
+        second = await queued.wait()
+        assert isinstance(second, Failed) and second.code == "artifact.unavailable"
         failing["on"] = False
         with pytest.raises(Exception, match=r"artifact\.unavailable"):
-            await host.capture(2)  # the earlier failure, seen once
-        assert isinstance(await host.checkpoint(3), Committed)
+            await host.capture(3)  # the earlier failure, seen once
+        assert isinstance(await host.checkpoint(4), Committed)
         assert host.ledger.statistics().live == 0
 
 

@@ -27,11 +27,12 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 
 import msgspec
 
 from ..buffers import BytesLike
+from ..envelope import EnvelopePlan
 from ..errors import (
     CommitError,
     DurabilityUnknownError,
@@ -56,6 +57,8 @@ __all__ = ["CommitSequence", "UnlinkFailure", "UnsyncedFile"]
 
 # Start writeback every this many bytes, so the final fsync has little left.
 _WRITEBACK_EVERY = 64 << 20
+# One pwrite at most this long: a stop is noticed between two of them.
+_WRITE_CHUNK = 16 << 20
 
 
 class UnsyncedFile(msgspec.Struct, frozen=True, kw_only=True):
@@ -161,6 +164,83 @@ class CommitSequence:
         if timings is not None:
             timings["write"] = round((time.perf_counter() - started) * 1000, 3)
         return fd
+
+    def write_placed(
+        self,
+        checkpoint_id: str,
+        path: str,
+        envelope: EnvelopePlan,
+        timings: dict[str, float] | None = None,
+        *,
+        thread_setup: Callable[[], None] | None = None,
+    ) -> int:
+        """Create ``path`` afresh and write ``envelope`` while it is hashed: every
+        payload byte goes to its offset at once, on a thread of its own, while this
+        one seals (the payloads' digests on every core, then the footer's pass);
+        the prefix and the footer, known only then, go last. Returns the open
+        descriptor for ``sync_file``; on any failure the file is closed and
+        unlinked. ``envelope.sealed`` holds the seal."""
+        try:
+            try:
+                fd = self.fs.create(path)
+            except FileExistsError:  # a leftover from an earlier failure
+                self.unlink(path)
+                fd = self.fs.create(path)
+        except OSError as error:
+            raise commit_error(checkpoint_id, "create", path, error) from None
+        started = time.perf_counter()
+        stop = threading.Event()
+        failure: list[BaseException] = []
+
+        def write_payloads() -> None:
+            try:
+                if thread_setup is not None:
+                    thread_setup()
+                flushed = envelope.layout.entries[0].offset if envelope.layout.entries else 0
+                for offset, view in envelope.placed():
+                    self._write_at(fd, view, offset, stop)
+                    end = offset + len(view)
+                    if end - flushed >= _WRITEBACK_EVERY:
+                        self.fs.start_writeback(fd, flushed, end - flushed)
+                        flushed = end
+            except BaseException as error:  # raised below, in the sealing thread
+                failure.append(error)
+
+        payloads = threading.Thread(target=write_payloads, name="coordinator-placed")
+        payloads.start()
+        try:
+            try:
+                envelope.digest(os.cpu_count() or 1, thread_setup=thread_setup)
+                if timings is not None:
+                    timings["digest"] = round((time.perf_counter() - started) * 1000, 3)
+                sealed = envelope.seal(threads=1)  # the footer's pass, over the digests
+            except BaseException:
+                stop.set()  # the payloads need not go on
+                raise
+            finally:
+                payloads.join()  # (before the descriptor is closed: it writes to it)
+            if failure:
+                raise failure[0]
+            envelope.sealed = sealed
+            self._write_at(fd, memoryview(envelope.prefix), 0, stop)
+            self._write_at(fd, memoryview(sealed.footer), envelope.layout.footer_offset, stop)
+        except BaseException as error:
+            self.discard(fd, path)
+            if isinstance(error, OSError):
+                raise commit_error(checkpoint_id, "write", path, error) from None
+            raise
+        if timings is not None:
+            timings["write"] = round((time.perf_counter() - started) * 1000, 3)
+        return fd
+
+    def _write_at(self, fd: int, view: memoryview, offset: int, stop: threading.Event) -> None:
+        while view:
+            if stop.is_set():
+                raise OSError(errno.ECANCELED, "the envelope was not sealed")
+            count = self.fs.pwrite(fd, view[:_WRITE_CHUNK], offset)
+            if count <= 0:
+                raise OSError(errno.EIO, "write made no progress")
+            view, offset = view[count:], offset + count
 
     def sync_file(
         self, checkpoint_id: str, path: str, fd: int, timings: dict[str, float] | None = None

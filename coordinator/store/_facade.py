@@ -253,13 +253,18 @@ class FileStore:
         payloads: Sequence[tuple[str, BytesLike]],
         *,
         payloads_verified: bool = False,
+        digests_pending: Sequence[str] = (),
     ) -> CommitReceipt:
         """Make one checkpoint durable (see ``SyncStore.commit``). Commits that
         wait meanwhile (other sessions', or a writer's queued ones) are made
         durable with it, as one group: one directory fsync and one manifest for
-        all (``SyncStore.commit_group``)."""
+        all (``SyncStore.commit_group``).
+
+        ``digests_pending`` names payloads whose digest nobody has computed (their
+        records hold a placeholder): the store computes them while it writes the
+        file, and the receipt's ``payload_digests`` has them."""
         (outcome,) = await self._commit_members([
-            GroupMember(manifest, payloads, payloads_verified)
+            GroupMember(manifest, payloads, payloads_verified, tuple(digests_pending))
         ])  # fmt: skip
         if isinstance(outcome, BaseException):
             raise outcome
@@ -267,12 +272,16 @@ class FileStore:
 
     async def commit_group(
         self,
-        checkpoints: Sequence[tuple[CheckpointManifest, Sequence[tuple[str, BytesLike]], bool]],
+        checkpoints: Sequence[
+            tuple[CheckpointManifest, Sequence[tuple[str, BytesLike]], bool]
+            | tuple[CheckpointManifest, Sequence[tuple[str, BytesLike]], bool, tuple[str, ...]]
+        ],
     ) -> list[CommitReceipt | Exception]:
         """Make several checkpoints durable, in their order (a writer's queue: one
-        session's, or many), each ``(manifest, payloads, payloads_verified)`` as
-        ``commit`` takes them, together with the commits that wait for the store
-        meanwhile: in as few groups as ``_take_group`` allows, usually one.
+        session's, or many), each ``(manifest, payloads, payloads_verified)``, or
+        with ``digests_pending`` fourth, as ``commit`` takes them, together with
+        the commits that wait for the store meanwhile: in as few groups as
+        ``_take_group`` allows, usually one.
         Returns each checkpoint's receipt or error, in order.
 
         Cancelled before any member was taken into a group, nothing is committed

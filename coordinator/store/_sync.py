@@ -103,6 +103,9 @@ class CommitReceipt(msgspec.Struct, frozen=True, kw_only=True):
     high_water: str  # the session's high water now: this checkpoint
     dropped: tuple[str, ...]
     timings_ms: dict[str, float]
+    # Every payload's SHA-256 (hex, table order): what the store computed for
+    # ``digests_pending``, and the claims it proved or trusted for the rest.
+    payload_digests: tuple[str, ...] = ()
 
 
 class GroupMember(msgspec.Struct, frozen=True):
@@ -111,6 +114,9 @@ class GroupMember(msgspec.Struct, frozen=True):
     manifest: CheckpointManifest
     payloads: Sequence[tuple[str, BytesLike]]
     payloads_verified: bool = False
+    # Payloads whose digest nobody has computed: their records hold a placeholder,
+    # and the store computes it while it writes (``envelope.plan``).
+    digests_pending: tuple[str, ...] = ()
 
 
 class _Written(msgspec.Struct, kw_only=True):
@@ -122,6 +128,7 @@ class _Written(msgspec.Struct, kw_only=True):
     file: UnsyncedFile
     replaced: str | None  # the file of the listed generation of the same id, if any
     timings: dict[str, float]
+    payload_digests: tuple[str, ...]
     index: int = 0
     dropped: tuple[GenerationRecord, ...] = ()
 
@@ -419,6 +426,7 @@ class SyncStore:
         payloads: Sequence[tuple[str, BytesLike]],
         *,
         payloads_verified: bool = False,
+        digests_pending: Sequence[str] = (),
     ) -> CommitReceipt:
         """Make one checkpoint durable, or raise having made nothing durable (or,
         ``DurabilityUnknownError``, not knowing).
@@ -426,8 +434,11 @@ class SyncStore:
         ``payloads_verified``: the payloads are owned memory and their manifest
         digests were computed from these very bytes (artifact handles), so the
         envelope takes only the footer's hash (see ``envelope.plan``).
+        ``digests_pending``: payloads whose digest is computed here, while the
+        file is written (the receipt's ``payload_digests``).
         """
-        (outcome,) = self.commit_group([GroupMember(manifest, payloads, payloads_verified)])
+        member = GroupMember(manifest, payloads, payloads_verified, tuple(digests_pending))
+        (outcome,) = self.commit_group([member])
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
@@ -548,7 +559,10 @@ class SyncStore:
         if following > U64_MAX:  # only a hostile manifest gets here: refuse, write nothing
             raise CommitError(checkpoint_id, "sequence", self._join(MANIFEST))
         envelope_plan = plan(
-            manifest_to_builtins(manifest), payloads, payloads_verified=member.payloads_verified
+            manifest_to_builtins(manifest),
+            payloads,
+            payloads_verified=member.payloads_verified,
+            digests_pending=member.digests_pending,
         )
         previous = working.lookup(checkpoint_id)
         listed = {r.file for r in (previous, self._manifest.lookup(checkpoint_id)) if r}
@@ -557,9 +571,15 @@ class SyncStore:
             name = f"{checkpoint_id}{ALTERNATE}{SUFFIX}"
         timings = {"plan": round((time.perf_counter() - started) * 1000, 3)}
         bulk = envelope_plan.size >= BULK_BYTES
-        pieces = envelope_plan.stream(thread_setup=lower_thread_priority if bulk else None)
+        setup = lower_thread_priority if bulk else None
         temporary = self._join(TMP_PREFIX + name)
-        fd = self._io.write_unsynced(checkpoint_id, temporary, pieces, timings)
+        if bulk and member.digests_pending:  # the write need not wait for the digests
+            fd = self._io.write_placed(
+                checkpoint_id, temporary, envelope_plan, timings, thread_setup=setup
+            )
+        else:
+            pieces = envelope_plan.stream(thread_setup=setup)
+            fd = self._io.write_unsynced(checkpoint_id, temporary, pieces, timings)
         sealed = envelope_plan.sealed
         if sealed is None:  # stream() always seals before its footer; never reached
             self._io.unlink(temporary)
@@ -583,6 +603,7 @@ class SyncStore:
             file=UnsyncedFile(checkpoint_id=checkpoint_id, path=temporary, fd=fd, timings=timings),
             replaced=replaced,
             timings=timings,
+            payload_digests=sealed.payload_digests,
             index=index,
         )
 
@@ -661,6 +682,7 @@ class SyncStore:
             high_water=done.record.checkpoint_id,
             dropped=tuple(r.checkpoint_id for r in done.dropped),
             timings_ms=timings,
+            payload_digests=done.payload_digests,
         )
 
     def check_new_epoch(self, epoch: str) -> None:

@@ -1,0 +1,173 @@
+"""A large save written while it is hashed (issue 29, part 3): the store is handed
+payloads whose digests nobody has computed, writes every payload byte at its
+offset at once while the digests run on every core, and writes the prefix and
+the footer last. The file is byte for byte the one the ordinary path makes, the
+commit sequence is the same, and a failure leaves nothing behind."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+from fsmodel import RecordingFS, fail_nth
+from hostkit import NAMES, describe
+from storekit import checkpoint
+
+from coordinator import CommitError
+from coordinator.bus import MemoryBus
+from coordinator.events import Committed
+from coordinator.manifest import build_manifest
+from coordinator.sample import sample_body
+from coordinator.session import PENDING_DIGEST, Coordinator
+from coordinator.store import FileStore, SyncStore
+from coordinator.store._sync import BULK_BYTES
+
+LARGE = BULK_BYTES + 4093  # over the bulk threshold, an odd length (padding follows)
+
+
+def pending(manifest: Any, names: set[str]) -> Any:
+    """``manifest`` with a placeholder for the digest of each of ``names``."""
+    records = [
+        msgspec.structs.replace(r, digest=PENDING_DIGEST) if r.name in names else r
+        for r in manifest.payloads
+    ]
+    return msgspec.structs.replace(manifest, payloads=records)
+
+
+def large_checkpoint(index: int) -> tuple[Any, list[tuple[str, bytes]]]:
+    """A store test's checkpoint with two payloads over the bulk threshold's reach."""
+    _, payloads = checkpoint(index)
+    payloads[0] = (payloads[0][0], os.urandom(LARGE))
+    payloads[2] = (payloads[2][0], os.urandom(LARGE // 3))
+    body = sample_body(f"ckpt-{index}", step=index, epoch="epoch-1", session_id="session-1")
+    return build_manifest(body, payloads), payloads
+
+
+def test_the_placed_file_is_the_streamed_file(tmp_path: Path) -> None:
+    """Digests computed by the store while it writes: the same bytes as the file
+    of the same checkpoint with its digests known, and the receipt names them."""
+    manifest, payloads = large_checkpoint(1)
+    names = {payloads[0][0], payloads[2][0]}
+    with SyncStore(tmp_path / "placed") as store:
+        receipt = store.commit(
+            pending(manifest, names), payloads, payloads_verified=True, digests_pending=names
+        )
+        assert store.verify().failures == ()
+    with SyncStore(tmp_path / "streamed") as store:
+        expected = store.commit(manifest, payloads)
+    assert receipt.payload_digests == tuple(r.digest for r in manifest.payloads)
+    assert receipt.payload_digests == tuple(hashlib.sha256(d).hexdigest() for _, d in payloads)
+    placed = (tmp_path / "placed" / receipt.record.file).read_bytes()
+    assert placed == (tmp_path / "streamed" / expected.record.file).read_bytes()
+    assert receipt.record.envelope_digest == expected.record.envelope_digest
+
+
+def test_the_placed_write_keeps_the_commit_sequence(tmp_path: Path) -> None:
+    """create, the writes, fsync, close, rename, fsync(dir), then the manifest's
+    own: the same steps in the same order as the streamed path."""
+    kinds = []
+    for name, pending_names in (("placed", True), ("streamed", False)):
+        manifest, payloads = large_checkpoint(1)
+        names = {payloads[0][0]} if pending_names else set()
+        fs = RecordingFS(keep_data=False)
+        with SyncStore(tmp_path / name, fs=fs) as store:
+            fs.ops.clear()
+            store.commit(pending(manifest, names), payloads, digests_pending=names)
+        kinds.append(fs.kinds())
+    assert kinds[0] == kinds[1]
+    assert kinds[0][:5] == ["create", "fsync", "close", "rename", "fsync_dir"]
+
+
+@pytest.mark.parametrize("nth", [1, 2, 5])
+def test_a_failed_write_leaves_nothing(tmp_path: Path, nth: int) -> None:
+    """A write that fails (the payloads' thread, or the prefix after the seal):
+    the commit fails, the temporary file is gone, the store verifies, and the
+    next commit goes through."""
+    manifest, payloads = large_checkpoint(1)
+    names = {payloads[0][0], payloads[2][0]}
+    fs = RecordingFS(fail_nth("write", nth, errno.EIO, "tmp+"), keep_data=False)
+    with SyncStore(tmp_path / "s", fs=fs) as store:
+        with pytest.raises(CommitError) as caught:
+            store.commit(pending(manifest, names), payloads, digests_pending=names)
+        assert caught.value.operation == "write"
+        assert not [n for n in os.listdir(tmp_path / "s") if n.endswith(".flysess")]
+        second, more = large_checkpoint(2)
+        store.commit(pending(second, names), more, digests_pending=names)
+        assert store.verify().failures == ()
+
+
+def test_a_failed_seal_stops_the_payload_write(tmp_path: Path) -> None:
+    """A pending digest that cannot be computed (here: a name the payloads do not
+    carry is refused before anything) and a digest claim the bytes break (the
+    seal fails while the payloads are being written): nothing is left."""
+    manifest, payloads = large_checkpoint(1)
+    wrong = msgspec.structs.replace(
+        manifest,
+        payloads=[
+            msgspec.structs.replace(r, digest="1" * 64) if i == 1 else r
+            for i, r in enumerate(manifest.payloads)
+        ],
+    )
+    names = {payloads[0][0]}
+    with SyncStore(tmp_path / "s") as store:
+        with pytest.raises(Exception, match="does not match its manifest digest"):
+            store.commit(pending(wrong, names), payloads, digests_pending=names)
+        assert not [n for n in os.listdir(tmp_path / "s") if n.endswith(".flysess")]
+
+
+class Large:
+    """A participant whose state is over the bulk threshold."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.state = os.urandom(size)
+
+    async def capture(self, scope: Any) -> bytes:
+        return self.state
+
+    async def stage_restore(self, payload: memoryview, scope: Any) -> bytes:
+        return bytes(payload)
+
+    async def activate_restore(self, token: bytes) -> None:
+        self.state = token
+
+    async def abort_restore(self, token: bytes) -> None:
+        return None
+
+
+@pytest.mark.asyncio
+async def test_a_lone_large_capture_is_hashed_by_the_store(tmp_path: Path) -> None:
+    """Nothing before it in the writer: its digests are left to the store, which
+    hashes while it writes; the checkpoint restores byte for byte. A capture
+    queued behind a commit in progress is hashed by the writer's digest task
+    meanwhile, as before."""
+    participants = [Large(name, LARGE if i == 0 else 100) for i, name in enumerate(NAMES)]
+    seen: list[tuple[str, ...]] = []
+    async with FileStore(tmp_path / "s") as store:
+        commit = store.commit
+
+        async def recording(*args: Any, **options: Any) -> Any:
+            seen.append(tuple(options.get("digests_pending", ())))
+            return await commit(*args, **options)
+
+        store.commit = recording  # type: ignore[method-assign]
+        async with Coordinator(
+            store, MemoryBus(), participants, session_id="s1", epoch="e1", describe=describe
+        ) as host:
+            first = await host.capture(1, replaceable=False)
+            second = await host.capture(2, replaceable=False)  # behind the first
+            assert isinstance(await first.wait(), Committed)
+            assert isinstance(await second.wait(), Committed)
+            expected = participants[0].state
+            participants[0].state = b"changed"
+            await host.restore("e1-1", new_epoch="e2")
+        assert participants[0].state == expected
+        assert (await store.verify()).failures == ()
+    assert seen[0] == (NAMES[0],)
+    assert seen[1] == ()  # the digest task had it while the first was written
