@@ -931,6 +931,15 @@ class Writer:
             for _, views, _ in ready:
                 _release_views(views)  # before the handles: a map with views cannot close
             await release_copies(copies)
+        await self._end_group(group, results, attempts)
+
+    async def _end_group(
+        self,
+        group: list[_Job],
+        results: list[CommitReceipt | CoordinatorError | None],
+        attempts: list[int],
+    ) -> None:
+        """Each job's release and outcome, in queue order."""
         ended = self._clock()
         for index, job in enumerate(group):
             result = results[index]

@@ -19,6 +19,7 @@ store's own commit rate on the same checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import statistics
@@ -538,6 +539,10 @@ def _small(folder: Path, runs: int, progress: Progress = NO_PROGRESS) -> list[Re
         "store": lambda run: anyio.run(store_only, run),
         "sqlite": lambda run: _sqlite_rate(folder / f"sqlite-{run}.db", parts, count),
         "raw": lambda run: _raw_rate(folder / f"raw-{run}", raw_items),
+        "raw_group": lambda run: _raw_group_rate(folder / f"raw-group-{run}", raw_items),
+        "raw_syncfs": lambda run: _raw_group_rate(
+            folder / f"raw-syncfs-{run}", raw_items, syncfs=True
+        ),
     }
     with progress.phase("runtime.small_rate_one_session (+ pipeline_small_rate)", runs):
         anyio.run(one_session, -1, 50)  # warm: imports, the first worker threads
@@ -612,6 +617,66 @@ def _raw_rate(target: Path, items: Sequence[Any]) -> float:
     return len(items) / (time.perf_counter() - start)
 
 
+RAW_GROUP = 64  # the writer's largest group (WriterLimits.max_group)
+
+
+def _raw_group_rate(target: Path, items: Sequence[Any], *, syncfs: bool = False) -> float:
+    """The commit sequence done in groups of ``RAW_GROUP``, with nothing but its
+    syscalls: each group's envelopes written, their fsyncs at once on 8 threads
+    (as the store's), each renamed, one directory fsync, the group's last store
+    manifest written, fsynced and renamed, the directory fsynced, rotation's
+    unlinks. The most any store keeping the sequence (an fsync per generation
+    file) could do here. ``syncfs``: one syncfs(2) of the file system in place of
+    the files' fsyncs (not what the sequence says; for comparison only)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    target.mkdir()
+    folder = str(target)
+    directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+
+    def create(name: str, pieces: Sequence[Any]) -> int:
+        fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                view = view[os.write(fd, view) :]
+        return fd
+
+    def sync_close(fd: int) -> None:
+        os.fsync(fd)
+        os.close(fd)
+
+    try:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            start = time.perf_counter()
+            for first in range(0, len(items), RAW_GROUP):
+                group = items[first : first + RAW_GROUP]
+                fds = [create("tmp-" + name, pieces) for name, pieces, _, _ in group]
+                if syncfs:
+                    if libc.syncfs(directory) != 0:
+                        raise OSError(ctypes.get_errno(), "syncfs")
+                    for fd in fds:
+                        os.close(fd)
+                else:
+                    list(pool.map(sync_close, fds))
+                for name, _, _, _ in group:
+                    os.rename(os.path.join(folder, "tmp-" + name), os.path.join(folder, name))
+                os.fsync(directory)
+                sync_close(create("tmp-manifest.json", [group[-1][2]]))
+                os.rename(
+                    os.path.join(folder, "tmp-manifest.json"), os.path.join(folder, "manifest.json")
+                )
+                os.fsync(directory)
+                for _, _, _, dropped in group:
+                    for old in dropped:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(folder, f"{old}.flysess"))
+            return len(items) / (time.perf_counter() - start)
+    finally:
+        os.close(directory)
+
+
 def _sqlite_rate(path: Path, parts: Sequence[_Bytes], count: int) -> float:
     """The standard library's sqlite3 in WAL mode with synchronous=FULL (each
     commit fsyncs the log): one BEGIN, INSERT, COMMIT a checkpoint, of a row
@@ -670,6 +735,16 @@ def _small_results(
                 "pair_ratios": pairs("ours", "sqlite"),
                 "ratio_to_raw_4fsync_loop": round(ours / raw, 3),
                 "raw_4fsync_rates": per_run("raw"),
+                "raw_group_rates": per_run("raw_group"),
+                "raw_group_over_sqlite": round(median(rates["raw_group"]) / sqlite, 3),
+                "raw_group_is": f"the commit sequence's syscalls alone, in groups of {RAW_GROUP} "
+                "(the writer's largest): the envelopes written, their fsyncs at once on 8 "
+                "threads, renamed, one fsync(dir), one store manifest, fsync(dir): the most a "
+                "store keeping the sequence (an fsync per generation file) can do here",
+                "raw_syncfs_rates": per_run("raw_syncfs"),
+                "raw_syncfs_over_sqlite": round(median(rates["raw_syncfs"]) / sqlite, 3),
+                "raw_syncfs_is": "the same groups with one syncfs(2) in place of the files' "
+                "fsyncs: not the normative sequence, shown for comparison only",
                 "raw_is": "write+fsync+rename+fsync(dir) of each envelope, then of the store "
                 "manifest, and rotation's unlinks: the same bytes, one after another",
                 "cpu_ms_per_checkpoint": {

@@ -23,7 +23,7 @@ durable. The rules:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import msgspec
@@ -54,23 +54,38 @@ __all__ = [
 
 def on_timeline(session: SessionRecord, record: GenerationRecord, epoch: str | None = None) -> bool:
     """Whether ``record`` is on the timeline of ``epoch`` (default: the current one)."""
+    return timeline(session, epoch)(record)
+
+
+def timeline(
+    session: SessionRecord, epoch: str | None = None
+) -> Callable[[GenerationRecord], bool]:
+    """``on_timeline`` for many records: the epoch chain is walked once."""
     epochs = {e.epoch: e for e in session.epochs}
     at = epochs.get(epoch or session.current)
-    cut: int | None = None  # the last commit of ``at`` that is on the timeline
-    while at is not None:
-        if record.epoch == at.epoch:
-            return cut is None or int(record.sequence) <= cut
+    cuts: dict[str, int | None] = {}  # each epoch on the chain: its last commit on it
+    cut: int | None = None
+    while at is not None and at.epoch not in cuts:
+        cuts[at.epoch] = cut
         cut = int(at.fork.sequence) if at.fork is not None else None
         at = epochs.get(at.parent) if at.parent is not None else None
-    return False
+
+    def on(record: GenerationRecord) -> bool:
+        if record.epoch not in cuts:
+            return False
+        last = cuts[record.epoch]
+        return last is None or int(record.sequence) <= last
+
+    return on
 
 
 def high_water_of(
     session: SessionRecord, generations: Sequence[GenerationRecord]
 ) -> GenerationRecord | None:
     """The newest-committed generation on the session's current timeline."""
+    on = timeline(session)
     for record in reversed(generations):
-        if record.session_id == session.session_id and on_timeline(session, record):
+        if record.session_id == session.session_id and on(record):
             return record
     return None
 
@@ -213,10 +228,11 @@ def with_forked_epoch(
     )
     record = EpochRecord(epoch=epoch, parent=restored.epoch, fork=fork)
     forked = msgspec.structs.replace(session, epochs=(*session.epochs, record))
+    before, after = timeline(session), timeline(forked)
     lost = [
         int(g.boundary)
         for g in manifest.generations
-        if g.session_id == session_id and on_timeline(session, g) and not on_timeline(forked, g)
+        if g.session_id == session_id and before(g) and not after(g)
     ]
     end = max([*lost, *([last_step] if last_step is not None else [])], default=step)
     if end > step or lost:  # (steps need not increase: a lost one may lie below it)
@@ -274,8 +290,9 @@ def with_generation(
     mine = [g for g in generations if g.session_id == record.session_id]
     dropped: list[GenerationRecord] = []
     if len(mine) > keep:
-        off = [g for g in mine if not on_timeline(session, g)]
-        on = [g for g in mine if on_timeline(session, g)]
+        on_it = timeline(session)
+        off = [g for g in mine if not on_it(g)]
+        on = [g for g in mine if on_it(g)]
         keep_now = pinned | {record.checkpoint_id}  # never the commit just made
         candidates = [g for g in off + on if g.checkpoint_id not in keep_now]
         dropped = candidates[: len(mine) - keep]
