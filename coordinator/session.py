@@ -829,7 +829,9 @@ class Coordinator:
             timeline = self.store.timeline(self.session_id)
             candidates = [record.checkpoint_id for record in timeline] or [None]
         skipped: list[SkippedGeneration] = []
-        for candidate in candidates:
+        gone: set[str] = set()
+        while candidates:
+            candidate = candidates.pop(0)
             try:
                 staged = await self.store.open_staged(
                     candidate, session_id=self.session_id, pin=True
@@ -837,7 +839,12 @@ class Coordinator:
             except GenerationNotFoundError:
                 if checkpoint_id is not None or candidate is None:
                     raise
-                continue  # rotated away by the commit that was in flight
+                gone.add(candidate)  # rotated away by the commit that was in flight,
+                if not candidates:  # which listed a newer one: the timeline again
+                    tried = gone | {s.checkpoint_id for s in skipped}
+                    timeline = self.store.timeline(self.session_id)
+                    candidates = [r.checkpoint_id for r in timeline if r.checkpoint_id not in tried]
+                continue
             try:
                 look = staged.unverified_manifest()
                 buffers: dict[str, memoryview] = {}

@@ -1458,7 +1458,9 @@ async def test_a_restore_racing_a_save_that_rotates_its_generation_installs_it_a
     """keep=1: a save is being written when a restore picks the only generation,
     whose verification takes a while (a large file). The save's rotation would drop
     it: the restore's read pins it from its selection on, so the restore installs
-    it and forks from it (before, the fork failed with every participant active)."""
+    it and forks from it (before, the fork failed with every participant active).
+    Had the save's commit rotated it away before the restore opened it, the
+    restore takes the newer one the commit listed (never "no checkpoint")."""
     import time as clock
 
     import coordinator.store._facade as facade
@@ -1478,11 +1480,12 @@ async def test_a_restore_racing_a_save_that_rotates_its_generation_installs_it_a
                                    describe=DESCRIBE) as host:  # fmt: skip
                 await host.checkpoint(1)
                 first = parts[0].data
-                parts[0].data = os.urandom(64 << 20)
+                parts[0].data = second = os.urandom(64 << 20)
                 ticket = await host.capture(2)
                 await anyio.sleep(0.01)  # the writer has it
                 report = await host.restore(new_epoch="e2")
-                assert report.record.checkpoint_id == "e1-1" and parts[0].data == first
+                installed = {"e1-1": first, "e1-2": second}[report.record.checkpoint_id]
+                assert parts[0].data == installed
                 await ticket.wait()
     finally:
         facade.checked_generation = checked  # type: ignore[assignment]

@@ -413,3 +413,38 @@ async def test_an_id_shaped_like_an_unopened_epoch_s_default_id_retires_it(
     async with FileStore(tmp_path) as store:  # durably: a new process is refused too
         with pytest.raises(StaleEpochError):
             store.check_new_epoch("ep2")
+
+
+@pytest.mark.asyncio
+async def test_a_restore_whose_candidates_were_rotated_away_takes_the_newer_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeline a default restore read named only a generation that the commit
+    in flight then rotated away: the restore reads the timeline again and installs
+    the newer one that commit listed, never "no checkpoint"."""
+    from coordinator import GenerationNotFoundError
+
+    participants = parts()
+    async with FileStore(tmp_path, keep=2) as store, coordinator(store, participants) as c:
+        await c.checkpoint(1)
+        participants[0].state = b"world@2"
+        await c.checkpoint(2)
+        stale = [r for r in store.timeline("session-1") if r.checkpoint_id == "epoch-1-1"]
+        real_timeline, real_open = store.timeline, store.open_staged
+        calls = {"timeline": 0}
+
+        def timeline(session_id: str) -> Any:
+            calls["timeline"] += 1
+            return stale if calls["timeline"] == 1 else real_timeline(session_id)
+
+        async def open_staged(checkpoint_id: Any, **options: Any) -> Any:
+            if checkpoint_id == "epoch-1-1":
+                raise GenerationNotFoundError("rotated away meanwhile")
+            return await real_open(checkpoint_id, **options)
+
+        monkeypatch.setattr(store, "timeline", timeline)
+        monkeypatch.setattr(store, "open_staged", open_staged)
+        participants[0].state = b"changed"
+        report = await c.restore(new_epoch="epoch-2")
+        assert report.record.checkpoint_id == "epoch-1-2"
+        assert participants[0].state == b"world@2"
