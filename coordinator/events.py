@@ -77,8 +77,12 @@ class PayloadSummary(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     digest: Digest | None
 
 
+# The largest seq a reader in any language holds exactly (JSON numbers are doubles there).
+MAX_SEQ: Final = 2**53 - 1
+
+
 class _Event(msgspec.Struct, frozen=True, kw_only=True, rename="camel", tag_field="event"):
-    seq: int
+    seq: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]  # (a decoded one: never beyond)
     event_id: str
     time: str  # RFC 3339, UTC
     checkpoint_id: Id
@@ -234,8 +238,6 @@ SCHEMA_DIALECT: Final = "https://json-schema.org/draft/2020-12/schema"
 # RFC 3339 in UTC with microseconds, as ``rfc3339_now`` writes it.
 TIME_PATTERN: Final = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z$"
 _ID = r"[a-z0-9][a-z0-9._-]{0,63}"
-# The largest seq a reader in any language holds exactly (JSON numbers are doubles there).
-MAX_SEQ: Final = 2**53 - 1
 MAX_TIMING_MS: Final = 1e12
 
 

@@ -841,9 +841,9 @@ class Coordinator:
                     raise
                 gone.add(candidate)  # rotated away by the commit that was in flight,
                 if not candidates:  # which listed a newer one: the timeline again
-                    tried = gone | {s.checkpoint_id for s in skipped}
+                    seen = gone | {s.checkpoint_id for s in skipped}
                     timeline = self.store.timeline(self.session_id)
-                    candidates = [r.checkpoint_id for r in timeline if r.checkpoint_id not in tried]
+                    candidates = [r.checkpoint_id for r in timeline if r.checkpoint_id not in seen]
                 continue
             try:
                 look = staged.unverified_manifest()
