@@ -534,7 +534,8 @@ async def test_entering_while_the_bus_cannot_tell_spends_no_seq(
 ) -> None:
     """A restore whose event is on the stream, a crash, and a restart through a link
     that loses one server answer: the one `last_seq` reads (it used to escape as an
-    ExceptionGroup and stop the host from entering), or the one `latest_restored`
+    ExceptionGroup and stop the host from entering: now the KV's reservation), or
+    the one `latest_restored`
     reads (the event used to be published again: the stream dropped the copy, and
     its seq was a gap that never filled). The host enters, nothing is announced
     twice, and the stream's seqs have no gap."""
@@ -544,10 +545,14 @@ async def test_entering_while_the_bus_cannot_tell_spends_no_seq(
     asked = {"count": 0, "on": True}
 
     def drop(line: bytes, body: bytes) -> bool:
-        if asked["on"] and b"STREAM.MSG.GET" in line and b"ckpt.s.restored" in body:
-            asked["count"] += 1
-            return asked["count"] == (1 if lost == "last_seq" else 2)
-        return False
+        if not asked["on"]:
+            return False
+        if lost == "last_seq":  # the read of the session's seq reservation
+            hit = b"GET" in line and b"CKPT_COMMITTED.s.seq" in line + body
+        else:
+            hit = b"STREAM.MSG.GET" in line and b"ckpt.s.restored" in body
+        asked["count"] += hit
+        return hit and asked["count"] == 1
 
     async with NatsProxy(server.port) as proxy:
         proxy.drop = drop

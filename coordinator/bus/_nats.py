@@ -9,8 +9,11 @@ in a KV bucket. The only module that imports ``nats``.
 - Every event is published with ``Nats-Msg-Id`` = its ``eventId``, so a retry
   after a lost ack (or a reconciliation) is stored once.
 - ``seq`` is the bus's: as an event first goes out it gets one past the highest
-  ``seq`` the stream (or the KV) holds for its session, so no ``seq`` is issued
-  twice, across runs and reconciliations.
+  ``seq`` the bus reserved for its session in the KV (``<token>.seq``, written
+  before any event carrying it goes out) or its latest ``committed`` there, so no
+  ``seq`` is issued twice, across runs and reconciliations. What anyone published
+  on the event subjects never decides it (a forged event is no reservation), and
+  a stored value outside ``0..MAX_SEQ`` is ignored, counted and logged.
 - The KV's latest ``committed`` of a session only moves forward: a put is
   conditional on the revision read and happens only for a higher ``seq``; an
   event the stream drops as a duplicate of someone else's does not write it.
@@ -74,7 +77,7 @@ from ..errors import (
 )
 from ..events import (
     DEFAULT_PREFIX,
-    EVENT_NAMES,
+    MAX_SEQ,
     Committed,
     Event,
     Restored,
@@ -600,6 +603,8 @@ class NatsBus:
         outage goes as one)."""
         self._fill(lane)
         highest = lane.next_seq + len(lane.window) - 1
+        if highest > MAX_SEQ:  # no reader could hold it exactly: never issued
+            raise _SeqExhaustedError(f"session {session_id} reached seq {MAX_SEQ}")
         if highest > lane.reserved:
             with anyio.fail_after(self.publish_timeout):
                 await self._advance_kv(_seq_key(session_id), highest, str(highest).encode())
@@ -703,10 +708,15 @@ class NatsBus:
                 entry = await self._kv.get(key)
             except KeyNotFoundError:
                 entry = None
+            held = _seq_of(entry.value) if entry is not None else -1
+            if entry is not None and not 0 <= held <= MAX_SEQ:  # no seq of ours: replaced
+                self._counts["seq_refused"] += 1
+                _log.warning("KV entry %s holds no seq in 0..2^53-1: replaced", key)
+                held = -1
             try:
                 if entry is None:
                     await self._kv.create(key, value)
-                elif _seq_of(entry.value) < seq:
+                elif held < seq:
                     await self._kv.update(key, value, last=entry.revision)
                 else:
                     self._counts["kv_kept_newer"] += 1
@@ -894,37 +904,32 @@ class NatsBus:
             return 0
 
     async def _stored_seq(self, session_id: str) -> int:
-        """The highest ``seq`` stored for a session: the bus's reservation in the KV
-        (``<token>.seq``), its latest ``committed``, and the last message of each
-        of its event subjects (streams written before reservations existed). The
+        """The highest ``seq`` the bus stored for a session, from the KV alone: its
+        reservation (``<token>.seq``) and its latest ``committed``, which only a
+        host's bus writes (the event subjects are anyone's with publish rights: a
+        message there is an observation, never a reservation). A value outside
+        ``0..MAX_SEQ`` is ignored, counted (``seq_refused``) and logged. The two
         reads go out together, each with ``publish_timeout``. Raises while the
         server is away."""
-        assert self._js is not None and self._kv is not None
-        js, kv = self._js, self._kv
+        assert self._kv is not None
+        kv = self._kv
         found: list[int] = [0]
-
         failures: list[Exception] = []  # raised as themselves, never as a group
-
-        async def last_message(name: str) -> None:
-            try:
-                with contextlib.suppress(NotFoundError), anyio.fail_after(self.publish_timeout):
-                    message = await js.get_last_msg(
-                        self.stream, subject(session_id, name, prefix=self.prefix)
-                    )
-                    found.append(_seq_of(message.data))
-            except Exception as error:
-                failures.append(error)
 
         async def kv_value(key: str) -> None:
             try:
                 with contextlib.suppress(KeyNotFoundError), anyio.fail_after(self.publish_timeout):
-                    found.append(_seq_of((await kv.get(key)).value))
+                    value = (await kv.get(key)).value
+                    seq = _seq_of(value)
+                    if 0 <= seq <= MAX_SEQ:
+                        found.append(seq)
+                    else:
+                        self._counts["seq_refused"] += 1
+                        _log.warning("KV entry %s holds no seq in 0..2^53-1: ignored", key)
             except Exception as error:
                 failures.append(error)
 
         async with anyio.create_task_group() as group:
-            for name in EVENT_NAMES:
-                group.start_soon(last_message, name)
             group.start_soon(kv_value, subject_token(session_id))
             group.start_soon(kv_value, _seq_key(session_id))
         if failures:
@@ -1262,6 +1267,10 @@ class Backlog(Generic[T]):
 def _read_once() -> api.ConsumerConfig:
     """A history read's consumer: ephemeral, no acks (a reader may publish none)."""
     return api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0)
+
+
+class _SeqExhaustedError(Exception):
+    """A session's next seq would be beyond ``MAX_SEQ``."""
 
 
 def _seq_of(data: bytes | None) -> int:
