@@ -43,6 +43,8 @@ _log = logging.getLogger("coordinator.reconcile")
 class _RestoreKnowingBus(Protocol):
     async def latest_restored(self, session_id: str) -> Restored | None: ...
 
+    def note_foreign(self, event: Event, why: str) -> None: ...
+
 
 class _AnnouncingBus(_RestoreKnowingBus, Protocol):
     async def publish(self, event: Event) -> None: ...
@@ -162,12 +164,18 @@ def restored_event(
 async def unannounced_restore(
     store: FileStore, bus: _RestoreKnowingBus, session_id: str
 ) -> Restored | None:
-    """The ``restored`` event of the session's newest restore, if the bus's
-    latest ``restored`` is an older restore's (or there is none), while the
-    checkpoint it restored is still the session's high water. ``None`` when it
-    was announced, or once anything was committed after it: announcing it then
-    would move every monitor's high water back to an older checkpoint (say, after
-    the stream's retention dropped the original)."""
+    """The ``restored`` event of the session's newest restore, unless the bus's
+    latest ``restored`` is that very event, while the checkpoint it restored is
+    still the session's high water. ``None`` when it was announced, or once
+    anything was committed after it: announcing it then would move every
+    monitor's high water back to an older checkpoint (say, after the stream's
+    retention dropped the original).
+
+    The bus is read as an observation, never obeyed: a latest ``restored`` that
+    is neither this one nor one of this store's older restores (an epoch the
+    store never opened, or this epoch naming another checkpoint) is not this
+    host's; it is counted and logged (``note_foreign``), and the restore is
+    announced all the same."""
     session = store.session(session_id)
     forks = [record for record in session.epochs if record.fork is not None] if session else []
     if session is None or not forks:
@@ -181,12 +189,6 @@ async def unannounced_restore(
     except BusUnavailableError as error:  # a copy would spend a seq: leave it for later
         _log.warning("restore of %s not re-announced: %s", newest.fork.checkpoint_id, error)
         return None
-    if latest is not None:
-        if latest.epoch == newest.epoch:
-            return None  # announced
-        earlier = {record.epoch for record in forks[:-1]} | set(session.retired_epochs)
-        if latest.epoch not in earlier:
-            return None  # a restore this store does not know of: not ours to follow
     record = store.lookup(newest.fork.checkpoint_id, session_id=session_id)
     if record is None or record.sequence != newest.fork.sequence:
         return None
@@ -195,4 +197,20 @@ async def unannounced_restore(
     except GenerationCorruptError:
         return None  # `coordinator verify` reports it
     with stored:
-        return restored_event(session_id, newest, stored.manifest)
+        ours = restored_event(session_id, newest, stored.manifest)
+    if latest is None:
+        return ours
+    if latest.event_id == ours.event_id and _same_restore(latest, ours):
+        return None  # announced
+    earlier = {r.epoch for r in forks[:-1]} | set(session.retired_epochs)
+    if latest.event_id == ours.event_id or latest.epoch not in earlier:
+        bus.note_foreign(latest, f"a restore of {session_id} that this store did not record")
+    return ours
+
+
+def _same_restore(one: Restored, other: Restored) -> bool:
+    """Whether two ``restored`` events tell of the same restore (time and ``seq``
+    aside): what a stored copy must say to count as this host's announcement."""
+    fields = ("checkpoint_id", "epoch", "previous_epoch", "boundary", "reason",
+              "abandoned_from", "abandoned_to", "identity")  # fmt: skip
+    return all(getattr(one, name) == getattr(other, name) for name in fields)

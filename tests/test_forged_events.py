@@ -9,6 +9,8 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
+import msgspec
 import nats
 import pytest
 import pytest_asyncio
@@ -19,7 +21,8 @@ from coordinator.bus import NatsBus
 from coordinator.events import MAX_SEQ, Committed, encode_event, event_id, rfc3339_now
 from coordinator.server import EmbeddedServer
 from coordinator.session import Coordinator
-from coordinator.store import FileStore
+from coordinator.identity import identity_of
+from coordinator.store import FileStore, SyncStore
 
 
 @pytest_asyncio.fixture
@@ -116,3 +119,104 @@ async def test_a_poisoned_reservation_is_replaced_not_followed(
     finally:
         await client.close()
     assert reserved == max(seqs)
+
+
+class World:
+    def __init__(self, name: str, data: bytes) -> None:
+        self.name = name
+        self.data = data
+
+    async def capture(self, scope: object) -> bytes:
+        return self.data
+
+    async def stage_restore(self, payload: memoryview, scope: object) -> bytes:
+        return bytes(payload)
+
+    async def activate_restore(self, token: bytes) -> None:
+        self.data = token
+
+    async def abort_restore(self, token: bytes) -> None:
+        return None
+
+
+@pytest.mark.asyncio
+async def test_forged_events_never_move_a_replica_pointer(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A host replicating e1-1..e1-3, then forged `committed` and `restored` events
+    naming e1-1 with its true digests (what publish rights on the event subjects
+    allow): the pointer stays on e1-3 (same revision), and a remote restore gives
+    step 3's world. The replicator follows its own store, never the bus."""
+    from coordinator.host import HostDescription
+    from coordinator.replicate import Replicas, Replicator
+
+    describe_host = HostDescription(agents=["a"])
+    worlds = [World("world", b"w0"), World("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with Replicator(bus, store) as replicator:
+            async with Coordinator(
+                store, bus, worlds, session_id="s1", epoch="e1", describe=describe_host
+            ) as host:
+                for step in (1, 2, 3):
+                    worlds[0].data = f"world at step {step}".encode()
+                    await host.checkpoint(step)
+            with anyio.fail_after(30):
+                await replicator.wait_caught_up()
+            before = await replicator.replicas.pointers.get("s1")
+            first = store.lookup("e1-1", session_id="s1")
+            assert before is not None and first is not None
+            body = json.loads(forged_committed("s1", 99, "e1-1"))
+            body.update(epoch="e1", eventId="s1:e1:e1-1:committed", boundary="1",
+                        generation=first.file, envelopeDigest=first.envelope_digest,
+                        envelopeBytes=first.byte_length)  # fmt: skip
+            await publish_raw(server.url, "ckpt.s1.committed", json.dumps(body).encode())
+            restored = {**body, "event": "restored", "eventId": "s1:e9:e1-1:restored",
+                        "epoch": "e9", "previousEpoch": "e1", "reason": "rollback",
+                        "abandonedFrom": "2", "abandonedTo": "3", "identity": {}}  # fmt: skip
+            await publish_raw(server.url, "ckpt.s1.restored", json.dumps(restored).encode())
+            await anyio.sleep(1.5)  # a replicator that followed the bus would have moved
+            with anyio.fail_after(30):
+                await replicator.wait_caught_up()
+            after = await replicator.replicas.pointers.get("s1")
+        assert after == before  # the same pointer at the same revision
+        assert after is not None and after[0].generation.checkpoint_id == "e1-3"
+        with await Replicas(bus).fetch("s1") as fetched:
+            assert bytes(fetched.payload("world")) == b"world at step 3"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("forged_epoch", ["e-unknown", "e2"], ids=["unknown-epoch", "our-epoch"])
+async def test_a_forged_restored_event_does_not_stop_reconcile(
+    server: EmbeddedServer, tmp_path: Path, forged_epoch: str
+) -> None:
+    """A host restores into e2 and dies before its `restored` event went out. A
+    forged `restored` is published meanwhile: for an epoch the store does not know,
+    or under the very event id of the e2 restore but telling another one (its
+    abandoned steps). The next run still announces
+    the restore the store recorded, once, and says the forged one was foreign."""
+    from test_restore_semantics import Host, crash_after_restore, host_coordinator
+    from test_restore_semantics import parts as semantic_parts
+    from test_restore_semantics import restored_on_stream
+
+    crash_after_restore(server.url, tmp_path / "store", "unsent")
+    with SyncStore(tmp_path / "store", read_only=True) as reader:
+        record = reader.timeline("s")[-1]  # any checkpoint of the session: its identity
+        with reader.read(record) as stored:
+            identity = msgspec.to_builtins(identity_of(stored.manifest))
+    forged = json.loads(forged_committed("s", 50, record.checkpoint_id))
+    forged.update(event="restored", eventId=f"s:{forged_epoch}:e1-10:restored",
+                  epoch=forged_epoch, previousEpoch="e1", reason="rollback",
+                  abandonedFrom="4", abandonedTo="20", identity=identity)  # fmt: skip
+    await publish_raw(server.url, "ckpt.s.restored", json.dumps(forged).encode())
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+        async with host_coordinator(store, semantic_parts(), bus, Host(), epoch="e3"):
+            pass
+        await wait_until(lambda: not bus.pending, timeout=20)
+        counts = dict(bus.counts())
+    ours = [
+        m for m in await restored_on_stream(server.url)
+        if m["eventId"] == "s:e2:e1-10:restored" and m["seq"] != 50  # (the forged one's)
+    ]  # fmt: skip
+    assert len(ours) == 1
+    assert (ours[0]["checkpointId"], ours[0]["abandonedFrom"]) == ("e1-10", "11")
+    assert counts.get("foreign", 0) == 1

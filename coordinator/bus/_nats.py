@@ -1026,7 +1026,12 @@ class NatsBus:
             delivered=self._counts["delivered"],
             dropped=self._counts["dropped"],
             subscribers=len(self._subscriptions),
+            foreign=self._counts["foreign"],
         )
+
+    def note_foreign(self, event: Event, why: str) -> None:
+        self._counts["foreign"] += 1
+        _log.warning("event %s is not this host's (%s): ignored", event.event_id, why)
 
     def counts(self) -> dict[str, int]:
         """Every counter: published, duplicates, retries, dropped, invalid, errors..."""

@@ -12,3 +12,4 @@ class BusStatistics(msgspec.Struct, frozen=True, kw_only=True):
     delivered: int
     dropped: int  # a subscriber's buffer was full: counted, never silent
     subscribers: int
+    foreign: int = 0  # events read back that this host did not write: never adopted

@@ -7,6 +7,7 @@ way a NATS slow consumer is. A subscriber sees events in publication order.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Protocol, Self
@@ -21,6 +22,8 @@ from ..presence import Presence
 from ._statistics import BusStatistics
 
 __all__ = ["MemoryBus", "Subscription"]
+
+_log = logging.getLogger("coordinator.bus")
 
 
 class _Owner(Protocol):
@@ -90,6 +93,7 @@ class MemoryBus:
         self._published = 0
         self._delivered = 0
         self._dropped = 0
+        self._foreign = 0
         self._closed = False
         self._committed: dict[str, Committed] = {}
         self._restored: dict[str, Restored] = {}
@@ -176,7 +180,12 @@ class MemoryBus:
             delivered=self._delivered,
             dropped=self._dropped,
             subscribers=len(self._subscriptions),
+            foreign=self._foreign,
         )
+
+    def note_foreign(self, event: Event, why: str) -> None:
+        self._foreign += 1
+        _log.warning("event %s is not this host's (%s): ignored", event.event_id, why)
 
     async def __aenter__(self) -> Self:
         return self
