@@ -37,7 +37,13 @@ from coordinator.remote import (
     serve_participant,
 )
 from coordinator.remote._objects import ObjectArtifact, ObjectBucket, object_digest
-from coordinator.remote._participant import Reply, Request, _subject, lease_key
+from coordinator.remote._participant import (
+    Reply,
+    ReplySigner,
+    Request,
+    _subject,
+    lease_key,
+)
 from coordinator.server import EmbeddedServer
 from coordinator.store import FileStore
 
@@ -132,11 +138,15 @@ async def lying_worker(
             checkpoint_id=request.checkpoint_id,  # for the scope asked: only the size lies
             step=request.step,
         )
-        await message.respond(msgspec.json.encode(reply))
+        data = msgspec.json.encode(reply)  # signed, as the holder's own word
+        headers = signer.headers(message.subject, message.data, data)
+        await client.publish(message.reply, data, headers=headers)
 
-    try:  # it holds the lease as a real worker would, under the id "liar"
+    signer = ReplySigner()
+    try:  # it holds the lease as a real worker would, under the id "liar", with its key
         leases = await client.jetstream().create_key_value(bucket=DEFAULT_LEASE_BUCKET, ttl=15)
-        await leases.put(lease_key(SESSION, name), b'{"owner":"liar"}')
+        lease = {"owner": "liar", "key": signer.public}
+        await leases.put(lease_key(SESSION, name), msgspec.json.encode(lease))
         await client.subscribe(_subject(DEFAULT_RPC_PREFIX, SESSION, name, "liar.capture"), cb=lie)
         await client.flush()
         yield requests

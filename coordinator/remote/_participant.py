@@ -15,8 +15,8 @@ it, and the release deletes it. A restore goes the other way: the payload is
 put as an object, the worker stages it (keeping its own token), and activates
 or aborts on the next request.
 
-Requests go to ``<rpc_prefix>.<session>.<participant>.<op>``; the prefix must
-stay outside the event stream's subjects. The checkpoint manifest only ever
+Requests go to ``<rpc_prefix>.<session>.<participant>.<holder id>.<op>``; the
+prefix must stay outside the event stream's subjects. The checkpoint manifest only ever
 holds each payload's name, length and digest: no bucket, object or server.
 
 **Sizes are bounded before allocation.** The host refuses a capture reply that
@@ -32,26 +32,43 @@ killed worker's key expires with the TTL. A second worker is refused
 (``remote.duplicate``) at once if the holder answers a ping (on a subscription
 of its own, so a busy worker still answers), else once the key outlives a
 whole TTL or is refreshed. A worker that cannot refresh stops serving
-(``remote.lease_lost``). Requests also go to a queue group, so even then each
-is delivered to one worker only. Every request must name the served session
-and the objects' own shape (``remote.bad_request`` otherwise).
+(``remote.lease_lost``). Requests go to the holder's own subject (its id in
+the lease), so a worker that lost the lease is not sent one. Every request
+must name the served session and the objects' own shape
+(``remote.bad_request`` otherwise).
+
+**Only the lease holder answers.** NATS gives a request to every subscriber
+whose subject matches, a wildcard one too, and ``request`` takes the first
+answer: anyone allowed to subscribe could answer for the worker. So the worker
+makes an Ed25519 key when it starts, publishes its public half in its lease
+entry, and signs every reply over the request it answers (its subject: session,
+participant, holder and op; its body: the host's fresh nonce and every field)
+and every byte of the reply. The host verifies each answer with the key the
+lease names, takes the first that verifies, and counts the others as forged
+(``remote.forged`` when no signed one comes). A subscriber sees the request
+and the public key but cannot sign; an old reply signs another nonce. A lease
+without a key (an older worker) is refused (``remote.unsigned``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import hashlib
 import mmap
 import os
 import socket
 import time
 from collections.abc import Sequence
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, Literal, NamedTuple, NoReturn, TypeVar
 
 import anyio
 import anyio.to_thread
 import msgspec
 import nats.errors
 from anyio.abc import TaskStatus
+from nacl.exceptions import CryptoError
+from nacl.signing import SigningKey, VerifyKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -87,6 +104,11 @@ DEFAULT_MAX_BYTES = 1 << 30  # one remote payload, declared by the other side
 DEFAULT_LEASE_BUCKET = "CKPT_WORKERS"
 DEFAULT_LEASE_TTL = 15.0  # seconds: how long a killed worker blocks its successor, at most
 
+SIGNATURE_HEADER = "Ckpt-Signature"  # a reply's Ed25519 signature, hex
+_SIGNED = b"coordinator.remote.reply/1"  # what the signature is of: this protocol's replies
+_NO_RESPONDERS = "503"  # the server's status when no subscriber got a request
+_REPLY_BYTES = 8 << 20  # replies held for checking at a time (a flood is dropped beyond it)
+
 ScopeT = TypeVar("ScopeT", CaptureScope, RestoreScope)
 
 Op = Literal["capture", "stage", "activate", "abort"]
@@ -101,6 +123,7 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     byte_length: int = 0  # stage: what the object must hold
     digest: str = ""
     compatibility_digest: str | None = None  # capture: the host's
+    nonce: str = ""  # fresh for each request: a signed reply answers this one only
 
     def scope(self, kind: type[ScopeT]) -> ScopeT:
         """The worker's side of ``at``: the scope this request carries."""
@@ -142,6 +165,34 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defa
     compatibility_digest: str | None = None
 
 
+def signed_reply(subject: str, request: bytes, reply: bytes) -> bytes:
+    """What a worker signs: the request it answers (``subject`` names the session,
+    participant, holder and op; ``request`` is the body, with the host's nonce)
+    and every byte of its ``reply``."""
+    return b"\n".join((_SIGNED, subject.encode(), hashlib.sha256(request).digest(), reply))
+
+
+class ReplySigner:
+    """A worker's signing key, made when it starts: its public half goes into the
+    lease entry, and every reply is signed with it (``signed_reply``)."""
+
+    def __init__(self) -> None:
+        self._key = SigningKey.generate()
+        self.public = bytes(self._key.verify_key).hex()
+
+    def headers(self, subject: str, request: bytes, reply: bytes) -> dict[str, str]:
+        """The headers of ``reply`` to ``request`` (received on ``subject``)."""
+        signature = self._key.sign(signed_reply(subject, request, reply)).signature
+        return {SIGNATURE_HEADER: signature.hex()}
+
+
+class _Holder(NamedTuple):
+    """The lease entry's word on who serves: its id, and its reply key (hex)."""
+
+    owner: str
+    key: str
+
+
 def _subject(prefix: str, session_id: str, participant: str, op: str) -> str:
     return f"{prefix}.{subject_token(session_id)}.{subject_token(participant)}.{op}"
 
@@ -179,6 +230,10 @@ class RemoteParticipant:
     ``remote.too_large`` before any memory is reserved. The writer's byte
     budget does not bound a capture that waits alone (see operations.md), so
     this is the bound on what one remote capture can make this process hold.
+
+    Only the lease holder's signed answer is taken (see the module's notes):
+    answers anyone else sends are ignored and counted (``counts()``), and a
+    request that gets only those fails with ``remote.forged`` after ``timeout``.
     """
 
     def __init__(
@@ -201,6 +256,7 @@ class RemoteParticipant:
         self.objects = remote_objects(bus, bucket=object_bucket, ttl=object_ttl)
         self.lease_bucket = lease_bucket
         self._leases: KeyValue | None = None
+        self._counts = collections.Counter[str]()
 
     async def capture_artifact(self, scope: CaptureScope, ledger: ArtifactLedger) -> ArtifactHandle:
         """The worker's capture, as a handle on the object it put in the bucket."""
@@ -272,46 +328,60 @@ class RemoteParticipant:
     async def abort_restore(self, token: Request) -> None:
         await self._request("abort", token)
 
-    async def _holder(self, session_id: str) -> str:
-        """The id of the worker holding the lease now (``remote.no_worker`` if none)."""
+    def counts(self) -> dict[str, int]:
+        """replies_forged: answers not signed by the lease holder, ignored."""
+        return dict(self._counts)
+
+    async def _holder(self, session_id: str) -> _Holder:
+        """The worker holding the lease now and its reply key (``remote.no_worker``
+        if none; ``remote.unsigned`` if its entry names no key: an older worker)."""
         key = lease_key(session_id, self.name)
         try:
             if self._leases is None:
                 self._leases = await self.bus.client.jetstream().key_value(self.lease_bucket)
             entry = await self._leases.get(key)
-            holder = msgspec.json.decode(entry.value or b"{}").get("owner")
+            lease = msgspec.json.decode(entry.value or b"{}")
+            holder, public = lease.get("owner"), lease.get("key")
         except (BucketNotFoundError, KeyNotFoundError, msgspec.MsgspecError, AttributeError):
-            holder = None
+            holder = public = None
         if not isinstance(holder, str) or not holder.isalnum():
             raise RemoteWorkerError(
                 self.name, "remote.no_worker", f"no worker holds the lease {key}"
             )
-        return holder
+        if not (isinstance(public, str) and is_digest(public)):
+            raise RemoteWorkerError(
+                self.name,
+                "remote.unsigned",
+                f"the worker holding the lease {key} publishes no reply key (a worker "
+                "older than this host?): its answers could not be told from anyone "
+                "else's; upgrade it",
+            )
+        return _Holder(holder, public)
 
     async def _request(self, op: Op, request: Request) -> Reply:
         """Ask the worker that holds the lease (on its own subject: a worker that
-        lost it, even one frozen and still connected, is never asked), and accept
-        its answer only if it still holds the lease after answering."""
+        lost it, even one frozen and still connected, is never asked), take the
+        first answer it signed (any other is counted and ignored: whoever can
+        subscribe can answer), and accept it only if it still holds the lease
+        after answering."""
         holder = await self._holder(request.session_id)
-        subject = _subject(self.rpc_prefix, request.session_id, self.name, f"{holder}.{op}")
+        subject = _subject(self.rpc_prefix, request.session_id, self.name, f"{holder.owner}.{op}")
+        data = msgspec.json.encode(msgspec.structs.replace(request, nonce=os.urandom(16).hex()))
+        answers = _Answers(self.name, VerifyKey(bytes.fromhex(holder.key)), subject, data)
+        client = self.bus.client
+        # An inbox of our own, not ``request``: that takes the first answer, whoever's.
+        inbox = await client.subscribe(
+            client.new_inbox(), cb=answers.take, pending_bytes_limit=_REPLY_BYTES
+        )
         try:
-            message = await self.bus.client.request(
-                subject, msgspec.json.encode(request), timeout=self.timeout
-            )
-        except nats.errors.NoRespondersError:
-            raise RemoteWorkerError(
-                self.name, "remote.no_worker", f"no worker serves {subject}"
-            ) from None
-        except (nats.errors.TimeoutError, TimeoutError):
-            raise RemoteWorkerError(
-                self.name,
-                "remote.timeout",
-                f"no answer to {op} within {self.timeout} s (the worker may have died)",
-            ) from None
-        try:
-            reply = msgspec.json.decode(message.data, type=Reply)
-        except msgspec.MsgspecError as error:
-            raise RemoteWorkerError(self.name, "remote.protocol", str(error)) from None
+            await client.publish(subject, data, reply=inbox.subject)
+            with anyio.move_on_after(self.timeout):
+                await answers.done.wait()
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await inbox.unsubscribe()
+            self._counts["replies_forged"] += answers.forged
+        reply = answers.result(op, self.timeout)
         if not reply.ok:
             raise RemoteWorkerError(self.name, reply.code, reply.reason)
         if await self._holder(request.session_id) != holder:
@@ -321,6 +391,66 @@ class RemoteParticipant:
         if op == "capture" and (reply.byte_length < 0 or not is_digest(reply.digest)):
             raise RemoteWorkerError(self.name, "remote.protocol", f"a bad capture reply {reply}")
         return reply
+
+
+class _Answers:
+    """The answers to one request: the first one the holder signed, and how many
+    others came (forged). A "no responders" status is noted, not believed: its
+    headers are anyone's to write, and the holder may still answer."""
+
+    def __init__(self, participant: str, key: VerifyKey, subject: str, request: bytes) -> None:
+        self.participant = participant
+        self.key = key
+        self.subject = subject
+        self.request = request
+        self.done = anyio.Event()
+        self.reply: Reply | None = None
+        self.error: RemoteWorkerError | None = None
+        self.forged = 0
+        self.no_responders = False
+
+    async def take(self, message: Msg) -> None:
+        if self.done.is_set():
+            return
+        headers = message.headers or {}
+        if headers.get("Status") == _NO_RESPONDERS and not message.data:
+            self.no_responders = True
+            return
+        try:
+            signature = bytes.fromhex(headers.get(SIGNATURE_HEADER, ""))
+            self.key.verify(signed_reply(self.subject, self.request, message.data), signature)
+        except (ValueError, CryptoError):
+            self.forged += 1
+            return
+        try:  # the holder's own word from here: a bad one is its protocol error
+            self.reply = msgspec.json.decode(message.data, type=Reply)
+        except msgspec.MsgspecError as error:
+            self.error = RemoteWorkerError(self.participant, "remote.protocol", str(error))
+        self.done.set()
+
+    def result(self, op: str, timeout: float) -> Reply:
+        """The holder's reply, or why there is none."""
+        if self.reply is not None:
+            return self.reply
+        if self.error is not None:
+            raise self.error
+        if self.forged:
+            raise RemoteWorkerError(
+                self.participant,
+                "remote.forged",
+                f"{self.forged} answer(s) to {op} not signed by the worker holding the "
+                f"lease (someone else subscribes to {self.subject}), and none from it "
+                f"within {timeout} s",
+            )
+        if self.no_responders:
+            raise RemoteWorkerError(
+                self.participant, "remote.no_worker", f"no worker serves {self.subject}"
+            )
+        raise RemoteWorkerError(
+            self.participant,
+            "remote.timeout",
+            f"no answer to {op} within {timeout} s (the worker may have died)",
+        )
 
 
 async def serve_participant(
@@ -365,14 +495,17 @@ async def serve_participant(
         leases, ttl = await _lease_bucket(js, lease_bucket, ttl=lease_ttl, replicas=replicas)
         ping = _subject(rpc_prefix, session_id, participant.name, "ping")
         key = lease_key(session_id, participant.name)
+        signer = ReplySigner()  # this run's own: a restarted worker has a new one
         lease = await _Lease.acquire(
-            client, leases, key, participant=participant.name, ttl=ttl, ping=ping
-        )
+            client, leases, key, participant=participant.name, ttl=ttl, ping=ping,
+            public_key=signer.public,
+        )  # fmt: skip
         subscriptions = []
         try:
             worker = _Worker(
-                participant, bucket, session_id=session_id, max_bytes=max_bytes, lease=lease
-            )
+                participant, bucket, session_id=session_id, max_bytes=max_bytes, lease=lease,
+                client=client, signer=signer,
+            )  # fmt: skip
             # Pings on a subscription of their own: answered while a capture runs.
             subscriptions.append(await client.subscribe(ping, cb=worker.pong))
             # Requests on the holder's own subject: a worker that lost the lease
@@ -444,13 +577,27 @@ class _Lease:
 
     @classmethod
     async def acquire(
-        cls, client: Client, kv: KeyValue, key: str, *, participant: str, ttl: float, ping: str
+        cls,
+        client: Client,
+        kv: KeyValue,
+        key: str,
+        *,
+        participant: str,
+        ttl: float,
+        ping: str,
+        public_key: str,
     ) -> _Lease:
         """Take the key, or raise ``remote.duplicate``: at once if its holder answers
         a ping, or refreshes the key while we wait; else the key expires within a
-        TTL (a killed holder) and is taken then."""
+        TTL (a killed holder) and is taken then. The entry names this worker and
+        the key its replies are signed with (``public_key``)."""
         owner = msgspec.json.encode(
-            {"owner": os.urandom(8).hex(), "host": socket.gethostname(), "pid": os.getpid()}
+            {
+                "owner": os.urandom(8).hex(),
+                "key": public_key,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+            }
         )
         lease = cls(kv, key, participant=participant, owner=owner, ttl=ttl)
         deadline = time.monotonic() + ttl * 4 / 3
@@ -563,12 +710,16 @@ class _Worker:
         session_id: str,
         max_bytes: int,
         lease: _Lease,
+        client: Client,
+        signer: ReplySigner,
     ) -> None:
         self.participant = participant
         self.bucket = bucket
         self.session_id = session_id
         self.max_bytes = max_bytes
         self.lease = lease
+        self.client = client
+        self.signer = signer
         self.staged: dict[tuple[str, str], Any] = {}  # (epoch, checkpoint) -> token
 
     async def pong(self, message: Msg) -> None:
@@ -596,8 +747,12 @@ class _Worker:
             reply = Reply(ok=False, code=error.code, reason=str(error))
         except Exception as error:  # the participant's own failure, reported as is
             reply = Reply(ok=False, code="remote.failed", reason=repr(error))
+        if not message.reply:
+            return
+        data = msgspec.json.encode(reply)
+        headers = self.signer.headers(message.subject, message.data, data)
         with contextlib.suppress(Exception):  # the requester gave up, or the bus is away
-            await message.respond(msgspec.json.encode(reply))
+            await self.client.publish(message.reply, data, headers=headers)
 
     def _check(self, op: str, request: Request) -> None:
         """A request must be for the served session, with valid ids, and name the
