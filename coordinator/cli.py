@@ -88,6 +88,20 @@ def _path(text: str) -> Path:
     return Path(text)
 
 
+def _file_mode(text: str) -> int:
+    """``--mode``: an octal file mode a store may give (``store._modes``)."""
+    from .store import check_mode
+
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no octal mode (say 640)") from None
+    try:
+        return check_mode(mode)
+    except UsageError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _source(text: str) -> Path | str:
     """A store directory, or a NATS URL (the replicated tier) kept as it is."""
     return text if text.startswith(("nats://", "tls://")) else _path(text)
@@ -629,7 +643,7 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         stored = store.read(store.select(args.checkpoint, session_id=args.session))
     with stored:
         try:
-            count = export_payloads(stored, str(target))
+            count = export_payloads(stored, str(target), mode=args.mode)
         except (CommitError, OSError) as error:
             if isinstance(error, FileExistsError):
                 raise
@@ -713,7 +727,7 @@ def _restore_replica(args: argparse.Namespace, target: Path, out: TextIO, err: T
     if denied:  # (nats-py reports the server's line lowercased)
         raise BusRefusedError(f"permission denied: the server says {denied[0]}")
     with stored:
-        count = export_payloads(stored, str(target))
+        count = export_payloads(stored, str(target), mode=args.mode)
         size = stored.envelope.layout.file_bytes
     print(
         f"restored {stored.record.checkpoint_id} of session {args.session} from {args.store} "
@@ -1101,6 +1115,13 @@ def _parser() -> argparse.ArgumentParser:
         "--session", default=None, help="whose high water (needed when the store has several)"
     )
     restore.add_argument("--to", required=True, help="a new directory for the payload files")
+    restore.add_argument(
+        "--mode",
+        type=_file_mode,
+        default=None,
+        help="the files' octal mode, say 640 for a group (default 600: the owner's alone; "
+        "the directory follows: 750, 700)",
+    )
     add_options(restore, url_help=None)  # (the URL is the source; NATS_URL is not read)
     restore.set_defaults(run=_restore)
 

@@ -503,7 +503,9 @@ class StoreLockedError(StoreError):
 
     code: ClassVar[str] = "store.locked"
 
-    def __init__(self, path: str, reason: str = "locked by another writer (flock on LOCK)") -> None:
+    def __init__(
+        self, path: str, reason: str = "locked by another writer (a write lock on LOCK)"
+    ) -> None:
         self.path = path
         super().__init__(f"store {path}: {reason}")
 

@@ -1,10 +1,13 @@
 """The store's one seam to the operating system.
 
 Every file-system call the store makes goes through a ``FileSystem``: create,
-open, write, fsync, close, rename, fsync_dir, unlink, list, the lock (and
+open, write, fsync, close, rename, fsync_dir, unlink, list, chmod, the lock (and
 whether it still holds) and the read-only map. Tests wrap it to record the
 operation trace (for the crash model) and to inject faults; production code has
 no other test hook.
+
+What it creates is its owner's alone (files 0600, directories 0700): a store
+holds a simulation's whole state. ``chmod`` is how a store given a mode widens it.
 """
 
 from __future__ import annotations
@@ -16,35 +19,42 @@ import fcntl
 import mmap
 import os
 import stat
+import struct
 
-__all__ = ["FileSystem"]
+__all__ = ["DIRECTORY_MODE", "FILE_MODE", "FileSystem"]
+
+FILE_MODE = 0o600
+DIRECTORY_MODE = 0o700
 
 
 class FileSystem:
     """Plain POSIX calls. Methods raise ``OSError`` as the OS does."""
 
-    def mkdir(self, path: str) -> None:
+    def mkdir(self, path: str) -> bool:
         """Create ``path`` (and missing parents) durably: each new directory's
         entry is fsynced in its parent, or a power cut could lose the store. If
-        nothing was created, ``path``'s own entry is fsynced (``sync_parent``)."""
+        nothing was created, ``path``'s own entry is fsynced (``sync_parent``).
+        ``path`` itself is made 0700 (its parents as the umask says); returns
+        whether it was created."""
         created = []
         probe = os.path.abspath(path)
         while not os.path.isdir(probe):
             created.append(probe)
             probe = os.path.dirname(probe)
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, DIRECTORY_MODE, exist_ok=True)
         for directory in reversed(created):
             self.fsync_dir(os.path.dirname(directory))
         if not created:
             self.sync_parent(path)
+        return bool(created)
 
     def sync_parent(self, path: str) -> None:
         """fsync the directory holding ``path``'s entry."""
         self.fsync_dir(os.path.dirname(os.path.abspath(path)))
 
     def create(self, path: str) -> int:
-        """A new file for writing; fails if ``path`` exists (never reuse an inode)."""
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        """A new file for writing, 0600; fails if ``path`` exists (never reuse an inode)."""
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
 
     def open(self, path: str) -> int:
         """A regular file for reading. Symlinks, FIFOs, devices and directories are
@@ -93,8 +103,13 @@ class FileSystem:
         os.rename(source, target)
 
     def make_dir(self, path: str) -> None:
-        """Create one directory (its parent must exist); fails if it exists."""
-        os.mkdir(path, 0o755)
+        """Create one directory, 0700 (its parent must exist); fails if it exists."""
+        os.mkdir(path, DIRECTORY_MODE)
+
+    def chmod(self, target: int | str, mode: int) -> None:
+        """Set the mode of an open file (``target`` a descriptor) or a directory
+        this process just made; exactly ``mode``: the umask does not apply."""
+        os.chmod(target, mode)
 
     def remove_dir(self, path: str) -> None:
         os.rmdir(path)
@@ -139,14 +154,36 @@ class FileSystem:
         """A read-only map of the whole file (``decode`` drops its pages as it hashes)."""
         return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
 
-    def lock(self, path: str) -> int | None:
-        """An exclusive, non-blocking flock on ``path``; ``None`` if someone holds it."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-        return _flock(_regular(os.open(path, flags, 0o644), path))
+    def lock(self, path: str, *, create: bool = False) -> int | None:
+        """An exclusive, non-blocking write lock on the file ``path``; ``None`` if
+        someone holds it. ``create``: make it (0600; ``FileExistsError`` if it
+        exists); else open the one there is (``FileNotFoundError`` if none).
+
+        A write lock needs a descriptor open for writing (see ``_write_lock``),
+        so whoever may only read the file cannot take it; and since a read lock
+        (which any reader can take) blocks it too, the file is made the owner's
+        alone: a lock file an earlier version made 0644 is tightened to 0600."""
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        if create:
+            flags |= os.O_CREAT | os.O_EXCL
+        fd = _regular(os.open(path, flags, FILE_MODE), path)
+        try:
+            if not _write_lock(fd):
+                os.close(fd)
+                return None
+            if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+                with contextlib.suppress(PermissionError):  # (someone else's: theirs to fix)
+                    os.fchmod(fd, FILE_MODE)
+        except BaseException:
+            os.close(fd)
+            raise
+        _HELD_LOCKS.add(fd)
+        return fd
 
     def lock_directory(self, path: str) -> int | None:
         """An exclusive, non-blocking flock on the directory ``path`` itself;
-        ``None`` if someone holds it."""
+        ``None`` if someone holds it. Anyone who may list the directory can take
+        this one: the store never lets it alone keep its writer out."""
         return _flock(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
 
     def same_file(self, fd: int, path: str) -> bool:
@@ -161,9 +198,39 @@ class FileSystem:
 
 
 # Lock descriptors this process holds. A child made by fork() (not exec) inherits
-# them, and a flock lasts while any copy is open: the child closes its copies, so
-# that the store is free once this process closes it.
+# them, and a flock or an open-file-description lock lasts while any copy is open:
+# the child closes its copies, so that the store is free once this process closes it.
 _HELD_LOCKS: set[int] = set()
+
+# struct flock (Linux, 64-bit off_t): l_type, l_whence, l_start, l_len, l_pid.
+_FLOCK_STRUCT = struct.Struct("@hhqqi0q")
+_OFD_SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
+
+
+def _write_lock(fd: int) -> bool:
+    """Write-lock all of ``fd``'s file, not waiting; ``False`` if someone holds a
+    lock on it.
+
+    An open-file-description lock (``F_OFD_SETLK``): like a flock, it belongs to
+    this descriptor (a second open in this process conflicts with it) and ends
+    when its last copy closes; unlike a flock, ``F_WRLCK`` needs ``fd`` open for
+    writing, so a user who may only read the file cannot take it (``flock``
+    needs no more than a read-only descriptor). Without OFD locks (not Linux),
+    a flock."""
+    if _OFD_SETLK is None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+    request = _FLOCK_STRUCT.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+    try:
+        fcntl.fcntl(fd, _OFD_SETLK, request)
+    except OSError as error:
+        if error.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
 
 
 def _flock(fd: int) -> int | None:

@@ -97,6 +97,12 @@ class RecordingFS(FileSystem):
             del self.paths[fd]
             self.fsync_failed.discard(fd)
 
+    def chmod(self, target: int | str, mode: int) -> None:
+        path = self.paths.get(target, "") if isinstance(target, int) else target
+        self._check("chmod", path)
+        super().chmod(target, mode)
+        self.ops.append(("chmod", os.path.basename(path), mode))  # (no crash state: metadata)
+
     def rename(self, source: str, target: str) -> None:
         self._check("rename", source)
         super().rename(source, target)

@@ -84,10 +84,13 @@ class CommitSequence:
     """The steps that make bytes durable in one directory, and the poison they set.
     Not thread-safe: the store calls it from one thread at a time."""
 
-    def __init__(self, fs: FileSystem, path: str, lock_fd: int | None) -> None:
+    def __init__(
+        self, fs: FileSystem, path: str, lock_fd: int | None, *, mode: int | None = None
+    ) -> None:
         self.fs = fs
         self.path = path
         self.lock_fd = lock_fd
+        self.mode = mode  # every file's, when given (else the FileSystem's 0600)
         self.poisoned: str | None = None  # why, once a directory fsync failed
         self.unlink_failures: list[UnlinkFailure] = []
 
@@ -132,14 +135,7 @@ class CommitSequence:
     ) -> int:
         """Create ``path`` afresh and write ``pieces``; returns the open descriptor
         for ``sync_file``. On any failure the file is closed and unlinked."""
-        try:
-            try:
-                fd = self.fs.create(path)  # O_EXCL: always a new inode
-            except FileExistsError:  # a leftover from an earlier failure
-                self.unlink(path)
-                fd = self.fs.create(path)
-        except OSError as error:
-            raise commit_error(checkpoint_id, "create", path, error) from None
+        fd = self._create(checkpoint_id, path)
         started = time.perf_counter()
         try:
             written = flushed = 0
@@ -180,14 +176,7 @@ class CommitSequence:
         the prefix and the footer, known only then, go last. Returns the open
         descriptor for ``sync_file``; on any failure the file is closed and
         unlinked. ``envelope.sealed`` holds the seal."""
-        try:
-            try:
-                fd = self.fs.create(path)
-            except FileExistsError:  # a leftover from an earlier failure
-                self.unlink(path)
-                fd = self.fs.create(path)
-        except OSError as error:
-            raise commit_error(checkpoint_id, "create", path, error) from None
+        fd = self._create(checkpoint_id, path)
         started = time.perf_counter()
         stop = threading.Event()
         failure: list[BaseException] = []
@@ -231,6 +220,27 @@ class CommitSequence:
             raise
         if timings is not None:
             timings["write"] = round((time.perf_counter() - started) * 1000, 3)
+        return fd
+
+    def _create(self, checkpoint_id: str, path: str) -> int:
+        """``path`` created afresh (``O_EXCL``: always a new inode), given the
+        store's mode before a byte is written to it."""
+        try:
+            try:
+                fd = self.fs.create(path)
+            except FileExistsError:  # a leftover from an earlier failure
+                self.unlink(path)
+                fd = self.fs.create(path)
+        except OSError as error:
+            raise commit_error(checkpoint_id, "create", path, error) from None
+        if self.mode is not None:
+            try:
+                self.fs.chmod(fd, self.mode)
+            except BaseException as error:
+                self.discard(fd, path)
+                if isinstance(error, OSError):
+                    raise commit_error(checkpoint_id, "create", path, error) from None
+                raise
         return fd
 
     def _write_at(self, fd: int, view: memoryview, offset: int, stop: threading.Event) -> None:

@@ -8,6 +8,9 @@ target only if the target does not exist (``renameat2(RENAME_NOREPLACE)``: a
 target that appeared in the meantime is never replaced), and the parent is
 fsynced. Any failure removes what was written and leaves no target; a write or
 fsync failure is a ``CommitError`` (``SyncError`` for an fsync) naming its path.
+
+The payloads are a simulation's whole state: the directory is 0700 and its files
+0600 unless ``mode`` says who else may read them (see ``_modes``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ..canonical import canonical_bytes
 from ..errors import SyncError
 from ..fs import FileSystem
 from ._commit import CommitSequence
+from ._modes import check_mode, directory_mode
 from ._verify import StoredCheckpoint
 
 __all__ = ["MANIFEST_FILE", "export_payloads"]
@@ -29,10 +33,19 @@ __all__ = ["MANIFEST_FILE", "export_payloads"]
 MANIFEST_FILE = "_manifest.json"
 
 
-def export_payloads(stored: StoredCheckpoint, target: str, *, fs: FileSystem | None = None) -> int:
+def export_payloads(
+    stored: StoredCheckpoint,
+    target: str,
+    *,
+    fs: FileSystem | None = None,
+    mode: int | None = None,
+) -> int:
     """Write every payload of ``stored`` (and its manifest) into the new directory
     ``target``; returns the number of payload files. ``FileExistsError`` if
-    ``target`` exists (or appears before the rename)."""
+    ``target`` exists (or appears before the rename). ``mode``: the files' (the
+    directory's follows), instead of the owner's alone."""
+    if mode is not None:
+        check_mode(mode)
     fs = fs or FileSystem()
     target = os.path.abspath(target)
     parent = os.path.dirname(target)
@@ -43,9 +56,11 @@ def export_payloads(stored: StoredCheckpoint, target: str, *, fs: FileSystem | N
         parent, f".{os.path.basename(target)}.staging-{os.getpid()}-{secrets.token_hex(4)}"
     )
     fs.make_dir(staging)
-    io = CommitSequence(fs, staging, None)
+    io = CommitSequence(fs, staging, None, mode=mode)
     checkpoint_id = stored.record.checkpoint_id
     try:
+        if mode is not None:
+            fs.chmod(staging, directory_mode(mode))
         names = stored.envelope.names
         for name in names:
             io.write_file(checkpoint_id, os.path.join(staging, name), [stored.payload(name)])

@@ -18,6 +18,7 @@ from ..errors import DuplicateCheckpointError, StaleEpochError, StoreClosedError
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest
 from ._manifest import GenerationRecord, SessionRecord
+from ._modes import check_mode
 from ._staged import StagedRead
 from ._sync import (
     BULK_BYTES,
@@ -53,7 +54,8 @@ class FileStore:
     thread, so a commit is never left half done. Commits, epoch records, reads
     and verifies are serialized on one lock (the core is not thread-safe, and a
     rotation must never unlink a generation between its selection and its
-    mapping); ``lookup``/``select`` are instant.
+    mapping); ``lookup``/``select`` are instant. ``mode``: who besides its owner
+    may read what the store writes (``SyncStore``).
 
         async with FileStore(path) as store:
             receipt = await store.commit(manifest, payloads)
@@ -68,9 +70,15 @@ class FileStore:
         keep: int = DEFAULT_KEEP,
         read_only: bool = False,
         fs: FileSystem | None = None,
+        mode: int | None = None,
     ) -> None:
         self.path = os.fspath(path)
-        self._options: dict[str, Any] = {"keep": keep, "read_only": read_only, "fs": fs}
+        self._options: dict[str, Any] = {
+            "keep": keep,
+            "read_only": read_only,
+            "fs": fs,
+            "mode": None if mode is None else check_mode(mode),  # (refused here already)
+        }
         self._core: SyncStore | None = None
         self._lock = anyio.Lock()
         self._claimed: set[str] = set()

@@ -7,6 +7,7 @@ commit sequence (``_commit``), the session rules (``_lineage``) and reading
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
@@ -57,6 +58,7 @@ from ._manifest import (
     StoreManifest,
 )
 from ._manifest_file import parse_store_manifest
+from ._modes import check_mode, directory_mode
 from ._staged import StagedRead, open_staged
 from ._threads import lower_thread_priority
 from ._verify import (
@@ -137,7 +139,9 @@ class SyncStore:
     """The blocking core of a generation store. Not thread-safe: one caller at a time.
 
     ``keep`` generations are kept per session. A writer holds ``LOCK``; a
-    ``read_only`` open takes no lock and removes nothing.
+    ``read_only`` open takes no lock and removes nothing. What the store writes
+    is its owner's alone (files 0600, a directory it creates 0700) unless
+    ``mode`` says who else may read it (see ``_modes``).
     """
 
     def __init__(
@@ -148,9 +152,11 @@ class SyncStore:
         read_only: bool = False,
         create: bool = True,
         fs: FileSystem | None = None,
+        mode: int | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError("keep must be at least 1")
+        self._mode = None if mode is None else check_mode(mode)
         self.path = os.fspath(path)
         self.keep = keep
         self.read_only = read_only
@@ -165,21 +171,9 @@ class SyncStore:
         lock_fd = None
         self._dir_lock: int | None = None
         if not read_only:
-            try:
-                # created or not, its entry in its parent is made durable: an earlier
-                # open whose fsync failed may have left it only in the page cache
-                self._fs.mkdir(self.path) if create else self._fs.sync_parent(self.path)
-            except OSError as error:
-                raise StoreDirectoryError(
-                    f"{self.path}: cannot make it durable: {error.strerror or error}"
-                ) from None
-            self._dir_lock = self._lock_directory()
-            try:
-                lock_fd = self._lock()
-            except BaseException:
-                self._fs.close(self._dir_lock)
-                raise
-        self._io = CommitSequence(self._fs, self.path, lock_fd)
+            self._make_durable(create)
+            self._dir_lock, lock_fd = self._lock_store()
+        self._io = CommitSequence(self._fs, self.path, lock_fd, mode=self._mode)
         try:
             self._manifest = self._load_manifest()
             self._scan()
@@ -192,36 +186,92 @@ class SyncStore:
     def _join(self, name: str) -> str:
         return os.path.join(self.path, name)
 
-    def _lock_directory(self) -> int:
-        """flock the store directory itself: unlinking or replacing ``LOCK`` can
-        never let a second writer in."""
+    def _make_durable(self, create: bool) -> None:
+        """Create the store directory if asked (0700, or as ``mode`` says), and
+        make its entry in its parent durable, created or not: an earlier open
+        whose fsync failed may have left it only in the page cache."""
         try:
-            fd = self._fs.lock_directory(self.path)
+            if not create:
+                self._fs.sync_parent(self.path)
+            elif self._fs.mkdir(self.path) and self._mode is not None:
+                self._fs.chmod(self.path, directory_mode(self._mode))
+        except OSError as error:
+            raise StoreDirectoryError(
+                f"{self.path}: cannot make it durable: {error.strerror or error}"
+            ) from None
+
+    def _lock_store(self) -> tuple[int | None, int]:
+        """The directory's flock, unless someone else holds it, and ``LOCK``'s
+        write lock, which keeps every other writer out.
+
+        Only the owner can take ``LOCK``'s lock; anyone who may list the store
+        can take the directory's, so it never keeps a writer out alone. It is
+        there for a ``LOCK`` unlinked under a live writer: an open that finds no
+        ``LOCK`` in a store with a manifest while the directory is held is
+        refused (and leaves no ``LOCK`` behind, or its retry would get in). Held,
+        it also keeps out writers of earlier versions, which flock it."""
+        directory = self._lock_directory()
+        lock_fd: int | None = None
+        try:
+            lock_fd, created = self._lock()
+            if created and directory is None and MANIFEST in self._fs.list(self.path):
+                with contextlib.suppress(OSError):
+                    self._fs.unlink(self._join(LOCK))
+                raise StoreLockedError(
+                    self.path,
+                    f"{LOCK} was missing and the directory is locked: a writer may still "
+                    f"hold the {LOCK} that was unlinked",
+                )
+        except BaseException:
+            for fd in (lock_fd, directory):
+                if fd is not None:
+                    self._fs.close(fd)
+            raise
+        return directory, lock_fd
+
+    def _lock_directory(self) -> int | None:
+        """flock the store directory itself; ``None`` if someone else holds it."""
+        try:
+            return self._fs.lock_directory(self.path)
         except OSError as error:
             raise StoreDirectoryError(
                 f"{self.path}: cannot lock the directory: {error.strerror or error}"
             ) from None
-        if fd is None:
-            raise StoreLockedError(self.path, "locked by another writer (flock on the directory)")
-        return fd
 
-    def _lock(self) -> int:
-        """flock ``LOCK``, and make sure the file locked is the one the path names
-        (someone may unlink and recreate it between our open and our flock)."""
+    def _lock(self) -> tuple[int, bool]:
+        """Write-lock ``LOCK`` (made 0600 if there is none), and make sure the file
+        locked is the one the path names (someone may unlink and recreate it
+        between our open and our lock). Returns it, and whether this open made it."""
         path = self._join(LOCK)
         for _ in range(3):
             try:
-                fd = self._fs.lock(path)
+                fd, created = self._open_lock(path)
             except OSError as error:
                 raise StoreDirectoryError(
                     f"{self.path}: cannot lock {LOCK}: {error.strerror or error}"
                 ) from None
             if fd is None:
-                raise StoreLockedError(self.path)
+                raise StoreLockedError(
+                    self.path,
+                    f"locked by another writer (a lock on {LOCK}; if no writer runs, see "
+                    "'Who may read and lock a store' in docs/store.md)",
+                )
             if self._fs.same_file(fd, path):
-                return fd
+                return fd, created
             self._fs.close(fd)
         raise StoreLockedError(self.path, f"{LOCK} keeps being replaced while we lock it")
+
+    def _open_lock(self, path: str) -> tuple[int | None, bool]:
+        """``LOCK`` write-locked (``None``: someone holds it), and whether it was made
+        here: the one there is, else a new one."""
+        try:
+            return self._fs.lock(path), False
+        except FileNotFoundError:
+            pass
+        try:
+            return self._fs.lock(path, create=True), True
+        except FileExistsError:  # another open made it meanwhile: lock that one
+            return self._fs.lock(path), False
 
     def _load_manifest(self) -> StoreManifest:
         path = self._join(MANIFEST)
