@@ -860,3 +860,18 @@ def test_retiring_epochs_never_changes_a_timeline() -> None:
             for g in ours.generations:
                 assert _lineage.on_timeline(ours_s, g) == _lineage.on_timeline(model_s, g), seed
             assert len(msgspec.json.encode(ours)) <= len(msgspec.json.encode(model))
+
+
+def test_two_readers_pinning_one_generation_each_keep_it(tmp_path: Path) -> None:
+    """keep=1: two restores read the only generation at once (each pins it). The
+    first one done unpins it; rotation keeps it for the second until it is done."""
+    with SyncStore(tmp_path, keep=1) as store:
+        store.commit(*checkpoint(1))
+        store.pin("ckpt-1")
+        store.pin("ckpt-1")
+        store.unpin("ckpt-1")  # the first reader is done
+        store.commit(*checkpoint(2))
+        assert listed(store) == ["ckpt-1", "ckpt-2"]
+        store.unpin("ckpt-1")  # and the second
+        store.commit(*checkpoint(3))
+        assert listed(store) == ["ckpt-3"]

@@ -7,6 +7,7 @@ commit sequence (``_commit``), the session rules (``_lineage``) and reading
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import mmap
 import os
@@ -167,7 +168,8 @@ class SyncStore:
         self._bytes = 0
         self._removed: list[str] = []
         self._unreferenced: list[str] = []
-        self._pinned: set[str] = set()  # generations rotation must keep for now
+        # Generations rotation must keep for now, each with its readers' count.
+        self._pinned: collections.Counter[str] = collections.Counter()
         lock_fd = None
         self._dir_lock: int | None = None
         if not read_only:
@@ -817,11 +819,14 @@ class SyncStore:
         self._closed = True
 
     def pin(self, checkpoint_id: str) -> None:
-        """Rotation keeps ``checkpoint_id`` until ``unpin`` (a restore reading it)."""
-        self._pinned.add(checkpoint_id)
+        """Rotation keeps ``checkpoint_id`` until as many ``unpin`` (a restore
+        reading it: two reading it at once each pin it)."""
+        self._pinned[checkpoint_id] += 1
 
     def unpin(self, checkpoint_id: str) -> None:
-        self._pinned.discard(checkpoint_id)
+        self._pinned[checkpoint_id] -= 1
+        if self._pinned[checkpoint_id] <= 0:
+            del self._pinned[checkpoint_id]
 
     def __enter__(self) -> Self:
         return self
