@@ -1,0 +1,183 @@
+"""The threat model's roles (docs/operations.md, "Threat model"), each with exactly
+the NATS permissions the docs give it, on a real nats-server: a host (a
+coordinator with a replicator and a remote participant), a remote worker and a
+watcher each do their whole job with their set, and each is refused what belongs
+to another role (issue 30)."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import nats
+import pytest
+import pytest_asyncio
+from hostkit import Part
+
+from coordinator.bus import NatsBus
+from coordinator.events import Committed, Replicated
+from coordinator.host import HostDescription
+from coordinator.monitor import SaveState
+from coordinator.remote import RemoteParticipant, serve_participant
+from coordinator.replicate import Replicator
+from coordinator.server import EmbeddedServer
+from coordinator.session import Coordinator
+from coordinator.store import FileStore
+
+DOCS = Path(__file__).parents[1] / "docs" / "operations.md"
+ROLES = ("host", "worker", "watcher")
+SNIPPETS = {"host": "host", "worker": "worker", "watcher": "reader"}  # (a watcher reads)
+PASSWORDS = {role: secrets.token_hex(8) for role in ROLES}
+
+
+def snippet(name: str) -> str:
+    """A permission set exactly as docs/operations.md gives it (```text name=...```)."""
+    found = re.search(rf"```\S* name={name}\n(.*?)```", DOCS.read_text(), re.S)
+    assert found is not None, f"docs/operations.md has no snippet {name}"
+    return found[1]
+
+
+def users_config() -> str:
+    users = "\n".join(
+        f"    {{user: {role}, password: {json.dumps(PASSWORDS[role])}, permissions: {{\n"
+        f"{snippet(SNIPPETS[role])}    }}}}"
+        for role in ROLES
+    )
+    return f"authorization {{\n  users = [\n{users}\n  ]\n}}\n"
+
+
+def as_role(role: str) -> dict[str, str]:
+    return {"user": role, "password": PASSWORDS[role]}
+
+
+@pytest_asyncio.fixture
+async def server(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
+    async with EmbeddedServer(tmp_path / "nats", config=users_config()) as running:
+        yield running
+
+
+class Agent:
+    """The worker's participant: its state is what it last restored, or its own."""
+
+    name = "agent-c"
+
+    def __init__(self) -> None:
+        self.state = b"agent-c at 0"
+
+    async def capture(self, scope: Any) -> bytes:
+        return f"agent-c at {scope.step}".encode()
+
+    async def stage_restore(self, payload: memoryview, scope: Any) -> bytes:
+        return bytes(payload)
+
+    async def activate_restore(self, token: bytes) -> None:
+        self.state = token
+
+    async def abort_restore(self, token: bytes) -> None:
+        return None
+
+
+async def refused(url: str, role: str, act: Any) -> str:
+    """What the server says when ``role`` does ``act(client)``: its permission error."""
+    errors: list[str] = []
+
+    async def note(error: Exception) -> None:
+        errors.append(str(error))
+
+    client = await nats.connect(url, error_cb=note, **as_role(role))
+    try:
+        with anyio.move_on_after(5):
+            await act(client)
+            await client.flush()
+            while not errors:
+                await anyio.sleep(0.05)
+    finally:
+        await client.close()
+    return " ".join(errors)
+
+
+@pytest.mark.asyncio
+async def test_each_role_does_its_job_with_exactly_its_set(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The host saves (a remote participant among its own), replicates and
+    restores; the worker serves its participant; the watcher replays the history
+    and follows live: each with the docs' set and nothing more."""
+    agent = Agent()
+    async with anyio.create_task_group() as group:
+        await group.start(
+            lambda task_status: serve_participant(
+                server.url, agent, session_id="s1", task_status=task_status,
+                **as_role("worker"),
+            )
+        )  # fmt: skip
+        async with NatsBus(server.url, read_only=True, **as_role("watcher")) as watcher:
+            live = await watcher.subscribe("s1")
+            async with (
+                NatsBus(server.url, **as_role("host")) as bus,
+                FileStore(tmp_path / "store") as store,
+                Replicator(bus, store) as replicator,
+            ):
+                parts: list[Any] = [Part("world"), RemoteParticipant(bus, "agent-c")]
+                host = Coordinator(store, bus, parts, session_id="s1", epoch="e1",
+                                   describe=HostDescription(agents=["c"]))  # fmt: skip
+                async with host:
+                    for step in (1, 2):
+                        outcome = await host.checkpoint(step)
+                        assert isinstance(outcome, Committed), outcome
+                    await host.restore("e1-1", new_epoch="e2")
+                with anyio.fail_after(30):
+                    await replicator.wait_caught_up()
+                with anyio.fail_after(20):
+                    while bus.pending:
+                        await anyio.sleep(0.05)
+                assert bus.counts().get("undeliverable", 0) == 0, bus.counts()
+                assert bus.counts().get("presence_errors", 0) == 0, bus.counts()
+            seen = []
+            with anyio.move_on_after(5):
+                async for event in live:
+                    seen.append(event)
+                    if isinstance(event, Replicated) and event.epoch == "e2":
+                        break
+            history = await watcher.history("s1")
+        group.cancel_scope.cancel()
+    assert agent.state == b"agent-c at 1"  # the restore reached the worker
+    state = SaveState()
+    for event in history:
+        state = state.apply(event)
+    assert state.sessions["s1"].high_water == "e1-1"
+    assert {type(e).__name__ for e in seen} >= {"Captured", "Committed", "Restored"}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("role", "what"),
+    [
+        ("worker", "publish an event"),
+        ("watcher", "publish an event"),
+        ("watcher", "answer for a worker"),
+        ("host", "answer for a worker"),
+        ("worker", "move a session's pointer"),
+        ("watcher", "read the KV's keys by subject"),
+    ],
+)
+async def test_each_role_is_refused_what_another_role_does(
+    server: EmbeddedServer, role: str, what: str
+) -> None:
+    """What belongs to another role is a permission violation, from the server."""
+    async with NatsBus(server.url, **as_role("host")):
+        pass  # the stream and buckets exist
+
+    acts = {
+        "publish an event": lambda c: c.publish("ckpt.s1.committed", b"{}"),
+        "answer for a worker": lambda c: c.subscribe("ckpt-rpc.>"),
+        "move a session's pointer": lambda c: c.publish("$KV.CKPT_REPLICAS.s1", b"{}"),
+        "read the KV's keys by subject": lambda c: c.subscribe("$KV.>"),
+    }
+    said = await refused(server.url, role, acts[what])
+    assert "permissions violation" in said.lower() or "permission" in said.lower(), said
