@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -18,7 +19,14 @@ from hostkit import describe, parts
 from test_writer import wait_until
 
 from coordinator.bus import NatsBus
-from coordinator.events import MAX_SEQ, Committed, encode_event, event_id, rfc3339_now
+from coordinator.events import (
+    MAX_SEQ,
+    Committed,
+    Replicated,
+    encode_event,
+    event_id,
+    rfc3339_now,
+)
 from coordinator.server import EmbeddedServer
 from coordinator.session import Coordinator
 from coordinator.identity import identity_of
@@ -220,3 +228,77 @@ async def test_a_forged_restored_event_does_not_stop_reconcile(
     assert len(ours) == 1
     assert (ours[0]["checkpointId"], ours[0]["abandonedFrom"]) == ("e1-10", "11")
     assert counts.get("foreign", 0) == 1
+
+
+@pytest.mark.asyncio
+async def test_an_event_published_first_under_the_hosts_id_is_told_foreign(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Event ids are predictable (session, epoch, checkpoint, kind): a forger
+    publishes a `committed` for e1-2 under its id before the host does, telling
+    another generation. The stream keeps the forger's and drops the host's as a
+    duplicate: the host's bus reads the stored one back, sees it is not its own,
+    counts and logs it, and its KV entry is never the forged one."""
+    async with NatsBus(server.url):
+        pass  # the stream and the buckets exist
+    client = await nats.connect(server.url)
+    try:
+        body = json.loads(forged_committed("s1", 7, "e1-2"))
+        body.update(epoch="e1", eventId="s1:e1:e1-2:committed", boundary="2")
+        await client.jetstream().publish(
+            "ckpt.s1.committed", json.dumps(body).encode(),
+            headers={"Nats-Msg-Id": "s1:e1:e1-2:committed"},
+        )  # fmt: skip
+    finally:
+        await client.close()
+    counts = await run_host(server.url, tmp_path / "store", range(1, 4), "e1")
+    assert counts.get("foreign", 0) == 1, counts
+    async with NatsBus(server.url, read_only=True) as reader:
+        latest = await reader.latest_committed("s1")
+    assert latest is not None and latest.checkpoint_id == "e1-3"
+    assert latest.envelope_digest != "0" * 64
+
+
+@pytest.mark.asyncio
+async def test_a_forged_replicated_event_does_not_stop_its_announcement(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A replicator moved the pointer, then its `replicated` event was lost (its
+    host died before it went out: dropped here) and a forged one under the same id
+    took its place, naming another manifest object. The replicator started again
+    finds the pointer moved, sees the stored event is not its own, says so, and
+    announces its move again."""
+    from coordinator.host import HostDescription
+    from coordinator.replicate import Replicator
+
+    worlds = [World("world", b"w1"), World("agent-a", b"a")]
+    lost: list[Any] = []
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        publish = bus.publish
+
+        async def losing_replicated(event: Any) -> None:
+            if isinstance(event, Replicated):
+                lost.append(event)
+            else:
+                await publish(event)
+
+        bus.publish = losing_replicated  # type: ignore[method-assign]
+        async with Replicator(bus, store) as replicator:
+            async with Coordinator(store, bus, worlds, session_id="s1", epoch="e1",
+                                   describe=HostDescription(agents=["a"])) as host:  # fmt: skip
+                await host.checkpoint(1)
+            with anyio.fail_after(30):
+                await replicator.wait_caught_up()
+        await wait_until(lambda: not bus.pending, timeout=20)
+    original = json.loads(encode_event(lost[0]))
+    forged = {**original, "object": "f" * 64, "seq": 9}
+    await publish_raw(server.url, "ckpt.s1.replicated", json.dumps(forged).encode())
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with Replicator(bus, store) as replicator:
+            with anyio.fail_after(30):
+                await replicator.wait_caught_up()
+        await wait_until(lambda: not bus.pending, timeout=20)
+        assert bus.statistics().foreign == 1
+        latest = await bus.latest_event("s1", "replicated")
+    assert latest is not None and latest.event_id == original["eventId"]
+    assert latest.object == original["object"]  # type: ignore[union-attr]

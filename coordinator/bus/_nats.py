@@ -618,6 +618,7 @@ class NatsBus:
         by us, for the KV."""
         newest: Committed | None = None
         sent = 0  # attempts so far: a duplicate after the first may be our own
+        taken: list[tuple[Event, int]] = []  # first-attempt duplicates: whose, then?
 
         async def send_unsent() -> None:
             nonlocal newest, sent
@@ -632,6 +633,8 @@ class NatsBus:
                 else:
                     self._counts["duplicates" if outcome.duplicate else "published"] += 1
                     ours = retried or not outcome.duplicate  # not someone else's, stored before
+                    if not ours:
+                        taken.append((event, outcome.seq))
                     if isinstance(event, Committed) and ours:
                         newest = event if newest is None or event.seq > newest.seq else newest
             lane.window = unsent
@@ -643,7 +646,28 @@ class NatsBus:
                 event = lane.window.pop(0)
                 what = f"(seq {event.seq}) dropped after {self.max_attempts} timeouts, connected"
                 self._lost(event, what, error)
+        for event, seq in taken:
+            await self._check_stored(event, seq)
         return newest
+
+    async def _check_stored(self, event: Event, seq: int) -> None:
+        """A first publish the stream took for a duplicate: a re-announcement of an
+        event stored before (the same), or someone who published under this
+        event's id first (anyone may publish on the event subjects): then the
+        stored one is not this host's, and it is counted and logged."""
+        assert self._js is not None
+        try:
+            with anyio.fail_after(self.publish_timeout):
+                message = await self._js.get_msg(self.stream, seq)
+            stored = decode_event(message.data or b"")
+        except msgspec.MsgspecError:
+            self._counts["foreign"] += 1
+            _log.warning("event %s: the stream holds no event under its id", event.event_id)
+            return
+        except Exception:  # (cannot tell now: nothing is decided by it)
+            return
+        if _told(stored) != _told(event):
+            self.note_foreign(stored, "stored under this host's event id, telling another")
 
     async def _send(self, events: list[Event]) -> list[Any]:
         """Publish ``events`` in order, their acks awaited together (one at a time
@@ -1272,6 +1296,19 @@ class Backlog(Generic[T]):
 def _read_once() -> api.ConsumerConfig:
     """A history read's consumer: ephemeral, no acks (a reader may publish none)."""
     return api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=30.0)
+
+
+_VOLATILE = ("seq", "time", "timings", "uploaded_bytes", "passed_over", "pointer_revision")
+
+
+def _told(event: Event) -> tuple[Any, ...]:
+    """What an event says beyond its ``seq``, time and timings (and, of a
+    ``replicated``, what the move that announces it sent): two events telling the
+    same (a re-announcement) compare equal."""
+    fields = msgspec.structs.asdict(event)
+    for volatile in _VOLATILE:
+        fields.pop(volatile, None)
+    return (event_name(event), *sorted(fields.items(), key=lambda item: item[0]))
 
 
 class _SeqExhaustedError(Exception):

@@ -99,6 +99,18 @@ class _Target(msgspec.Struct, frozen=True):
         return (self.record.checkpoint_id, self.record.envelope_digest, self.epoch)
 
 
+def _names(event: Any, pointer: ReplicaPointer, target: _Target) -> bool:
+    """Whether a ``replicated`` event tells of this very move: the generation the
+    pointer names, with its bytes and its manifest object."""
+    return bool(
+        isinstance(event, Replicated)
+        and event.checkpoint_id == target.record.checkpoint_id
+        and event.envelope_digest == target.record.envelope_digest
+        and event.object == pointer.generation.manifest
+        and event.epoch == target.epoch
+    )
+
+
 class Replicator:
     """``async with Replicator(bus, store, leases=[lease]):`` beside the
     coordinators of ``store``. ``grace``: how long an object no pointer
@@ -437,9 +449,13 @@ class Replicator:
                           "replicated")  # fmt: skip
         with contextlib.suppress(BusUnavailableError):
             latest = await self.bus.latest_event(pointer.session_id, "replicated")
-            if latest is None or latest.event_id != wanted:
-                self._counts["announced_again"] += 1
-                await self.bus.publish(self._event(pointer, revision or 0, target, 0, None))
+            if latest is not None and latest.event_id == wanted:
+                if _names(latest, pointer, target):
+                    return
+                # Anyone may publish on the event subjects, under this id too.
+                self.bus.note_foreign(latest, "a replicated event this host did not publish")
+            self._counts["announced_again"] += 1
+            await self.bus.publish(self._event(pointer, revision or 0, target, 0, None))
 
     # --- fencing and sweeping ------------------------------------------------------
 
