@@ -34,15 +34,17 @@ class FileSystem:
         """Create ``path`` (and missing parents) durably: each new directory's
         entry is fsynced in its parent, or a power cut could lose the store. If
         nothing was created, ``path``'s own entry is fsynced (``sync_parent``).
-        ``path`` itself is made 0700 (its parents as the umask says); returns
-        whether it was created."""
+        Every directory it makes is 0700, parents too: under a loose umask a
+        parent anyone may write would let them swap the store. Returns whether
+        ``path`` was created."""
         created = []
         probe = os.path.abspath(path)
         while not os.path.isdir(probe):
             created.append(probe)
             probe = os.path.dirname(probe)
-        os.makedirs(path, DIRECTORY_MODE, exist_ok=True)
         for directory in reversed(created):
+            with contextlib.suppress(FileExistsError):  # (made meanwhile by another)
+                os.mkdir(directory, DIRECTORY_MODE)
             self.fsync_dir(os.path.dirname(directory))
         if not created:
             self.sync_parent(path)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ from storekit import checkpoint
 
 from coordinator import CommitError
 from coordinator.bus import MemoryBus
+from coordinator.envelope import EnvelopePlan
+from coordinator.fs import FileSystem
 from coordinator.events import Committed
 from coordinator.manifest import build_manifest
 from coordinator.sample import sample_body
@@ -171,3 +176,94 @@ async def test_a_lone_large_capture_is_hashed_by_the_store(tmp_path: Path) -> No
         assert (await store.verify()).failures == ()
     assert seen[0] == (NAMES[0],)
     assert seen[1] == ()  # the digest task had it while the first was written
+
+
+class SlowDisk(FileSystem):
+    """A disk slower than hashing: each large pwrite takes a while."""
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        if len(data) >= 1 << 20:
+            time.sleep(0.3)
+        return super().pwrite(fd, data, offset)
+
+
+def test_ctrl_c_while_the_payloads_are_written_leaves_no_writer_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real SIGINT lands once the digests are done, while the disk still takes
+    the payloads: the save is interrupted, its payload thread is stopped and
+    waited for before its descriptor is closed, so the next save (whose file may
+    get the same descriptor number) is exactly its own bytes and verifies."""
+    sealed = threading.Event()
+    real_seal = EnvelopePlan.seal
+
+    def seal(self: EnvelopePlan, **options: Any) -> Any:
+        result = real_seal(self, **options)
+        time.sleep(0.35)  # (a slow footer pass: the first chunk is on the disk by now)
+        sealed.set()
+        return result
+
+    monkeypatch.setattr(EnvelopePlan, "seal", seal)
+
+    def interrupt() -> None:
+        if sealed.wait(30):
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    manifest, payloads = large_checkpoint(1)
+    payloads[0] = (payloads[0][0], b"OLD!" * (16 << 20))
+    body = sample_body("ckpt-1", step=1, epoch="epoch-1", session_id="session-1")
+    manifest = build_manifest(body, payloads)
+    names = {payloads[0][0], payloads[2][0]}
+    with SyncStore(tmp_path / "s", fs=SlowDisk()) as store:
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            store.commit(pending(manifest, names), payloads, digests_pending=names)
+        second, more = large_checkpoint(2)
+        store.commit(pending(second, names), more, digests_pending=names)
+        time.sleep(0.5)  # a stray writer would write into the new file meanwhile
+        assert store.verify().failures == ()
+    with SyncStore(tmp_path / "s", read_only=True) as reopened:
+        with reopened.read(reopened.select("ckpt-2")) as stored:
+            assert bytes(stored.payload(more[0][0])) == more[0][1]
+
+
+def test_a_payload_thread_that_cannot_start_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No thread can be started (a process at its thread limit): the save fails,
+    its temporary is closed and unlinked, and the next save commits."""
+    manifest, payloads = large_checkpoint(1)
+    names = {payloads[0][0]}
+    real_start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name == "coordinator-placed":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    fs = RecordingFS(keep_data=False)
+    with SyncStore(tmp_path / "s", fs=fs) as store:
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(RuntimeError):
+            store.commit(pending(manifest, names), payloads, digests_pending=names)
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert not [n for n in os.listdir(tmp_path / "s") if n.startswith("tmp+")]
+        assert not fs.paths  # every descriptor the store opened is closed
+        second, more = large_checkpoint(2)
+        store.commit(pending(second, names), more, digests_pending=names)
+        assert store.verify().failures == ()
+
+
+def test_the_store_says_how_long_it_hashed_on_either_path(tmp_path: Path) -> None:
+    """`timings.digest` for digests the store computed: on the placed path (16 MiB
+    or more) and on the streamed one below it."""
+    with SyncStore(tmp_path / "s") as store:
+        for index, size in ((1, LARGE), (2, 1 << 20)):
+            _, payloads = checkpoint(index)
+            payloads[0] = (payloads[0][0], os.urandom(size))
+            body = sample_body(f"ckpt-{index}", step=index, epoch="epoch-1", session_id="session-1")
+            manifest = build_manifest(body, payloads)
+            names = {payloads[0][0]}
+            receipt = store.commit(pending(manifest, names), payloads, digests_pending=names)
+            assert receipt.timings_ms.get("digest", 0) > 0, (size, receipt.timings_ms)

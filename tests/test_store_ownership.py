@@ -376,3 +376,50 @@ def test_a_failed_chmod_fails_the_commit_and_leaves_nothing(tmp_path: Path) -> N
         store.commit(*checkpoint(3))
     names = sorted(p.name for p in store_path.iterdir())
     assert names == ["LOCK", "ckpt-1.flysess", "ckpt-3.flysess", "manifest.json"]
+
+
+def test_restore_never_follows_a_planted_staging_symlink(shared: Path, umask: None) -> None:
+    """Another user plants `.out.staging-<dead pid>-x -> a directory of root's` in a
+    directory it may write; root's `restore --to <that>/out` removes the stagings
+    of dead restores, but only real directories of its own: the victim's files
+    stay (before, they were unlinked through the link)."""
+    victim = shared / "victim"
+    victim.mkdir(mode=0o700)
+    (victim / "keys.pem").write_text("secret")
+    theirs = shared / "theirs"
+    theirs.mkdir(mode=0o777)
+    (theirs / ".out.staging-999999-dead").symlink_to(victim)
+    store = a_store(shared / "store")
+    code = main(["restore", str(store), "--to", str(theirs / "out")],
+                out=io.StringIO(), err=io.StringIO())  # fmt: skip
+    assert code == 0
+    assert (victim / "keys.pem").read_text() == "secret"
+    assert (theirs / ".out.staging-999999-dead").is_symlink()
+
+
+def test_parents_a_store_makes_are_the_owners_alone_under_any_umask(tmp_path: Path) -> None:
+    """Under umask 000 the missing parents of a new store were 0777: anyone could
+    have swapped the store in them. Every directory the store makes is 0700."""
+    previous = os.umask(0)
+    try:
+        a_store(tmp_path / "a" / "b" / "store")
+    finally:
+        os.umask(previous)
+    for directory in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "store"):
+        assert _mode(directory) == 0o700, directory
+
+
+def test_a_reader_holding_the_directory_of_a_store_without_lock_keeps_no_writer_out(
+    shared: Path, umask: None
+) -> None:
+    """A store others may read (mode=0o644), its LOCK gone (moved as the docs say,
+    or restored from a backup): nobody flocks the directory, and the writer still
+    opens (before: `LOCK was missing and the directory is locked`, for as long as
+    nobody liked)."""
+    _needs_nobody("flock")
+    store = a_store(shared / "store", mode=0o644)
+    (store / "LOCK").unlink()
+    with as_nobody("flock", "-n", str(store), "sh", "-c", "echo held; exec sleep 60") as said:
+        assert said == "held"
+        with SyncStore(store) as reopened:
+            assert listed(reopened) == ["ckpt-1"]

@@ -179,6 +179,7 @@ class CommitSequence:
         fd = self._create(checkpoint_id, path)
         started = time.perf_counter()
         stop = threading.Event()
+        finished = threading.Event()
         failure: list[BaseException] = []
 
         def write_payloads() -> None:
@@ -194,26 +195,26 @@ class CommitSequence:
                         flushed = end
             except BaseException as error:  # raised below, in the sealing thread
                 failure.append(error)
+            finally:
+                finished.set()
 
         payloads = threading.Thread(target=write_payloads, name="coordinator-placed")
-        payloads.start()
         try:
-            try:
-                envelope.digest(os.cpu_count() or 1, thread_setup=thread_setup)
-                if timings is not None:
-                    timings["digest"] = round((time.perf_counter() - started) * 1000, 3)
-                sealed = envelope.seal(threads=1)  # the footer's pass, over the digests
-            except BaseException:
-                stop.set()  # the payloads need not go on
-                raise
-            finally:
-                payloads.join()  # (before the descriptor is closed: it writes to it)
+            payloads.start()
+            envelope.digest(os.cpu_count() or 1, thread_setup=thread_setup)
+            if timings is not None:
+                timings["digest"] = round((time.perf_counter() - started) * 1000, 3)
+            sealed = envelope.seal(threads=1)  # the footer's pass, over the digests
+            finished.wait()
             if failure:
                 raise failure[0]
             envelope.sealed = sealed
             self._write_at(fd, memoryview(envelope.prefix), 0, stop)
             self._write_at(fd, memoryview(sealed.footer), envelope.layout.footer_offset, stop)
         except BaseException as error:
+            stop.set()  # the payloads need not go on
+            if payloads.ident is not None:  # started: it writes to ``fd``, closed after it
+                _wait_through_interrupts(finished)
             self.discard(fd, path)
             if isinstance(error, OSError):
                 raise commit_error(checkpoint_id, "write", path, error) from None
@@ -400,6 +401,18 @@ class CommitSequence:
             )
             return False
         return True
+
+
+def _wait_through_interrupts(event: threading.Event) -> None:
+    """Wait for ``event`` even if the caller is interrupted meanwhile (Ctrl-C): a
+    thread still writing to a descriptor must finish before it is closed (its
+    number would be the next file's). The thread checks its stop between chunks."""
+    while True:
+        try:
+            event.wait()
+            return
+        except BaseException:  # (a further interrupt: the first one is being raised)
+            continue
 
 
 def commit_error(checkpoint_id: str, operation: str, path: str, error: OSError) -> CommitError:

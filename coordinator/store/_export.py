@@ -19,6 +19,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 
 from ..canonical import canonical_bytes
 from ..errors import SyncError
@@ -87,8 +88,21 @@ def _remove_abandoned_stagings(fs: FileSystem, parent: str, name: str) -> None:
     with contextlib.suppress(OSError):
         for entry in fs.list(parent):
             pid = entry.removeprefix(prefix).split("-", 1)[0]
-            if entry.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
-                _remove(fs, os.path.join(parent, entry))
+            path = os.path.join(parent, entry)
+            dead = entry.startswith(prefix) and pid.isdigit() and not _alive(int(pid))
+            if dead and _ours(path):
+                _remove(fs, path)
+
+
+def _ours(path: str) -> bool:
+    """Whether ``path`` is a real directory (not a symlink) of this process's user:
+    what an earlier restore of ours can have left. Anything else under that name
+    (planted by whoever may write the parent) is left alone, never followed."""
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(found.st_mode) and found.st_uid == os.geteuid()
 
 
 def _alive(pid: int) -> bool:

@@ -136,6 +136,14 @@ class _Written(msgspec.Struct, kw_only=True):
     dropped: tuple[GenerationRecord, ...] = ()
 
 
+def _others_may_open(path: str) -> bool:
+    """Whether anyone but the owner may open the directory ``path`` (and so flock it)."""
+    try:
+        return bool(os.stat(path).st_mode & 0o044)
+    except OSError:
+        return True
+
+
 class SyncStore:
     """The blocking core of a generation store. Not thread-safe: one caller at a time.
 
@@ -210,13 +218,17 @@ class SyncStore:
         can take the directory's, so it never keeps a writer out alone. It is
         there for a ``LOCK`` unlinked under a live writer: an open that finds no
         ``LOCK`` in a store with a manifest while the directory is held is
-        refused (and leaves no ``LOCK`` behind, or its retry would get in). Held,
-        it also keeps out writers of earlier versions, which flock it."""
+        refused (and leaves no ``LOCK`` behind, or its retry would get in), unless
+        others may open the directory: then a reader may be the one holding it,
+        and the live writer's own check before each commit point (``LOCK`` still
+        its file) is what stops it. Held, it also keeps out writers of earlier
+        versions, which flock it."""
         directory = self._lock_directory()
         lock_fd: int | None = None
         try:
             lock_fd, created = self._lock()
-            if created and directory is None and MANIFEST in self._fs.list(self.path):
+            held = directory is None and not _others_may_open(self.path)
+            if created and held and MANIFEST in self._fs.list(self.path):
                 with contextlib.suppress(OSError):
                     self._fs.unlink(self._join(LOCK))
                 raise StoreLockedError(
@@ -630,6 +642,10 @@ class SyncStore:
                 checkpoint_id, temporary, envelope_plan, timings, thread_setup=setup
             )
         else:
+            if member.digests_pending:  # first, and timed: the prefix holds them
+                hashing = time.perf_counter()
+                envelope_plan.digest(os.cpu_count() or 1, thread_setup=setup)
+                timings["digest"] = round((time.perf_counter() - hashing) * 1000, 3)
             pieces = envelope_plan.stream(thread_setup=setup)
             fd = self._io.write_unsynced(checkpoint_id, temporary, pieces, timings)
         sealed = envelope_plan.sealed
