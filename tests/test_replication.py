@@ -818,8 +818,7 @@ authorization {
     {user: reader, password: r, permissions: {
       publish: {allow: ["$JS.API.INFO", "$JS.API.STREAM.INFO.>", "$JS.API.STREAM.MSG.GET.>",
                         "$JS.API.DIRECT.GET.>", "$JS.API.CONSUMER.CREATE.>",
-                        "$JS.API.CONSUMER.MSG.NEXT.>", "$JS.API.CONSUMER.DELETE.>",
-                        "$JS.API.CONSUMER.INFO.>"]}
+                        "$JS.API.CONSUMER.MSG.NEXT.>", "$JS.API.CONSUMER.INFO.>"]}
       subscribe: {allow: ["_INBOX.>", "ckpt.>"]}
     }}
   ]

@@ -24,7 +24,7 @@ from coordinator.events import Committed, Replicated
 from coordinator.host import HostDescription
 from coordinator.monitor import SaveState
 from coordinator.remote import RemoteParticipant, serve_participant
-from coordinator.replicate import Replicator
+from coordinator.replicate import Replicator, SessionLease
 from coordinator.server import EmbeddedServer
 from coordinator.session import Coordinator
 from coordinator.store import FileStore
@@ -43,15 +43,24 @@ def snippet(name: str) -> str:
 
 
 def users_config() -> str:
-    users = "\n".join(
-        f"    {{user: {role}, password: {json.dumps(PASSWORDS[role])}, permissions: {{\n"
-        f"{snippet(SNIPPETS[role])}    }}}}"
-        for role in ROLES
-    )
-    return f"authorization {{\n  users = [\n{users}\n  ]\n}}\n"
+    """Each role's user with the docs' set, and beside it the same set with an inbox
+    of its own (``<role>-own``: ``_INBOX.>`` becomes ``_INBOX_<role>.>``)."""
+    users = []
+    for role in ROLES:
+        permissions = snippet(SNIPPETS[role])
+        for name, block in (
+            (role, permissions),
+            (f"{role}-own", permissions.replace('"_INBOX.>"', f'"_INBOX_{role}.>"')),
+        ):
+            users.append(f"    {{user: {name}, password: {json.dumps(PASSWORDS[role])}, "
+                         f"permissions: {{\n{block}    }}}}")  # fmt: skip
+    return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"
 
 
-def as_role(role: str) -> dict[str, str]:
+def as_role(role: str, *, own_inbox: bool = False) -> dict[str, str]:
+    if own_inbox:
+        return {"user": f"{role}-own", "password": PASSWORDS[role],
+                "inbox_prefix": f"_INBOX_{role}"}  # fmt: skip
     return {"user": role, "password": PASSWORDS[role]}
 
 
@@ -102,26 +111,31 @@ async def refused(url: str, role: str, act: Any) -> str:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("own", [False, True], ids=["shared-inbox", "own-inbox"])
 async def test_each_role_does_its_job_with_exactly_its_set(
-    server: EmbeddedServer, tmp_path: Path
+    server: EmbeddedServer, tmp_path: Path, own: bool
 ) -> None:
-    """The host saves (a remote participant among its own), replicates and
-    restores; the worker serves its participant; the watcher replays the history
-    and follows live: each with the docs' set and nothing more."""
+    """The host saves (a remote participant among its own), holds the session's
+    lease, replicates, sweeps and restores; the worker serves its participant; the
+    watcher replays the history and follows live: each with the docs' set and
+    nothing more, and again with each user's inbox a prefix of its own."""
     agent = Agent()
     async with anyio.create_task_group() as group:
         await group.start(
             lambda task_status: serve_participant(
                 server.url, agent, session_id="s1", task_status=task_status,
-                **as_role("worker"),
+                **as_role("worker", own_inbox=own),
             )
         )  # fmt: skip
-        async with NatsBus(server.url, read_only=True, **as_role("watcher")) as watcher:
+        async with NatsBus(
+            server.url, read_only=True, **as_role("watcher", own_inbox=own)
+        ) as watcher:
             live = await watcher.subscribe("s1")
             async with (
-                NatsBus(server.url, **as_role("host")) as bus,
+                NatsBus(server.url, **as_role("host", own_inbox=own)) as bus,
                 FileStore(tmp_path / "store") as store,
-                Replicator(bus, store) as replicator,
+                SessionLease(bus, "s1", ttl=5) as lease,
+                Replicator(bus, store, leases=[lease], grace=1, sweep_every=None) as replicator,
             ):
                 parts: list[Any] = [Part("world"), RemoteParticipant(bus, "agent-c")]
                 host = Coordinator(store, bus, parts, session_id="s1", epoch="e1",
@@ -133,6 +147,9 @@ async def test_each_role_does_its_job_with_exactly_its_set(
                     await host.restore("e1-1", new_epoch="e2")
                 with anyio.fail_after(30):
                     await replicator.wait_caught_up()
+                await anyio.sleep(1.2)  # past the grace: e1-2's objects are sweepable
+                swept = await replicator.sweep()
+                assert swept.deleted, swept  # (its own bucket, purged with its own set)
                 with anyio.fail_after(20):
                     while bus.pending:
                         await anyio.sleep(0.05)
@@ -181,3 +198,50 @@ async def test_each_role_is_refused_what_another_role_does(
     }
     said = await refused(server.url, role, acts[what])
     assert "permissions violation" in said.lower() or "permission" in said.lower(), said
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "made_first",
+    ["stream CKPT", "bucket CKPT_COMMITTED", "bucket CKPT_WORKERS", "objects CKPT_OBJECTS"],
+)
+async def test_a_stream_someone_made_first_to_copy_what_hosts_write_is_refused(
+    server: EmbeddedServer, made_first: str
+) -> None:
+    """Whoever may create one of our streams or buckets could make it first with a
+    `republish` (the server then copies every message past every permission:
+    a bucket's puts onto a subject of theirs) or `sources`: a host, a worker or a
+    watcher opening it refuses it (`bus.config`), and uses none of it."""
+    from nats.js import api
+
+    from coordinator.errors import BusConfigError
+    from coordinator.remote import ObjectBucket
+
+    maker = "worker" if made_first.endswith("WORKERS") else "host"  # (who may create it)
+    client = await nats.connect(server.url, **as_role(maker))
+    js = client.jetstream()
+    copy = api.RePublish(src=">", dest="spy.>")
+    try:
+        kind, name = made_first.split()
+        if kind == "stream":
+            await js.add_stream(name=name, subjects=["ckpt.>"], republish=copy)
+        elif kind == "bucket":
+            await js.add_stream(name=f"KV_{name}", subjects=[f"$KV.{name}.>"],
+                                max_age=15, allow_rollup_hdrs=True, allow_direct=True,
+                                max_msgs_per_subject=1,
+                                republish=copy)  # fmt: skip
+        else:
+            await js.add_stream(name=f"OBJ_{name}", subjects=[f"$O.{name}.C.>", f"$O.{name}.M.>"],
+                                max_age=60, allow_rollup_hdrs=True, allow_direct=True,
+                                republish=copy)  # fmt: skip
+    finally:
+        await client.close()
+    with pytest.raises(BusConfigError, match="republish"):
+        if made_first == "bucket CKPT_WORKERS":
+            await serve_participant(server.url, Agent(), session_id="s1", **as_role("worker"))
+        elif made_first == "objects CKPT_OBJECTS":
+            async with NatsBus(server.url, **as_role("host")) as bus:
+                await ObjectBucket.open(bus.client.jetstream(), "CKPT_OBJECTS", ttl=60, replicas=1)
+        else:
+            async with NatsBus(server.url, **as_role("host")):
+                pass

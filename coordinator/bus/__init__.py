@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..events import Event, Restored
 from ..presence import Presence
+from ._config import check_stream_config, checked_stream_config
 from ._statistics import BusStatistics
 from .memory import MemoryBus, Subscription
 
@@ -27,6 +28,8 @@ __all__ = [
     "MemoryBus",
     "NatsBus",
     "Subscription",
+    "check_stream_config",
+    "checked_stream_config",
     "connect",
     "server_address",
 ]

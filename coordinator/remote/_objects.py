@@ -49,6 +49,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundErr
 from nats.js.object_store import ObjectStore
 
 from ..artifacts import ArtifactLedger, BaseHandle, mark_verified, sha256_hex
+from ..bus import checked_stream_config
 from ..errors import (
     ArtifactCorruptError,
     ArtifactReleasedError,
@@ -202,13 +203,12 @@ class ObjectBucket:
             store = await js.object_store(name)
         except (BucketNotFoundError, NotFoundError):
             store = await js.create_object_store(bucket=name, ttl=ttl, replicas=replicas)
-        else:  # an operator's bucket: it must expire what a dead worker leaves
-            info = await js.stream_info(store._stream)
-            if not info.config.max_age:
-                raise BusConfigError(
-                    f"object bucket {name} has no TTL: what a killed worker leaves would "
-                    "stay forever; create it with one (ttl=...), it is left as it is"
-                )
+        config = await checked_stream_config(js, store._stream)
+        if not config.max_age:  # an operator's bucket: it must expire what a dead worker leaves
+            raise BusConfigError(
+                f"object bucket {name} has no TTL: what a killed worker leaves would "
+                "stay forever; create it with one (ttl=...), it is left as it is"
+            )
         return cls(js, store, name)
 
     async def put(self, name: str, data: memoryview) -> str:

@@ -34,7 +34,7 @@ from nats.js.errors import (
     KeyWrongLastSequenceError,
 )
 
-from ..bus import NatsBus
+from ..bus import NatsBus, checked_stream_config
 from ..errors import LeaseLostError, SessionLeasedError
 from ..events import subject_token
 from ..ids import check_id
@@ -117,6 +117,7 @@ class SessionLease:
                 self._kv = await js.create_key_value(
                     bucket=LEASES_BUCKET, history=1, replicas=self.bus.replicas
                 )
+            await checked_stream_config(js, f"KV_{LEASES_BUCKET}")
             await self._acquire()
         self._group = anyio.create_task_group()
         await self._group.__aenter__()

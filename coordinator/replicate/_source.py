@@ -28,7 +28,7 @@ import anyio.to_thread
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from ..bus import NatsBus
+from ..bus import NatsBus, checked_stream_config
 from ..canonical import parse_canonical
 from ..envelope import (
     MAX_MANIFEST_BYTES,
@@ -94,13 +94,13 @@ class Replicas:
             if not create:
                 raise ReplicaBucketMissingError(CONTENT_BUCKET) from None
             store = await js.create_object_store(bucket=CONTENT_BUCKET, replicas=self.replicas)
-        else:  # an operator's bucket: nothing in it may expire under a pointer
-            if (await js.stream_info(f"OBJ_{CONTENT_BUCKET}")).config.max_age:
-                raise BusConfigError(
-                    f"object bucket {CONTENT_BUCKET} has a TTL: objects would expire under "
-                    "the pointers that name them; create it without one (retention is the "
-                    "replicators' sweep), it is left as it is"
-                )
+        config = await checked_stream_config(js, f"OBJ_{CONTENT_BUCKET}")
+        if config.max_age:  # an operator's bucket: nothing in it may expire under a pointer
+            raise BusConfigError(
+                f"object bucket {CONTENT_BUCKET} has a TTL: objects would expire under "
+                "the pointers that name them; create it without one (retention is the "
+                "replicators' sweep), it is left as it is"
+            )
         self._content = ContentBucket(ObjectBucket(js, store, CONTENT_BUCKET), grace=self.grace)
         try:
             kv = await js.key_value(POINTERS_BUCKET)
@@ -110,6 +110,7 @@ class Replicas:
             kv = await js.create_key_value(
                 bucket=POINTERS_BUCKET, history=1, replicas=self.replicas
             )
+        await checked_stream_config(js, f"KV_{POINTERS_BUCKET}")
         self._pointers = Pointers(self.client, kv, f"KV_{POINTERS_BUCKET}")
         return self
 
