@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import errno
 import json
+import math
 import mmap
 import os
 import re
@@ -19,6 +20,7 @@ import signal
 import stat
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -702,8 +704,10 @@ def _restore_replica(args: argparse.Namespace, target: Path, out: TextIO, err: T
     async def note_denials(error: Exception) -> None:
         """nats-py's background errors during a one-shot read: what fails, fails the
         read; a permissions violation ends it at once (the request would only wait
-        for its timeout), and says why."""
-        if "permissions violation" in str(error).lower():
+        for its timeout), and says why. Deleting a consumer when done is best
+        effort (a reader need not be allowed to: operations.md, "Permission sets")."""
+        said = str(error).lower()
+        if "permissions violation" in said and "$js.api.consumer.delete." not in said:
             denied.append(str(error).removeprefix("nats: "))
             for scope in reading:
                 scope.cancel()
@@ -765,80 +769,176 @@ async def _replicated_sessions(connection: Connection) -> str:
     return f"{connection.redacted} holds: {', '.join(names[:20])}{more}"
 
 
+WATCH_HELD = 4096  # live messages held for watch's fold (while the history is read)
+WATCH_HELD_BYTES = 32 << 20  # ... and their bytes: beyond either, lost and counted
+WATCH_DRAWS_S = 0.125  # a terminal's table is made again at most this often
+WATCH_PRINTS_S = 1.0  # a pipe gets the table again at most this often while following
+
+
 def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Replay the stream's history, then follow live events, folding them into save
-    state. --json: one folded session state per event, for scripts."""
+    state by the documented rules (``monitor.Fleet``: bounded, whatever is
+    published). --json: one folded session state per event, for scripts."""
     import anyio
-    from rich.live import Live
 
     from .bus import NatsBus
-    from .monitor import SaveState, render
-    from .presence import Presence
 
     if _refused_session(args.session or [], err):
         return EXIT_USAGE
     connection = resolve(args)
     assert connection is not None
-    # A terminal gets the live table; a pipe, which cannot be redrawn (Live would print
-    # nothing until the end), the table after the history and again at each live event.
-    console = _console(out)
-    display = Live(render(SaveState()), console=console, refresh_per_second=8, transient=False)
-
-    beats: dict[str, Presence] = {}  # the hosts' presence, shown live (not with --json)
-
-    def show(state: SaveState, session_id: str, *, live: bool = False) -> None:
-        if args.json:  # (the fold's own bookkeeping, folded ids and missing seqs, left out)
-            session = msgspec.to_builtins(state.sessions[session_id])
-            for internal in ("folded", "missing"):
-                session.pop(internal, None)
-            print(json.dumps(session), file=out, flush=True)
-        elif console.is_terminal:
-            display.update(render(state, None if args.replay_only else beats))
-        elif live:
-            console.print(render(state, beats))
+    screen = _Screen(out, json_lines=args.json, replay_only=args.replay_only)
 
     async def follow() -> None:
-        state = SaveState()
         sessions = args.session or [None]
         async with (
             NatsBus(connection.url, read_only=True, **connection.options()) as bus,
             contextlib.AsyncExitStack() as showing,
         ):
+            screen.feed.bus = bus
             # A typo, or a host not started yet: said, never an empty table alone.
             await _say_silent(bus, args.session or [], args.replay_only, err)
-            if not args.json and console.is_terminal:  # the table appears once the server answers
-                showing.enter_context(display)
-            live = [await bus.subscribe(s) for s in sessions] if not args.replay_only else []
-            seen: set[str] = set()
+            if screen.live_table:  # the table appears once the server answers
+                showing.enter_context(screen.display)
+            if not args.replay_only:  # subscribed first: nothing falls between the two
+                for session in sessions:
+                    subscription = await bus.subscribe(session, raw=screen.feed.put)
+                    await showing.enter_async_context(subscription)
             for session in sessions:
-                for event in await bus.history(session):
-                    if event.event_id in seen:  # stored twice (outside the dedupe window)
-                        continue
-                    seen.add(event.event_id)
-                    state = state.apply(event)
-                    show(state, event.session_id)
-            if not args.json and not console.is_terminal:
-                console.print(render(state, None if args.replay_only else beats))
+                async for batch in bus.history_messages(session):
+                    for data in batch:
+                        screen.receive(data)
+            screen.replayed()
             if args.replay_only:
                 return
             async with anyio.create_task_group() as group:
                 group.start_soon(_until_reader_gone, out)
+                group.start_soon(screen.tell_lost)
                 if not args.json:  # (a pipe's table shows the beats at the next event)
-                    redraw = lambda: display.update(render(state, beats))  # noqa: E731
-                    group.start_soon(_follow_beats, bus, beats, redraw)
-                for subscription in live:
-
-                    async def pump(subscription: Any = subscription) -> None:
-                        nonlocal state
-                        async for event in subscription:
-                            if event.event_id not in seen:  # already replayed
-                                state = state.apply(event)
-                                show(state, event.session_id, live=True)
-
-                    group.start_soon(pump)
+                    group.start_soon(_follow_beats, bus, screen.beats, screen.redraw)
+                async for data in screen.feed:  # (what the history had is rule 2's duplicate)
+                    screen.receive(data, live=True)
 
     anyio.run(follow)
     return EXIT_OK
+
+
+class _Screen:
+    """What watch shows of its fold: a JSON line per event folded (``--json``), or
+    the table: on a terminal made again at most every ``WATCH_DRAWS_S``; into a
+    pipe, which cannot be redrawn (Live would print nothing until the end), after
+    the history and again as live events come, at most every ``WATCH_PRINTS_S``
+    (a flood would print a table an event)."""
+
+    def __init__(self, out: TextIO, *, json_lines: bool, replay_only: bool) -> None:
+        from rich.live import Live
+
+        from .monitor import Fleet, Notices, render
+        from .presence import Presence
+
+        self.json_lines, self.replay_only = json_lines, replay_only
+        self.out, self.console = out, _console(out)
+        self.fleet = Fleet(notices=Notices())
+        self.beats: dict[str, Presence] = {}  # the hosts' presence (not with --json)
+        self.feed = _Feed()
+        self.render = render
+        self.display = Live(render(self.fleet), console=self.console, refresh_per_second=8,
+                            transient=False)  # fmt: skip
+        self.live_table = not json_lines and self.console.is_terminal
+        self.drawn_at, self.pending = 0.0, False
+
+    def table(self) -> Any:
+        beats = None if self.replay_only else self.beats
+        return self.render(self.fleet, beats, dropped=self.feed.lost())
+
+    def receive(self, data: bytes, *, live: bool = False) -> None:
+        folded = self.fleet.receive(data)
+        if folded is None:
+            return
+        if self.json_lines:  # (the fold's own bookkeeping, ids and missing seqs, left out)
+            shown = msgspec.to_builtins(folded)
+            for internal in ("folded", "foldedSeqs", "missing", "straySeq", "strayRun"):
+                shown.pop(internal, None)
+            print(json.dumps(shown), file=self.out, flush=True)
+            return
+        self.pending = True
+        # (a pipe gets the history's table once, at its end)
+        due = WATCH_PRINTS_S if live else math.inf
+        if time.monotonic() - self.drawn_at >= (WATCH_DRAWS_S if self.console.is_terminal else due):
+            self._draw(self.table())
+
+    async def tell_lost(self) -> None:
+        """Each second: live messages lost under a flood (the feed held too many, or
+        nats-py dropped them) are logged with what was not adopted, a line now and
+        then, and the last of a burst too."""
+        import anyio
+
+        notices = self.fleet.notices
+        assert notices is not None
+        told = 0
+        while True:
+            lost = self.feed.lost()
+            if lost > told:
+                notices.note("live messages lost (a slow reader; the stream has them)",
+                             count=lost - told)  # fmt: skip
+                told = lost
+            notices.tick()
+            await anyio.sleep(1)
+
+    def replayed(self) -> None:
+        """The history is folded: its table, once."""
+        if not self.json_lines:
+            self.pending = True
+            self._draw(self.table())
+
+    def redraw(self) -> None:
+        """Each second while following: time alone moves a host's state."""
+        if self.console.is_terminal or self.pending:
+            self._draw(self.table())
+
+    def _draw(self, table: Any) -> None:
+        if self.console.is_terminal:
+            self.display.update(table)
+        elif self.pending:
+            self.console.print(table)
+        self.drawn_at, self.pending = time.monotonic(), False
+
+
+class _Feed:
+    """Live messages between nats-py's callback and watch's fold: at most
+    ``WATCH_HELD`` messages and ``WATCH_HELD_BYTES`` bytes held, while the history
+    is read or when the fold falls behind a flood; what is beyond is lost and
+    counted (shown under the table), never held without bound."""
+
+    def __init__(self) -> None:
+        import anyio
+
+        self._send, self._receive = anyio.create_memory_object_stream[bytes](WATCH_HELD)
+        self.held_bytes = 0
+        self.dropped = 0
+        self.bus: Any = None
+
+    async def put(self, data: bytes) -> None:
+        import anyio
+
+        if self.held_bytes + len(data) > WATCH_HELD_BYTES:
+            self.dropped += 1
+            return
+        try:
+            self._send.send_nowait(data)
+        except anyio.WouldBlock:
+            self.dropped += 1
+            return
+        self.held_bytes += len(data)
+
+    def lost(self) -> int:
+        """Live messages lost: held too many, or nats-py dropped them (slow consumer)."""
+        return self.dropped + (self.bus.counts().get("dropped", 0) if self.bus else 0)
+
+    async def __aiter__(self) -> Any:
+        async for data in self._receive:
+            self.held_bytes -= len(data)
+            yield data
 
 
 def _refused_session(sessions: list[str], err: TextIO) -> bool:
@@ -904,14 +1004,18 @@ async def _sessions_on_stream(bus: Any, subjects: str | None = None) -> list[str
 
 
 async def _follow_beats(bus: Any, beats: dict[str, Any], redraw: Any) -> None:
-    """``watch``'s host column: the hosts' beats as they come, and the table drawn
-    again each second, since time alone turns a silent host late, then gone."""
+    """``watch``'s host column: the hosts' beats as they come (of at most as many
+    sessions as the fold keeps: anyone may put beats), and the table drawn again
+    each second, since time alone turns a silent host late, then gone."""
     import anyio
+
+    from .monitor import MAX_SESSIONS
 
     async def follow() -> None:
         with contextlib.suppress(Exception):  # (no right to read them: the column says -)
             async for beat in bus.presence():
-                beats[beat.session_id] = beat
+                if beat.session_id in beats or len(beats) < MAX_SESSIONS:
+                    beats[beat.session_id] = beat
 
     async with anyio.create_task_group() as group:
         group.start_soon(follow)

@@ -7,10 +7,17 @@ was superseded, what a restore rolled back, and the ``seq`` numbers missed).
 ``apply_message`` takes the raw JSON of a message, so kinds this version does
 not know still count in the sequence (rule 4). Applying never changes the old
 state; it returns a new one.
+
+The event subjects are anyone's who may publish on them: what is no event, or
+contradicts the session's own sequence (rule 3), is counted on the session and
+never adopted. ``Fleet`` folds many sessions in place within fixed bounds
+(``watch``); ``Notices`` logs what was not adopted, a line now and then.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any
@@ -32,7 +39,22 @@ from .presence import Presence, liveness
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["SaveState", "SessionState", "fold_event", "fold_message", "read_message", "render"]
+__all__ = [
+    "Fleet",
+    "Notices",
+    "Recency",
+    "SaveState",
+    "SessionState",
+    "fold_event",
+    "fold_invalid",
+    "fold_message",
+    "named_session",
+    "read_message",
+    "render",
+    "trimmed",
+]
+
+_log = logging.getLogger("coordinator.monitor")
 
 
 class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -68,7 +90,15 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     lost: int = 0  # seqs skipped beyond MAX_MISSING: counted, not kept
     gaps: int = 0  # len(missing) + lost
     folded: tuple[str, ...] = ()  # the latest FOLDED_IDS eventIds folded (rule 2)
+    folded_seqs: tuple[int, ...] = ()  # the seq each of them carried (rule 3: taken)
     duplicates: int = 0
+    # What was not adopted: anyone may publish on the event subjects.
+    invalid: int = 0  # messages naming this session that were no events (rule 1)
+    contradicting: int = 0  # events contradicting its own sequence (rule 3): not folded
+    last_contradiction: str | None = None  # why the latest one was
+    rebased: int = 0  # times its sequence moved to a run of agreeing ones (rule 3)
+    stray_seq: int = 0  # the latest out-of-sequence seq, while a run of them goes on
+    stray_run: int = 0  # how many agreeing ones in a row so far
 
 
 FOLDED_IDS = 1024
@@ -77,6 +107,20 @@ RECENT_COMMITS = 64  # commits remembered to tell how far the replicated tier is
 MAX_MISSING = 4096  # the most missed seqs kept by number (rule 3)
 MAX_IN_FLIGHT = 1024  # the most captures kept in flight (a host has a few; more is hostile)
 MAX_SEQ = 2**53 - 1  # the largest seq every language reads exactly (rule 1)
+MAX_EVENT_ID = 259  # four Ids and three ':' (rule 1): a longer one is no eventId of ours
+MAX_JUMP = 4096  # rule 3: a seq further than this from lastSeq contradicts the session's
+RESYNC = 16  # ... unless this many in a row agree: its sequence moved (rule 3)
+MAX_TEXT = 500  # characters of a failure's code or reason, or a restore's reason, kept
+MAX_TIME = 64  # a longer ``time`` is no time: read as absent
+# A fleet's bounds (``Fleet``, and the dashboard): sessions kept, and budgets shared by
+# them, per session never below the MIN_* (docs/operations.md, "Fleet scale and memory").
+MAX_SESSIONS = 20_000
+ID_BUDGET = 400_000  # eventIds (and their seqs) rule 2 remembers over all sessions
+MIN_IDS = 32
+MISSING_BUDGET = 400_000  # missed seqs rule 3 keeps by number, over all sessions
+MIN_MISSING = 64
+IN_FLIGHT_BUDGET = 400_000  # captures kept in flight, over all sessions
+MIN_IN_FLIGHT = 128
 
 
 class SaveState(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,7 +138,12 @@ class SaveState(msgspec.Struct, frozen=True, kw_only=True):
         fit its kind, still counts in the sequence (rule 4)."""
         read = read_message(data)
         if read is None:
-            return msgspec.structs.replace(self, skipped=self.skipped + 1)
+            skipped = msgspec.structs.replace(self, skipped=self.skipped + 1)
+            named = self.sessions.get(named_session(data) or "")
+            if named is None:  # (no session is made for what is no event)
+                return skipped
+            sessions = {**self.sessions, named.session_id: fold_invalid(named)}
+            return msgspec.structs.replace(skipped, sessions=sessions)
         session_id, seq, event_id, event = read
         return self._with(session_id, seq, event_id, event)
 
@@ -115,7 +164,7 @@ def read_message(data: bytes | str) -> Message | None:
     and the fields rule 6 reads (``None``: rule 4, a kind or a body this version
     does not know); ``None`` for a message that is no event at all (rule 1)."""
     try:
-        fields = msgspec.json.decode(data, type=_Envelope)
+        fields = _ENVELOPE.decode(data)
     except msgspec.MsgspecError:
         return None
     seq = fields.seq
@@ -130,17 +179,33 @@ def read_message(data: bytes | str) -> Message | None:
     return fields.session_id, int(seq), fields.event_id, read
 
 
+def named_session(data: bytes | str) -> str | None:
+    """The session a message that is no event names (an Id ``sessionId``), if any:
+    rule 1 counts it on that session too, when the reader follows it."""
+    try:
+        return _NAMED.decode(data).session_id
+    except msgspec.MsgspecError:
+        return None
+
+
+def fold_invalid(state: SessionState) -> SessionState:
+    """``state`` after a message naming it that was no event (rule 1)."""
+    return msgspec.structs.replace(state, invalid=state.invalid + 1)
+
+
 def fold_message(
     state: SessionState | None,
     message: Message,
     *,
     keep_ids: int = FOLDED_IDS,
     keep_missing: int = MAX_MISSING,
+    keep_in_flight: int = MAX_IN_FLIGHT,
 ) -> SessionState:
     """``fold_event`` for a message ``read_message`` read."""
     session_id, seq, event_id, event = message
     before = state or SessionState(session_id=session_id)
-    return _fold(before, seq, event_id, event, keep_ids, keep_missing=keep_missing)
+    return _fold(before, seq, event_id, event, keep_ids, keep_missing=keep_missing,
+                 keep_in_flight=keep_in_flight)  # fmt: skip
 
 
 def fold_event(
@@ -149,25 +214,59 @@ def fold_event(
     *,
     keep_ids: int = FOLDED_IDS,
     keep_missing: int = MAX_MISSING,
+    keep_in_flight: int = MAX_IN_FLIGHT,
 ) -> SessionState:
     """One session's state after ``event``: what ``SaveState.apply`` does for that
     session, at a cost that does not grow with the number of sessions.
-    ``keep_ids`` and ``keep_missing``: how many eventIds rule 2 and missed seqs
-    rule 3 remember (a fleet keeps fewer)."""
+    ``keep_ids``, ``keep_missing`` and ``keep_in_flight``: how many eventIds rule
+    2, missed seqs rule 3 and captures rule 6 remember (a fleet keeps fewer)."""
     message = (event.session_id, event.seq, event.event_id, event)
-    return fold_message(state, message, keep_ids=keep_ids, keep_missing=keep_missing)
+    return fold_message(state, message, keep_ids=keep_ids, keep_missing=keep_missing,
+                        keep_in_flight=keep_in_flight)  # fmt: skip
+
+
+def trimmed(
+    state: SessionState, keep_ids: int, keep_missing: int, keep_in_flight: int = MAX_IN_FLIGHT
+) -> SessionState:
+    """``state`` within a fleet's share of the budgets: the newest ``keep_ids``
+    eventIds, ``keep_missing`` missed seqs (the rest counted in ``lost``) and
+    ``keep_in_flight`` captures in flight (the rest counted in ``untracked``)."""
+    changes: dict[str, object] = {}
+    if len(state.in_flight) > keep_in_flight:
+        extra = len(state.in_flight) - keep_in_flight
+        changes.update(in_flight=frozenset(sorted(state.in_flight)[:keep_in_flight]),
+                       queue_depth=min(state.queue_depth, keep_in_flight),
+                       untracked=state.untracked + extra)  # fmt: skip
+    if len(state.folded) > keep_ids:
+        changes.update(folded=state.folded[-keep_ids:], folded_seqs=state.folded_seqs[-keep_ids:])
+    if len(state.missing) > keep_missing:
+        kept = frozenset(sorted(state.missing)[-keep_missing:])
+        changes.update(missing=kept, lost=state.lost + len(state.missing) - len(kept))
+    return msgspec.structs.replace(state, **changes) if changes else state
 
 
 class _Envelope(msgspec.Struct, rename="camel"):
     """The fields every event has, whatever its kind (rule 1)."""
 
     event: str
-    session_id: str
-    event_id: str
+    session_id: Id
+    event_id: Annotated[str, msgspec.Meta(max_length=MAX_EVENT_ID)]
     seq: (
         Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
         | Annotated[float, msgspec.Meta(ge=0, le=MAX_SEQ)]
     )  # (1.0 is the integer 1 in JSON)
+
+
+_ENVELOPE = msgspec.json.Decoder(_Envelope)
+
+
+class _Named(msgspec.Struct, rename="camel"):
+    """The session a message names, whatever else it holds (rule 1's count)."""
+
+    session_id: Id
+
+
+_NAMED = msgspec.json.Decoder(_Named)
 
 
 class _Read(msgspec.Struct, frozen=True, kw_only=True, rename="camel", tag_field="event"):
@@ -238,17 +337,24 @@ def _fold(
     keep_ids: int = FOLDED_IDS,
     *,
     keep_missing: int = MAX_MISSING,
+    keep_in_flight: int = MAX_IN_FLIGHT,
 ) -> SessionState:
     if event_id in state.folded:  # rule 2: a re-publication
         return msgspec.structs.replace(state, duplicates=state.duplicates + 1)
-    changes: dict[str, object] = {"folded": (*state.folded[-(keep_ids - 1) :], event_id)}
+    state, refused = _contradiction(state, seq)  # rule 3: not this session's sequence
+    if refused:
+        return state
+    changes: dict[str, object] = {
+        "folded": (*state.folded[-(keep_ids - 1) :], event_id),
+        "folded_seqs": (*state.folded_seqs[-(keep_ids - 1) :], seq),
+    }
     late = 0 < seq < state.last_seq
     changes.update(_sequence(state, seq, late, keep_missing))
     if event is None:  # rule 4: a kind this version does not know
         return msgspec.structs.replace(state, **changes)
     kind = _kind(event)
     open_ids = state.in_flight  # a new set only where it changes (at most MAX_IN_FLIGHT)
-    when = event.time if isinstance(event.time, str) else None
+    when = event.time if isinstance(event.time, str) and len(event.time) <= MAX_TIME else None
     current = not late and seq > 0
     if current and kind != "replicated":  # the host's epoch, not the replica's
         changes["last_event_time"] = when
@@ -285,7 +391,7 @@ def _fold(
         return msgspec.structs.replace(state, **changes)
     elif kind == "captured":
         if not late and event.checkpoint_id not in open_ids:  # a late one may be over
-            if len(open_ids) < MAX_IN_FLIGHT:
+            if len(open_ids) < keep_in_flight:
                 open_ids = open_ids | {event.checkpoint_id}
             else:
                 changes["untracked"] = state.untracked + 1
@@ -295,20 +401,67 @@ def _fold(
     else:
         if event.checkpoint_id in open_ids:
             open_ids = open_ids - {event.checkpoint_id}
-        if isinstance(event, Committed | _ReadCommitted):
-            changes["committed"] = state.committed + 1
-            if newest:
-                changes.update(_newest_commit(state, seq, event, when))
-        elif kind == "superseded":
-            changes["superseded"] = state.superseded + 1
-        elif isinstance(event, Failed | _ReadFailed):
-            changes.update(failed=state.failed + 1, last_failure=f"{event.code}: {event.reason}",
-                           last_failure_time=when)  # fmt: skip
+        changes.update(_outcome(state, seq, event, newest, when))
     # What is queued waits behind what is in flight: never more of it.
     depth = changes.get("queue_depth", state.queue_depth)
     assert isinstance(depth, int)
     changes.update(queue_depth=min(depth, len(open_ids)), in_flight=open_ids)
     return msgspec.structs.replace(state, **changes)
+
+
+def _outcome(
+    state: SessionState, seq: int, event: Event | _Read, newest: bool, when: str | None
+) -> dict[str, object]:
+    """What a superseded, committed or failed event changes besides ``inFlight``."""
+    if isinstance(event, Committed | _ReadCommitted):
+        changes: dict[str, object] = {"committed": state.committed + 1}
+        if newest:
+            changes.update(_newest_commit(state, seq, event, when))
+        return changes
+    if isinstance(event, Failed | _ReadFailed):
+        failure = f"{event.code[:MAX_TEXT]}: {event.reason[:MAX_TEXT]}"
+        return {"failed": state.failed + 1, "last_failure": failure, "last_failure_time": when}
+    return {"superseded": state.superseded + 1}
+
+
+def _contradiction(state: SessionState, seq: int) -> tuple[SessionState, bool]:
+    """Rule 3's first part: a ``seq`` the session's own events already carried, or
+    one further than ``MAX_JUMP`` from ``lastSeq`` (the bus leaves no such gap,
+    and stores nothing that late), contradicts its history: counted, not folded
+    (``True``). ``RESYNC`` far ones in a row, each within ``MAX_JUMP`` of the one
+    before, and none of its own sequence between, mean the sequence itself moved
+    (a host whose events were all lost for long, or a first event that was
+    someone else's): it is re-based, and the last of them folded as a first event."""
+    if seq == 0:  # outside the sequence (an older version's re-announcement)
+        return state, False
+    # (folded seqs are never above lastSeq: only a seq up to it can be one)
+    if seq <= state.last_seq and seq in state.folded_seqs:  # (the same eventId: rule 2's)
+        return _contradicting(state, f"seq {seq} was folded already, under another eventId"), True
+    distance = seq - state.last_seq
+    if state.last_seq == 0 or abs(distance) <= MAX_JUMP:
+        if state.stray_run:  # its own sequence goes on: a run of stray ones ends
+            state = msgspec.structs.replace(state, stray_seq=0, stray_run=0)
+        return state, False
+    agrees = state.stray_run > 0 and abs(seq - state.stray_seq) <= MAX_JUMP
+    run = state.stray_run + 1 if agrees else 1
+    if run < RESYNC:
+        where = "past" if distance > 0 else "before"
+        why = f"seq {seq} is {abs(distance)} {where} the session's seq {state.last_seq}"
+        return msgspec.structs.replace(_contradicting(state, why), stray_seq=seq,
+                                       stray_run=run), True  # fmt: skip
+    # The old sequence's numbers above this one are no longer its (0: none).
+    seqs = tuple(0 if folded > seq else folded for folded in state.folded_seqs)
+    return msgspec.structs.replace(
+        state, last_seq=0, missing=frozenset(), lost=state.lost + len(state.missing),
+        high_water_seq=0, replicated_seq=0, rebased=state.rebased + 1, stray_seq=0,
+        stray_run=0, folded_seqs=seqs,
+    ), False  # fmt: skip
+
+
+def _contradicting(state: SessionState, why: str) -> SessionState:
+    return msgspec.structs.replace(
+        state, contradicting=state.contradicting + 1, last_contradiction=why
+    )
 
 
 def _sequence(
@@ -380,25 +533,214 @@ def _restore_text(event: Restored | _ReadRestored) -> str:
         lost = "nothing abandoned"
     else:
         lost = f"abandoned {event.previous_epoch} steps {event.abandoned_from}-{event.abandoned_to}"
-    return f"{event.checkpoint_id} into {event.epoch} ({event.reason}; {lost})"
+    return f"{event.checkpoint_id} into {event.epoch} ({event.reason[:MAX_TEXT]}; {lost})"
+
+
+class Recency:
+    """Which session a bounded reader lets go first: the least recently active of
+    those that never committed (a publisher making up sessions by the thousand
+    commits nothing), else the least recently active. O(1) an event."""
+
+    __slots__ = ("_fresh", "_settled")
+
+    def __init__(self) -> None:
+        self._fresh: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._settled: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._fresh) + len(self._settled)
+
+    def touch(self, session_id: str, settled: bool) -> None:
+        """``session_id`` was active now; ``settled``: it has committed."""
+        if session_id in self._settled:
+            self._settled.move_to_end(session_id)
+        elif settled:
+            self._fresh.pop(session_id, None)
+            self._settled[session_id] = None
+        else:
+            self._fresh[session_id] = None
+            self._fresh.move_to_end(session_id)
+
+    def oldest(self) -> str | None:
+        for order in (self._fresh, self._settled):
+            if order:
+                return next(iter(order))
+        return None
+
+    def forget(self, session_id: str) -> None:
+        self._fresh.pop(session_id, None)
+        self._settled.pop(session_id, None)
+
+
+def share(budget: int, sessions: int, least: int, most: int) -> int:
+    """One session's share of a fleet's ``budget``: never below ``least``, never
+    above ``most`` (what one session keeps alone)."""
+    return max(least, min(most, budget // max(1, sessions)))
+
+
+class Fleet:
+    """Many sessions' folds, each changed in place (``fold_message``: the cost of
+    an event does not grow with the number of sessions), within fixed bounds: at
+    most ``max_sessions`` (a new one beyond lets go the one ``Recency`` names,
+    counted in ``evicted``), and budgets of eventIds, missed seqs and captures in
+    flight shared by them (a session that went quiet while the fleet was smaller
+    is trimmed in turn, one an event). What ``coordinator watch`` folds."""
+
+    def __init__(self, *, max_sessions: int = MAX_SESSIONS, notices: Notices | None = None) -> None:
+        self.sessions: dict[str, SessionState] = {}
+        self.max_sessions = max_sessions
+        self.skipped = 0  # messages that were no events (rule 1)
+        self.invalid = 0  # ... of them naming a session followed
+        self.contradicting = 0  # events not folded (rule 3)
+        self.evicted = 0  # sessions let go (max_sessions)
+        self.notices = notices
+        self._recency = Recency()
+        self._trim_next: collections.deque[str] = collections.deque()
+        self._caps_at: tuple[int, tuple[int, int, int]] = (-1, (0, 0, 0))
+
+    def receive(self, data: bytes | str) -> SessionState | None:
+        """Fold one message as it came off the wire (rules 1-6): the state of the
+        session it changed; ``None`` if it changed none (no event naming a session
+        followed, or a re-publication)."""
+        read = read_message(data)
+        if read is None:
+            self.skipped += 1
+            named = named_session(data)
+            state = self.sessions.get(named) if named is not None else None
+            if named is None or state is None:
+                self._notice("not an event", None)
+                return None
+            self.invalid += 1
+            self.sessions[named] = state = fold_invalid(state)
+            self._notice("not an event", named)
+            return state
+        return self.fold(read)
+
+    def fold(self, message: Message) -> SessionState | None:
+        """``receive`` for a message ``read_message`` read."""
+        session_id = message[0]
+        before = self.sessions.get(session_id)
+        if before is None:
+            self._admit(session_id)
+        ids, missing, in_flight = self._caps(len(self.sessions) + (before is None))
+        after = fold_message(before, message, keep_ids=ids, keep_missing=missing,
+                             keep_in_flight=in_flight)  # fmt: skip
+        self.sessions[session_id] = after
+        self._recency.touch(session_id, after.high_water is not None)
+        self._trim_one()
+        if before is not None and after.duplicates > before.duplicates:
+            return None
+        if after.contradicting > (before.contradicting if before is not None else 0):
+            self.contradicting += 1
+            self._notice("contradicting", session_id, after.last_contradiction)
+        return after
+
+    def _admit(self, session_id: str) -> None:
+        while len(self.sessions) >= self.max_sessions:
+            oldest = self._recency.oldest()
+            if oldest is None:
+                break
+            self._recency.forget(oldest)
+            del self.sessions[oldest]
+            self.evicted += 1
+        self._trim_next.append(session_id)
+
+    def _trim_one(self) -> None:
+        while self._trim_next:
+            session_id = self._trim_next.popleft()
+            state = self.sessions.get(session_id)
+            if state is None:  # let go meanwhile: its turn ends with it
+                continue
+            self._trim_next.append(session_id)
+            self.sessions[session_id] = trimmed(state, *self._caps(len(self.sessions)))
+            return
+
+    def _caps(self, count: int) -> tuple[int, int, int]:
+        """One session's share of the eventIds, missed seqs and captures in flight
+        at a fleet of ``count`` (made again only when it changes)."""
+        if self._caps_at[0] != count:
+            self._caps_at = (count, (
+                share(ID_BUDGET, count, MIN_IDS, FOLDED_IDS),
+                share(MISSING_BUDGET, count, MIN_MISSING, MAX_MISSING),
+                share(IN_FLIGHT_BUDGET, count, MIN_IN_FLIGHT, MAX_IN_FLIGHT),
+            ))  # fmt: skip
+        return self._caps_at[1]
+
+    def _notice(self, what: str, session_id: str | None, why: str | None = None) -> None:
+        if self.notices is not None:
+            named = f"session {session_id}" if session_id else None
+            self.notices.note(what, f"{named}: {why}" if named and why else named or why)
+
+
+class Notices:
+    """What a reader did not adopt, logged at most once every ``every_s`` seconds:
+    the counts since the last line and the latest example, never a line an event
+    (a flood of them would make the log the attack)."""
+
+    def __init__(
+        self, logger: logging.Logger = _log, *, every_s: float = 10.0, clock: Any = time.monotonic
+    ) -> None:
+        self.logger, self.every_s, self.clock = logger, every_s, clock
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.example: str | None = None
+        self.logged = 0  # lines written
+        self._next = 0.0
+
+    def note(self, what: str, example: str | None = None, *, count: int = 1) -> None:
+        self.counts[what] += count
+        if example is not None:
+            self.example = example[:300]
+        if self.clock() >= self._next:
+            self.flush()
+
+    def tick(self) -> None:
+        """Log what was noted, if a line is due: call it now and then, so the last
+        of a burst is told too."""
+        if self.counts and self.clock() >= self._next:
+            self.flush()
+
+    def flush(self) -> None:
+        """Log what was noted since the last line, if anything."""
+        self._next = self.clock() + self.every_s
+        if not self.counts:
+            return
+        said = ", ".join(f"{count} {what}" for what, count in sorted(self.counts.items()))
+        latest = f"; the latest: {self.example}" if self.example else ""
+        self.logger.warning("not adopted (anyone may publish on the event subjects): %s%s",
+                            said, latest)  # fmt: skip
+        self.logged += 1
+        self.counts.clear()
+        self.example = None
+
+
+ROWS_SHOWN = 200  # a terminal holds no more: the rest are counted under the table
 
 
 def render(
-    state: SaveState, beats: Mapping[str, Presence] | None = None, now: float | None = None
+    state: SaveState | Fleet,
+    beats: Mapping[str, Presence] | None = None,
+    now: float | None = None,
+    *,
+    limit: int = ROWS_SHOWN,
+    dropped: int = 0,
 ) -> Table:
     """The live terminal view: one row per session (rich loads only when asked
-    for). ``beats``: the hosts' presence (docs/events.md), shown as a ``host``
-    column judged at ``now`` (seconds since 1970; default: the clock)."""
+    for), at most ``limit`` of them: those with something not adopted first,
+    then by id. ``beats``: the hosts' presence (docs/events.md), shown as a
+    ``host`` column judged at ``now`` (seconds since 1970; default: the clock).
+    ``dropped``: live messages the reader lost (shown under the table)."""
     from rich.table import Table
 
     table = Table(title="save state", title_justify="left")
     columns = ("session", *(("host",) if beats is not None else ()), "high water", "step",
                "in flight", "queue", "committed", "last commit", "size", "superseded",
-               "failed", "last failure", "last restore", "replicated")  # fmt: skip
+               "failed", "last failure", "last restore", "replicated", "not adopted")  # fmt: skip
     for column in columns:
         table.add_column(column, overflow="fold")
     now = time.time() if now is None else now
-    for session in sorted(state.sessions.values(), key=lambda s: s.session_id):
+    ranked = sorted(state.sessions.values(),
+                    key=lambda s: (not (s.contradicting or s.invalid), s.session_id))  # fmt: skip
+    for session in ranked[: max(0, limit)]:
         latency = session.last_committed_ms
         size = session.last_committed_bytes
         host: tuple[str, ...] = ()
@@ -423,5 +765,36 @@ def render(
             session.last_failure or "",
             session.last_restore or "",
             session.replicated_high_water or "-",
+            _not_adopted(session),
         )
+    table.caption = _caption(state, len(ranked) - len(ranked[: max(0, limit)]), dropped)
+    table.caption_justify = "left"
     return table
+
+
+def _not_adopted(session: SessionState) -> str:
+    """A session's mark: what was published on its subjects and not folded."""
+    marks = []
+    if session.contradicting:
+        marks.append(f"{session.contradicting} contradicting")
+    if session.invalid:
+        marks.append(f"{session.invalid} no event")
+    if session.rebased:
+        marks.append(f"re-based {session.rebased}x")
+    return ", ".join(marks)
+
+
+def _caption(state: SaveState | Fleet, hidden: int, dropped: int) -> str | None:
+    said = []
+    if hidden:
+        said.append(f"{hidden} more sessions not shown (--session names one)")
+    if state.skipped:
+        said.append(f"{state.skipped} messages were no events")
+    if isinstance(state, Fleet):
+        if state.contradicting:
+            said.append(f"{state.contradicting} events contradicted their session")
+        if state.evicted:
+            said.append(f"{state.evicted} sessions let go (at most {state.max_sessions} kept)")
+    if dropped:
+        said.append(f"{dropped} live messages lost (a slow reader)")
+    return "; ".join(said) or None

@@ -235,19 +235,20 @@ async def test_an_event_published_first_under_the_hosts_id_is_told_foreign(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:
     """Event ids are predictable (session, epoch, checkpoint, kind): a forger
-    publishes a `committed` for e1-2 under its id before the host does, telling
+    publishes a `committed` for e1-3 under its id before the host does, telling
     another generation. The stream keeps the forger's and drops the host's as a
     duplicate: the host's bus reads the stored one back, sees it is not its own,
-    counts and logs it, and its KV entry is never the forged one."""
+    counts and logs it, and its KV entry is the host's own e1-3, never the forged
+    one (nor left at e1-2)."""
     async with NatsBus(server.url):
         pass  # the stream and the buckets exist
     client = await nats.connect(server.url)
     try:
-        body = json.loads(forged_committed("s1", 7, "e1-2"))
-        body.update(epoch="e1", eventId="s1:e1:e1-2:committed", boundary="2")
+        body = json.loads(forged_committed("s1", 7, "e1-3"))
+        body.update(epoch="e1", eventId="s1:e1:e1-3:committed", boundary="3")
         await client.jetstream().publish(
             "ckpt.s1.committed", json.dumps(body).encode(),
-            headers={"Nats-Msg-Id": "s1:e1:e1-2:committed"},
+            headers={"Nats-Msg-Id": "s1:e1:e1-3:committed"},
         )  # fmt: skip
     finally:
         await client.close()
@@ -255,8 +256,10 @@ async def test_an_event_published_first_under_the_hosts_id_is_told_foreign(
     assert counts.get("foreign", 0) == 1, counts
     async with NatsBus(server.url, read_only=True) as reader:
         latest = await reader.latest_committed("s1")
-    assert latest is not None and latest.checkpoint_id == "e1-3"
-    assert latest.envelope_digest != "0" * 64
+    with SyncStore(tmp_path / "store", read_only=True) as store:
+        ours = store.lookup("e1-3")
+    assert latest is not None and ours is not None and latest.checkpoint_id == "e1-3"
+    assert latest.envelope_digest == ours.envelope_digest
 
 
 @pytest.mark.asyncio
@@ -302,3 +305,31 @@ async def test_a_forged_replicated_event_does_not_stop_its_announcement(
         latest = await bus.latest_event("s1", "replicated")
     assert latest is not None and latest.event_id == original["eventId"]
     assert latest.object == original["object"]  # type: ignore[union-attr]
+
+
+@pytest.mark.asyncio
+async def test_another_sessions_committed_under_a_sessions_key_is_not_its_own(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Someone puts session s2's `committed` (seq 4,000,000) under s1's KV key:
+    s1's host neither numbers its events from it nor takes it for s1's latest
+    (it is counted as foreign), and replaces it with its own."""
+    async with NatsBus(server.url):
+        pass
+    body = json.loads(forged_committed("s2", 4_000_000, "s2-1"))
+    body.update(eventId="s2:forged:s2-1:committed")
+    client = await nats.connect(server.url)
+    try:
+        kv = await client.jetstream().key_value("CKPT_COMMITTED")
+        await kv.put("s1", json.dumps(body).encode())
+    finally:
+        await client.close()
+    async with NatsBus(server.url, read_only=True) as reader:
+        assert await reader.latest_committed("s1") is None
+        assert reader.statistics().foreign == 1
+    await run_host(server.url, tmp_path / "store", range(1, 3), "e1")
+    seqs = await our_seqs(server.url)
+    assert seqs == list(range(1, len(seqs) + 1)), seqs
+    async with NatsBus(server.url, read_only=True) as reader:
+        latest = await reader.latest_committed("s1")
+    assert latest is not None and (latest.session_id, latest.checkpoint_id) == ("s1", "e1-2")

@@ -96,6 +96,7 @@ from ..presence import (
     decode_presence,
     encode_presence,
 )
+from ._config import check_stream_config, checked_stream_config
 from ._statistics import BusStatistics
 from .memory import Subscription
 
@@ -124,6 +125,14 @@ TRANSIENT = (
 PRESENCE_KEPT_S = 7 * 24 * 3600.0
 # How many recent event ids a live subscription remembers, to drop re-publications.
 _RECENT_IDS = 4096
+# Readers' bounds on what anyone may put there: a KV entry larger than these is no
+# entry of ours (a committed event is ~1 KiB, a beat ~0.3 KiB): counted, skipped.
+MAX_COMMITTED_BYTES = 64 << 10
+MAX_PRESENCE_BYTES = 4 << 10
+# A history batch holds about this many bytes (fewer events when they are large).
+_HISTORY_BATCH_BYTES = 8 << 20
+# A live subscription's messages held by nats-py before it drops them (counted).
+_SUBSCRIPTION_BYTES = 32 << 20
 
 _log = logging.getLogger("coordinator.bus")
 
@@ -293,6 +302,7 @@ class NatsBus:
                 name=self.stream, subjects=[wanted], num_replicas=self.replicas
             )
             return
+        check_stream_config(self.stream, info.config)
         if wanted not in (info.config.subjects or []):
             raise BusConfigError(
                 f"stream {self.stream} exists with subjects {info.config.subjects}, not "
@@ -309,6 +319,7 @@ class NatsBus:
             self._kv = await self._js.create_key_value(
                 bucket=self.bucket, history=1, replicas=self.replicas
             )
+        await checked_stream_config(self._js, f"KV_{self.bucket}")
 
     async def _ensure_presence_bucket(self) -> None:
         """The hosts' presence bucket. A writer that may not create it still
@@ -326,6 +337,8 @@ class NatsBus:
                 )  # fmt: skip
             except APIError as error:
                 _log.warning("no presence bucket %s: %s", self.presence_bucket, error.description)
+                return
+        await checked_stream_config(self._js, f"KV_{self.presence_bucket}")
 
     # --- presence ------------------------------------------------------------------
 
@@ -397,6 +410,9 @@ class NatsBus:
         try:
             async for entry in watcher:
                 if entry is None or entry.value is None or entry.operation is not None:
+                    continue
+                if len(entry.value) > MAX_PRESENCE_BYTES:  # no beat of ours: never decoded
+                    self._counts["oversized"] += 1
                     continue
                 try:
                     beat = decode_presence(entry.value)
@@ -607,7 +623,9 @@ class NatsBus:
             raise _SeqExhaustedError(f"session {session_id} reached seq {MAX_SEQ}")
         if highest > lane.reserved:
             with anyio.fail_after(self.publish_timeout):
-                await self._advance_kv(_seq_key(session_id), highest, str(highest).encode())
+                await self._advance_kv(
+                    _seq_key(session_id), highest, str(highest).encode(), session_id
+                )
             lane.reserved = highest
 
     async def _publish(self, lane: _Lane) -> Committed | None:
@@ -647,14 +665,17 @@ class NatsBus:
                 what = f"(seq {event.seq}) dropped after {self.max_attempts} timeouts, connected"
                 self._lost(event, what, error)
         for event, seq in taken:
-            await self._check_stored(event, seq)
+            foreign = await self._check_stored(event, seq)
+            if foreign and isinstance(event, Committed):  # the KV says ours, not theirs
+                newest = event if newest is None or event.seq > newest.seq else newest
         return newest
 
-    async def _check_stored(self, event: Event, seq: int) -> None:
+    async def _check_stored(self, event: Event, seq: int) -> bool:
         """A first publish the stream took for a duplicate: a re-announcement of an
         event stored before (the same), or someone who published under this
         event's id first (anyone may publish on the event subjects): then the
-        stored one is not this host's, and it is counted and logged."""
+        stored one is not this host's, and it is counted and logged. Whether it
+        was someone else's (``False`` when it cannot tell now)."""
         assert self._js is not None
         try:
             with anyio.fail_after(self.publish_timeout):
@@ -663,11 +684,13 @@ class NatsBus:
         except msgspec.MsgspecError:
             self._counts["foreign"] += 1
             _log.warning("event %s: the stream holds no event under its id", event.event_id)
-            return
+            return True
         except Exception:  # (cannot tell now: nothing is decided by it)
-            return
-        if _told(stored) != _told(event):
-            self.note_foreign(stored, "stored under this host's event id, telling another")
+            return False
+        if _told(stored) == _told(event):
+            return False
+        self.note_foreign(stored, "stored under this host's event id, telling another")
+        return True
 
     async def _send(self, events: list[Event]) -> list[Any]:
         """Publish ``events`` in order, their acks awaited together (one at a time
@@ -720,19 +743,21 @@ class NatsBus:
     async def _put_latest(self, committed: Committed) -> None:
         with anyio.fail_after(self.publish_timeout):
             key = subject_token(committed.session_id)
-            await self._advance_kv(key, committed.seq, encode_event(committed))
+            await self._advance_kv(
+                key, committed.seq, encode_event(committed), committed.session_id
+            )
 
-    async def _advance_kv(self, key: str, seq: int, value: bytes) -> None:
-        """Put ``value`` (carrying ``seq``) under ``key``, unless the KV holds one with
-        a ``seq`` as high: conditional on the revision read, so nobody's put between
-        the read and ours is overwritten by an older one."""
+    async def _advance_kv(self, key: str, seq: int, value: bytes, session_id: str) -> None:
+        """Put ``value`` (carrying ``seq``) under ``key``, unless the KV holds one of
+        ``session_id`` with a ``seq`` as high: conditional on the revision read, so
+        nobody's put between the read and ours is overwritten by an older one."""
         assert self._kv is not None
         while True:
             try:
                 entry = await self._kv.get(key)
             except KeyNotFoundError:
                 entry = None
-            held = _seq_of(entry.value) if entry is not None else -1
+            held = _seq_of(entry.value, session_id) if entry is not None else -1
             if entry is not None and not 0 <= held <= MAX_SEQ:  # no seq of ours: replaced
                 self._counts["seq_refused"] += 1
                 _log.warning("KV entry %s holds no seq in 0..2^53-1: replaced", key)
@@ -846,8 +871,9 @@ class NatsBus:
             # SUB), so only the second PING is sure to follow the SUB.
             assert self._nc is not None
             self._subscriptions[subscription] = await self._nc.subscribe(
-                subjects, cb=deliver, pending_msgs_limit=buffer * 4
-            )
+                subjects, cb=deliver, pending_msgs_limit=buffer * 4,
+                pending_bytes_limit=_SUBSCRIPTION_BYTES,
+            )  # fmt: skip
             if self._nc.is_connected:
                 with contextlib.suppress(*TRANSIENT):
                     for _ in range(2):
@@ -868,19 +894,28 @@ class NatsBus:
 
     async def latest_committed(self, session_id: str) -> Committed | None:
         """The last ``committed`` event of a session, from the KV bucket (key: the
-        session's subject token). ``None`` if there is none, or it is not one."""
+        session's subject token). ``None`` if there is none, or it is not one (one
+        larger than ``MAX_COMMITTED_BYTES`` is not: counted as ``oversized``)."""
         if self._kv is None:  # (read-only, and no bucket yet)
             return None
         try:
             entry = await self._kv.get(subject_token(check_id(session_id)))
         except KeyNotFoundError:
             return None
+        if len(entry.value or b"") > MAX_COMMITTED_BYTES:
+            self._counts["oversized"] += 1
+            return None
         try:
             event = decode_event(entry.value or b"")
         except msgspec.MsgspecError:
             self._counts["invalid"] += 1
             return None
-        return event if isinstance(event, Committed) else None
+        if not isinstance(event, Committed):
+            return None
+        if event.session_id != session_id:  # put under this key by someone: not its own
+            self.note_foreign(event, f"the KV entry of session {session_id}")
+            return None
+        return event
 
     async def latest_restored(self, session_id: str) -> Restored | None:
         """The last ``restored`` event of a session (see ``latest_event``)."""
@@ -944,7 +979,7 @@ class NatsBus:
             try:
                 with contextlib.suppress(KeyNotFoundError), anyio.fail_after(self.publish_timeout):
                     value = (await kv.get(key)).value
-                    seq = _seq_of(value)
+                    seq = _seq_of(value, session_id)
                     if 0 <= seq <= MAX_SEQ:
                         found.append(seq)
                     else:
@@ -1023,16 +1058,20 @@ class NatsBus:
             raise BusUnavailableError(
                 f"cannot read stream {self.stream} now ({type(error).__name__}); try again"
             ) from None
+        # A batch of ``size`` messages of the largest size seen lately (at first the
+        # server's largest): anyone may publish 1 MiB messages on the subjects.
+        largest = max(1024, self.client.max_payload)
         try:
             try:
                 pending = (await consumer.consumer_info()).num_pending or 0
                 while pending:
-                    wanted = min(pending, size)
+                    wanted = min(pending, size, max(1, _HISTORY_BATCH_BYTES // largest))
                     messages = await consumer.fetch(wanted, timeout=self.publish_timeout)
                     batch: list[bytes] = []
                     for message in messages:
                         batch.append(message.data)
                         pending = message.metadata.num_pending
+                    largest = max(1024, largest // 2, *(len(data) for data in batch))
                     yield batch
             except TRANSIENT as error:
                 raise BusUnavailableError(
@@ -1315,16 +1354,17 @@ class _SeqExhaustedError(Exception):
     """A session's next seq would be beyond ``MAX_SEQ``."""
 
 
-def _seq_of(data: bytes | None) -> int:
-    """The ``seq`` of an encoded event, or of a reservation (a decimal number);
-    -1 if it is neither."""
+def _seq_of(data: bytes | None, session_id: str | None = None) -> int:
+    """The ``seq`` of an encoded event (of ``session_id``, when given), or of a
+    reservation (a decimal number); -1 if it is neither."""
     text = data or b""
     if text.isdigit() and len(text) <= 20:
         return int(text)
     try:
-        return decode_event(text).seq
+        event = decode_event(text)
     except msgspec.MsgspecError:
         return -1
+    return event.seq if session_id in (None, event.session_id) else -1
 
 
 def _seq_key(session_id: str) -> str:

@@ -5,8 +5,12 @@ An event changes one session: its fold (``monitor.fold_event``), its history
 row, and its cached overview row, nothing else. An overview is then built from
 the cached rows, with the time-based parts (host state, ages, lag in seconds)
 worked out at the moment it is asked for, so a dead host turns ``gone`` with no
-new event. Memory is bounded by budgets shared by all sessions (see
-``ROW_BUDGET`` and ``ID_BUDGET``; docs/operations.md, "Watching a fleet").
+new event. Memory is bounded: at most ``MAX_SESSIONS`` sessions (a new one
+beyond lets go the least recently active, those that never committed first),
+and budgets shared by them (see ``ROW_BUDGET`` and ``ID_BUDGET``;
+docs/operations.md, "Fleet scale and memory"). What anyone published on the
+event subjects that is no event, or contradicts its session's sequence, is
+counted on the session and never adopted (docs/events.md, rules 1 and 3).
 """
 
 from __future__ import annotations
@@ -33,14 +37,28 @@ from ..events import (
     decode_event,
     event_name,
 )
-from ..ids import is_id
 from ..monitor import (
     FOLDED_IDS,
+    ID_BUDGET,
+    IN_FLIGHT_BUDGET,
+    MAX_EVENT_ID,
+    MAX_IN_FLIGHT,
     MAX_MISSING,
+    MAX_SESSIONS,
+    MIN_IDS,
+    MIN_IN_FLIGHT,
+    MIN_MISSING,
+    MISSING_BUDGET,
+    Notices,
+    Recency,
     SessionState,
     fold_event,
+    fold_invalid,
     fold_message,
+    named_session,
     read_message,
+    share,
+    trimmed,
 )
 from ..presence import GONE_AFTER_BEATS, LATE_AFTER_BEATS, Presence, epoch_seconds
 
@@ -48,6 +66,7 @@ __all__ = [
     "HEALTH_ORDER",
     "HISTORY",
     "ID_BUDGET",
+    "MAX_SESSIONS",
     "ROW_BUDGET",
     "STALE_AFTER_S",
     "Dashboard",
@@ -57,10 +76,8 @@ __all__ = [
 HISTORY = 100  # checkpoints kept per session at most; older ones only count
 ROW_BUDGET = 200_000  # history rows kept over all sessions (10k sessions: 20 each)
 MIN_HISTORY = 10
-ID_BUDGET = 400_000  # eventIds rule 2 remembers over all sessions (10k sessions: 40 each)
-MIN_IDS = 32
-MISSING_BUDGET = 400_000  # missed seqs rule 3 keeps by number, over all sessions
-MIN_MISSING = 64
+# (MAX_SESSIONS, and the budgets of eventIds, missed seqs and captures in flight, are
+# the monitor's: ``watch`` keeps the same.)
 FUTURE_S = 5.0  # a host time further ahead of ours is no measurement: taken as now
 MAX_TEXT = 500  # characters of a code or reason kept (the bus does not bound them)
 MAX_MS = 1e12  # a phase longer than this is no measurement (the schema's maximum)
@@ -231,16 +248,22 @@ def _age(now: float, then: float | None) -> float | None:
 class Dashboard:
     """Every session's save state, presence and recent history."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_sessions: int = MAX_SESSIONS, notices: Notices | None = None) -> None:
         self.sessions: dict[str, Session] = {}
+        self.max_sessions = max_sessions
         self.version = 0  # moves with every change: the pages are told when it does
         self.bus = "connecting"
         self.presence = "following"  # the hosts' beats: or why not
         self.events = 0
         self.skipped = 0  # messages that were no events (the fold's rule 1)
+        self.contradicting = 0  # events contradicting their session's sequence (rule 3)
+        self.evicted = 0  # sessions let go: more than max_sessions
         self.beats = 0
+        self.notices = notices if notices is not None else Notices()
         self._changed: anyio.Event | None = None
         self._trim_next: collections.deque[Session] = collections.deque()
+        self._recency = Recency()
+        self._caps_at: tuple[int, tuple[int, int, int, int]] = (-1, (0, 0, 0, 0))
 
     # --- changes -------------------------------------------------------------------
 
@@ -261,6 +284,13 @@ class Dashboard:
     def _session(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
+            while len(self.sessions) >= self.max_sessions:  # the least recently active goes
+                oldest = self._recency.oldest()
+                if oldest is None:
+                    break
+                self._recency.forget(oldest)
+                del self.sessions[oldest]
+                self.evicted += 1
             session = self.sessions[session_id] = Session(session_id)
             self._trim_next.append(session)
         return session
@@ -268,32 +298,49 @@ class Dashboard:
     def _trim_one(self) -> None:
         """Bring one session (in turn) down to the budgets of a fleet this size: a
         session that went quiet while the fleet was small is trimmed too, at O(1)
-        an event."""
-        if not self._trim_next:
+        an event. One let go meanwhile leaves the turn."""
+        while self._trim_next:
+            session = self._trim_next.popleft()
+            if self.sessions.get(session.state.session_id) is not session:
+                continue
+            self._trim_next.append(session)
+            rows, ids, missing, in_flight = self._caps()
+            while len(session.history) > rows:
+                session.history.popitem(last=False)
+            session.state = trimmed(session.state, ids, missing, in_flight)
             return
-        session = self._trim_next.popleft()
-        self._trim_next.append(session)
-        cap = self._history_cap()
-        while len(session.history) > cap:
-            session.history.popitem(last=False)
-        ids, missed = self._ids_cap(), self._missing_cap()
-        state = session.state
-        if len(state.folded) > ids:
-            state = msgspec.structs.replace(state, folded=state.folded[-ids:])
-        if len(state.missing) > missed:
-            kept = frozenset(sorted(state.missing)[-missed:])
-            lost = state.lost + len(state.missing) - len(kept)
-            state = msgspec.structs.replace(state, missing=kept, lost=lost)
-        session.state = state
+
+    def _caps(self) -> tuple[int, int, int, int]:
+        """One session's share of each budget, at this fleet's size: history rows,
+        eventIds, missed seqs, captures in flight (made again only when it changes)."""
+        count = len(self.sessions)
+        if self._caps_at[0] != count:
+            self._caps_at = (count, (
+                share(ROW_BUDGET, count, MIN_HISTORY, HISTORY),
+                share(ID_BUDGET, count, MIN_IDS, FOLDED_IDS),
+                share(MISSING_BUDGET, count, MIN_MISSING, MAX_MISSING),
+                share(IN_FLIGHT_BUDGET, count, MIN_IN_FLIGHT, MAX_IN_FLIGHT),
+            ))  # fmt: skip
+        return self._caps_at[1]
 
     def _history_cap(self) -> int:
-        return max(MIN_HISTORY, min(HISTORY, ROW_BUDGET // max(1, len(self.sessions))))
+        return self._caps()[0]
 
-    def _ids_cap(self) -> int:
-        return max(MIN_IDS, min(FOLDED_IDS, ID_BUDGET // max(1, len(self.sessions))))
-
-    def _missing_cap(self) -> int:
-        return max(MIN_MISSING, min(MAX_MISSING, MISSING_BUDGET // max(1, len(self.sessions))))
+    def _folded(self, session: Session, before: SessionState) -> bool:
+        """After the fold changed ``session``: whether it took the event in (not a
+        re-publication, rule 2, nor one contradicting its sequence, rule 3)."""
+        after = session.state
+        self._recency.touch(after.session_id, after.high_water is not None)
+        if after.duplicates > before.duplicates:
+            return False
+        if after.contradicting > before.contradicting:
+            self.contradicting += 1
+            self.notices.note("contradicting", f"session {after.session_id}: "
+                              f"{after.last_contradiction}")  # fmt: skip
+            session.forget()
+            self.touch()
+            return False
+        return True
 
     def apply_all(self, events: Iterable[Event | bytes]) -> None:
         for event in events:
@@ -311,19 +358,28 @@ class Dashboard:
         except msgspec.MsgspecError:
             pass
         else:
-            self.apply(event)
-            return
+            if len(event.event_id) <= MAX_EVENT_ID:  # (else rule 1 says: no event)
+                self.apply(event)
+                return
         read = read_message(data)
-        if read is None or not is_id(read[0]):
-            self.skipped += 1  # rule 1: not an event (nor a session a page could name)
+        if read is None:
+            self.skipped += 1  # rule 1: not an event; counted on a session it names
+            named = self.sessions.get(named_session(data) or "")
+            self.notices.note(
+                "not an event", None if named is None else f"session {named.state.session_id}"
+            )
+            if named is not None:
+                named.state = fold_invalid(named.state)
+                named.forget()
+                self.touch()
             return
         session = self._session(read[0])
         self._trim_one()
         before = session.state
-        session.state = fold_message(
-            before, read, keep_ids=self._ids_cap(), keep_missing=self._missing_cap()
-        )
-        if session.state.duplicates > before.duplicates:
+        _, ids, missing, in_flight = self._caps()
+        session.state = fold_message(before, read, keep_ids=ids, keep_missing=missing,
+                                     keep_in_flight=in_flight)  # fmt: skip
+        if not self._folded(session, before):
             return
         session.kinds["other"] += 1
         session.forget()
@@ -334,12 +390,13 @@ class Dashboard:
         session = self._session(event.session_id)
         self._trim_one()
         before = session.state
-        session.state = after = fold_event(
-            before, event, keep_ids=self._ids_cap(), keep_missing=self._missing_cap()
-        )
-        if after.duplicates > before.duplicates:
-            return  # the fold's rule 2: a re-publication changes nothing, here either
-        late = 0 < event.seq < before.last_seq
+        _, ids, missing, in_flight = self._caps()
+        session.state = fold_event(before, event, keep_ids=ids, keep_missing=missing,
+                                   keep_in_flight=in_flight)  # fmt: skip
+        if not self._folded(session, before):
+            return  # a re-publication, or no event of its sequence: no row either
+        rebased = session.state.rebased > before.rebased  # (a new sequence: nothing is late)
+        late = 0 < event.seq < before.last_seq and not rebased
         kind = event_name(event)
         session.kinds[kind] += 1
         session.forget()
@@ -425,6 +482,7 @@ class Dashboard:
         session.presence = presence
         session.presence_s = _host_time(presence.time)
         session.forget()
+        self._recency.touch(presence.session_id, session.state.high_water is not None)
         self.beats += 1
         self.touch()
 
@@ -435,7 +493,9 @@ class Dashboard:
                 fresh.apply_presence(old.presence)
         self.sessions = fresh.sessions
         self._trim_next = fresh._trim_next  # (the old sessions are let go)
-        self.events = fresh.events
+        self._recency = fresh._recency
+        self.events, self.skipped = fresh.events, fresh.skipped
+        self.contradicting, self.evicted = fresh.contradicting, fresh.evicted
         self.touch()
 
     # --- views ---------------------------------------------------------------------
@@ -486,6 +546,7 @@ class Dashboard:
             "lastCommitMs": folded.last_committed_ms,
             "lastCommitBytes": folded.last_committed_bytes,
             "replicated": folded.replicated_high_water,
+            "notAdopted": _not_adopted(folded),
             "host": presence.host if presence is not None else None,
             "heartbeatS": presence.interval_s if presence is not None else None,
         }  # fmt: skip
@@ -518,7 +579,8 @@ class Dashboard:
         page = ranked[max(0, offset) : max(0, offset) + limit]
         return {
             "bus": self.bus, "presence": self.presence, "events": self.events,
-            "beats": self.beats,
+            "beats": self.beats, "skipped": self.skipped, "contradicting": self.contradicting,
+            "evicted": self.evicted, "maxSessions": self.max_sessions,
             "version": self.version, "now": now, "total": len(self.sessions),
             "matched": len(ranked), "offset": offset, "limit": limit, "counts": counts,
             "sessions": [self.row(session, now) for _, _, session, _ in page],
@@ -556,6 +618,15 @@ def _host_time(rfc3339: str) -> float | None:
     if when is None:
         return None
     return min(when, time.time()) if when > time.time() + FUTURE_S else when
+
+
+def _not_adopted(state: SessionState) -> dict[str, Any] | None:
+    """A session's mark: what was published on its subjects and not folded (rules
+    1 and 3); ``None`` when nothing was."""
+    if not (state.contradicting or state.invalid or state.rebased):
+        return None
+    return {"contradicting": state.contradicting, "invalid": state.invalid,
+            "rebased": state.rebased, "last": state.last_contradiction}  # fmt: skip
 
 
 def _abandoned(session: Session, epoch: str, boundary: str) -> bool:

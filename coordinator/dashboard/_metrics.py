@@ -66,6 +66,9 @@ class Snapshot:
         self.unlisted = len(ranked) - len(self.listed)
         self.connected = 1.0 if dashboard.bus == "connected" else 0.0
         self.events = dashboard.events
+        self.skipped = dashboard.skipped
+        self.contradicting = dashboard.contradicting
+        self.evicted = dashboard.evicted
 
 
 class _SnapshotCollector(Collector):
@@ -87,6 +90,16 @@ class _SnapshotCollector(Collector):
                                 value=snapshot.connected)  # fmt: skip
         yield CounterMetricFamily("coordinator_events", "Events folded since the last rebuild",
                                   value=snapshot.events)  # fmt: skip
+        # What anyone published on the event subjects and the fold did not adopt.
+        yield CounterMetricFamily("coordinator_events_skipped",
+                                  "Messages on the event subjects that were no events",
+                                  value=snapshot.skipped)  # fmt: skip
+        yield CounterMetricFamily("coordinator_events_contradicting",
+                                  "Events not folded: they contradicted their session's sequence",
+                                  value=snapshot.contradicting)  # fmt: skip
+        yield CounterMetricFamily("coordinator_sessions_evicted",
+                                  "Sessions let go: more than the dashboard keeps",
+                                  value=snapshot.evicted)  # fmt: skip
 
 
 def _per_session(snapshot: Snapshot) -> Iterator[Metric]:
@@ -99,6 +112,9 @@ def _per_session(snapshot: Snapshot) -> Iterator[Metric]:
     state = GaugeMetricFamily("coordinator_session_state",
                               "The host's state: one series, 1, labelled with the state it is in",
                               labels=["session", "state"])  # fmt: skip
+    refused = CounterMetricFamily("coordinator_session_not_adopted",
+                                  "Messages naming the session that were not folded, by why",
+                                  labels=["session", "reason"])  # fmt: skip
     for health, row, codes in snapshot.listed:
         label = [row["sessionId"]]
         for family, value in families:
@@ -108,9 +124,13 @@ def _per_session(snapshot: Snapshot) -> Iterator[Metric]:
         for code, count in codes.items():
             failures.add_metric([*label, code], count)
         state.add_metric([*label, health], 1.0)  # (only the state it is in: fewer series)
+        for reason in ("invalid", "contradicting"):  # (only where there were any)
+            if row["notAdopted"] and row["notAdopted"][reason]:
+                refused.add_metric([*label, reason], row["notAdopted"][reason])
     yield from (family for family, _ in families)
     yield failures
     yield state
+    yield refused
 
 
 def render(snapshot: Snapshot) -> bytes:

@@ -33,6 +33,7 @@ PUSH_BUSY_FACTOR = 5  # ... and at least this many times what the last one took 
 REFRESH_S = 1.0  # a page gets an update this often with no event: time-based states move
 FREEZE_TICKS = 240  # every 60 s of live following (ticks of 0.25 s)
 LIVE_BUFFER = 16384  # live messages held while the history is folded
+LIVE_BUFFER_BYTES = 64 << 20  # ... and their bytes (anyone may publish 1 MiB messages)
 MAX_STREAMS = 64  # pages following at once; more are refused (503), never queued
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
 
@@ -58,7 +59,10 @@ async def follow(
                 subscription = await bus.subscribe(buffer=LIVE_BUFFER, raw=live.receive)
                 async with subscription, anyio.create_task_group() as group:
                     group.start_soon(_follow_presence, dashboard, bus)
-                    fresh = Dashboard()
+                    # (its notices are the dashboard's: a line now and then, across rebuilds)
+                    fresh = Dashboard(
+                        max_sessions=dashboard.max_sessions, notices=dashboard.notices
+                    )
                     async for batch in bus.history_messages():
                         fresh.apply_all(batch)
                         _keep_out_of_collections()
@@ -77,21 +81,25 @@ async def follow(
 
 
 class _Live:
-    """The live messages: held (at most ``LIVE_BUFFER``) while the history is
-    folded, then folded as they come, in order, yielding to the loop now and then."""
+    """The live messages: held (at most ``LIVE_BUFFER``, and ``LIVE_BUFFER_BYTES``)
+    while the history is folded, then folded as they come, in order, yielding to
+    the loop now and then."""
 
     def __init__(self, dashboard: Dashboard) -> None:
         self.dashboard = dashboard
         self.held: collections.deque[bytes] | None = collections.deque()
+        self.held_bytes = 0
         self.overflowed = False
         self.count = 0
 
     async def receive(self, data: bytes) -> None:
         if self.held is not None:
-            if len(self.held) >= LIVE_BUFFER:
+            full = self.held_bytes + len(data) > LIVE_BUFFER_BYTES
+            if full or len(self.held) >= LIVE_BUFFER:
                 self.overflowed = True  # the history, read again, has them all
             else:
                 self.held.append(data)
+                self.held_bytes += len(data)
             return
         self.dashboard.apply_message(data)
         self.count += 1
@@ -102,7 +110,9 @@ class _Live:
         """Fold what was held, then each message as it comes."""
         while self.held:  # (what the history already had counts once: rule 2)
             for _ in range(min(256, len(self.held))):
-                self.dashboard.apply_message(self.held.popleft())
+                data = self.held.popleft()
+                self.held_bytes -= len(data)
+                self.dashboard.apply_message(data)
             await anyio.sleep(0)
         self.held = None
 
@@ -130,6 +140,7 @@ async def _watch_connection(dashboard: Dashboard, bus: Any, live: _Live) -> None
     ticks = 0
     while True:
         await anyio.sleep(0.25)
+        dashboard.notices.tick()  # (the last of a burst of what was not adopted is told too)
         ticks += 1
         if ticks % FREEZE_TICKS == 0:
             _keep_out_of_collections()
