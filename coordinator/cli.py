@@ -505,6 +505,26 @@ def _bind(host: str, port: int, err: TextIO) -> Any:
         return None
 
 
+def _setup(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Make (or check) every stream and bucket a fleet uses, as an administrator,
+    so that no role needs to create one (docs/operations.md, "Threat model")."""
+    import anyio
+
+    from .account import prepare_account
+    from .bus import NatsBus
+
+    connection = resolve(args)
+    assert connection is not None
+
+    async def run() -> tuple[str, ...]:
+        async with NatsBus(connection.url, replicas=args.replicas, **connection.options()) as bus:
+            return (await prepare_account(bus)).streams
+
+    for stream in anyio.run(run):
+        print(f"ready: {stream}", file=out)
+    return EXIT_OK
+
+
 def _dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Serve the live save-state page until Ctrl-C."""
     import anyio
@@ -1111,6 +1131,47 @@ def _command(
     return parser
 
 
+def _add_demo(commands: Any) -> None:
+    demo = _command(
+        commands,
+        "demo",
+        help="run a simulation host on an embedded NATS server: save, watch, restore",
+        examples=[
+            "coordinator demo --steps 60 --store ./saves",
+            "coordinator demo --dashboard        # and its live page at http://127.0.0.1:8321/",
+        ],
+    )
+    demo.add_argument("--steps", type=_positive, default=60, help="simulation steps (60)")
+    demo.add_argument("--store", default=None, help="store directory (default: a new temp dir)")
+    add_options(demo, url_help="use this NATS server instead of an embedded one (or NATS_URL)")
+    demo.add_argument("--json", action="store_true", help="print only a JSON summary")
+    demo.add_argument(
+        "--keep", action="store_true", help="keep the temporary store (with --store: always kept)"
+    )
+    demo.add_argument("--dashboard", type=_listen, nargs="?", const=("127.0.0.1", 8321),
+                      default=None, metavar="HOST:PORT",
+                      help="serve the live dashboard beside the demo (127.0.0.1:8321)")  # fmt: skip
+    demo.add_argument("--allow-remote", action="store_true",
+                      help="the dashboard may listen on a non-loopback address")  # fmt: skip
+    demo.set_defaults(run=_demo)
+
+
+def _add_setup(commands: Any) -> None:
+    setup = _command(
+        commands,
+        "setup",
+        help="make every stream and bucket a fleet uses (or check them), as an administrator",
+        examples=["coordinator setup --nats nats://nats.example:4222 --creds admin.creds"],
+        note="Run it once before the first host in an account others share: the roles' "
+        "permission sets then need no right to create a stream (docs/operations.md). "
+        "What exists is checked, never changed.",
+    )
+    add_options(setup, url_help=_URL_HELP)
+    setup.add_argument("--replicas", type=_positive, default=1,
+                       help="replicas of each stream it makes (1; 3 on a cluster)")  # fmt: skip
+    setup.set_defaults(run=_setup)
+
+
 def _add_dashboard(commands: Any) -> None:
     dashboard = _command(
         commands,
@@ -1142,30 +1203,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"coordinator {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = _command(
-        commands,
-        "demo",
-        help="run a simulation host on an embedded NATS server: save, watch, restore",
-        examples=[
-            "coordinator demo --steps 60 --store ./saves",
-            "coordinator demo --dashboard        # and its live page at http://127.0.0.1:8321/",
-        ],
-    )
-    demo.add_argument("--steps", type=_positive, default=60, help="simulation steps (60)")
-    demo.add_argument("--store", default=None, help="store directory (default: a new temp dir)")
-    add_options(demo, url_help="use this NATS server instead of an embedded one (or NATS_URL)")
-    demo.add_argument("--json", action="store_true", help="print only a JSON summary")
-    demo.add_argument(
-        "--keep", action="store_true", help="keep the temporary store (with --store: always kept)"
-    )
-    demo.add_argument("--dashboard", type=_listen, nargs="?", const=("127.0.0.1", 8321),
-                      default=None, metavar="HOST:PORT",
-                      help="serve the live dashboard beside the demo (127.0.0.1:8321)")  # fmt: skip
-    demo.add_argument("--allow-remote", action="store_true",
-                      help="the dashboard may listen on a non-loopback address")  # fmt: skip
-    demo.set_defaults(run=_demo)
+    _add_demo(commands)
 
     _add_dashboard(commands)
+
+    setup = _command(
+        commands,
+        "setup",
+        help="make every stream and bucket a fleet uses (or check them), as an administrator",
+        examples=["coordinator setup --nats nats://nats.example:4222 --creds admin.creds"],
+        note="Run it once before the first host in an account others share: the roles' "
+        "permission sets then need no right to create a stream (docs/operations.md). "
+        "What exists is checked, never changed.",
+    )
+    add_options(setup, url_help=_URL_HELP)
+    setup.add_argument("--replicas", type=_positive, default=1,
+                       help="replicas of each stream it makes (1; 3 on a cluster)")  # fmt: skip
+    setup.set_defaults(run=_setup)
 
     inspect = _command(
         commands,

@@ -40,6 +40,7 @@ from coordinator.bus import _nats as bus_nats
 from coordinator.cli import WATCH_HELD, WATCH_HELD_BYTES, _Feed, main
 from coordinator.dashboard import Dashboard, follow, registry
 from coordinator.dashboard import _web as web
+from coordinator.events import EVENT_NAMES
 from coordinator.monitor import (
     FOLDED_IDS,
     MAX_JUMP,
@@ -350,8 +351,9 @@ def test_the_metrics_count_what_was_not_adopted() -> None:
 
 
 async def publish_all(url: str, messages: list[tuple[str, bytes]]) -> None:
-    """Published as anyone may: plain NATS, no ack awaited; returns once the stream
-    holds them all."""
+    """Published as anyone may: plain NATS, no ack awaited (a large one with its
+    ack: a busy server may drop a flood of 1 MiB publishes); returns once the
+    stream holds them all."""
     client = await nats.connect(url, pending_size=64 << 20)
     js = client.jetstream()
     with contextlib.suppress(Exception):  # (there already)
@@ -359,6 +361,9 @@ async def publish_all(url: str, messages: list[tuple[str, bytes]]) -> None:
     before = (await js.stream_info("CKPT")).state.messages
     unflushed = 0
     for subject, body in messages:
+        if len(body) > 64 << 10:
+            await js.publish(subject, body, timeout=30)
+            continue
         await client.publish(subject, body)
         unflushed += len(body) + 100
         if unflushed > 8 << 20:
@@ -378,7 +383,14 @@ async def watch(argv: list[str], out: io.StringIO, err: io.StringIO | None = Non
 
 
 def on(session: str, body: bytes) -> tuple[str, bytes]:
-    return f"ckpt.{session}.captured", body
+    """``body`` on ``session``'s subject of its own kind (what the bus publishes;
+    a message on another session's or kind's subject is no event of its: the bus
+    drops it, tests/test_forged_events.py), ``captured`` for one of no kind."""
+    try:
+        kind = json.loads(body).get("event")
+    except (ValueError, AttributeError):
+        kind = None
+    return f"ckpt.{session}.{kind if kind in EVENT_NAMES else 'captured'}", body
 
 
 @pytest.mark.asyncio

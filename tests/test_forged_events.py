@@ -333,3 +333,30 @@ async def test_another_sessions_committed_under_a_sessions_key_is_not_its_own(
     async with NatsBus(server.url, read_only=True) as reader:
         latest = await reader.latest_committed("s1")
     assert latest is not None and (latest.session_id, latest.checkpoint_id) == ("s1", "e1-2")
+
+
+@pytest.mark.asyncio
+async def test_an_event_on_another_sessions_subject_is_no_event_of_its_own(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A user who may publish on s2's subjects only puts a `committed` naming s1 (at
+    a seq that would move s1's high water) on `ckpt.s2.committed`: neither a
+    history read nor a live subscriber hands it on as s1's (nor as s2's), and it
+    is counted (`elsewhere`); s1's own events come through."""
+    await run_host(server.url, tmp_path / "store", range(1, 3), "e1")
+    forged = forged_committed("s1", 7, "e1-999")
+    async with NatsBus(server.url, read_only=True) as reader:
+        live: list[bytes] = []
+
+        async def take(data: bytes) -> None:
+            live.append(data)
+
+        await reader.subscribe(raw=take)
+        await publish_raw(server.url, "ckpt.s2.committed", forged)
+        await publish_raw(server.url, "ckpt.s1.captured", forged)  # (the wrong kind too)
+        await anyio.sleep(0.5)
+        history = [data async for batch in reader.history_messages() for data in batch]
+        counts = reader.counts()
+    assert forged not in history and forged not in live
+    assert counts.get("elsewhere", 0) == 4  # each of the two, live and in the history
+    assert len(history) == 6  # s1's own: captured, queued, committed, twice

@@ -6,6 +6,8 @@ to another role (issue 30)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import secrets
@@ -20,6 +22,7 @@ import pytest_asyncio
 from hostkit import Part
 
 from coordinator.bus import NatsBus
+from coordinator.cli import main
 from coordinator.events import Committed, Replicated
 from coordinator.host import HostDescription
 from coordinator.monitor import SaveState
@@ -33,6 +36,7 @@ DOCS = Path(__file__).parents[1] / "docs" / "operations.md"
 ROLES = ("host", "worker", "watcher")
 SNIPPETS = {"host": "host", "worker": "worker", "watcher": "reader"}  # (a watcher reads)
 PASSWORDS = {role: secrets.token_hex(8) for role in ROLES}
+ADMIN = secrets.token_hex(8)
 
 
 def snippet(name: str) -> str:
@@ -54,6 +58,7 @@ def users_config() -> str:
         ):
             users.append(f"    {{user: {name}, password: {json.dumps(PASSWORDS[role])}, "
                          f"permissions: {{\n{block}    }}}}")  # fmt: skip
+    users.append(f"    {{user: admin, password: {json.dumps(ADMIN)}}}")  # (sets up the account)
     return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"
 
 
@@ -65,9 +70,29 @@ def as_role(role: str, *, own_inbox: bool = False) -> dict[str, str]:
 
 
 @pytest_asyncio.fixture
-async def server(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
+async def bare(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
+    """The server with the roles' users, its account not set up yet."""
     async with EmbeddedServer(tmp_path / "nats", config=users_config()) as running:
         yield running
+
+
+async def setup(url: str, folder: Path) -> tuple[int, str, str]:
+    """`coordinator setup` as the administrator: (status, stdout, stderr)."""
+    secret = folder / "admin.password"
+    secret.write_text(ADMIN + "\n")
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["setup", "--nats", url, "--user", "admin", "--password-file", str(secret)]
+    code = await anyio.to_thread.run_sync(lambda: main(argv, out=out, err=err))
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest_asyncio.fixture
+async def server(bare: EmbeddedServer, tmp_path: Path) -> EmbeddedServer:
+    """The same, set up as the docs say: `coordinator setup` with the administrator."""
+    code, out, err = await setup(bare.url, tmp_path)
+    assert code == 0, err
+    assert out.count("ready: ") == 8
+    return bare
 
 
 class Agent:
@@ -98,13 +123,19 @@ async def refused(url: str, role: str, act: Any) -> str:
     async def note(error: Exception) -> None:
         errors.append(str(error))
 
+    async def do() -> None:
+        with contextlib.suppress(Exception):  # (a refused request times out: its error is said)
+            await act(client)
+            await client.flush()
+
     client = await nats.connect(url, error_cb=note, **as_role(role))
     try:
         with anyio.move_on_after(5):
-            await act(client)
-            await client.flush()
-            while not errors:
-                await anyio.sleep(0.05)
+            async with anyio.create_task_group() as group:
+                group.start_soon(do)
+                while not errors:
+                    await anyio.sleep(0.05)
+                group.cancel_scope.cancel()  # (the server said it: no need to wait more)
     finally:
         await client.close()
     return " ".join(errors)
@@ -201,47 +232,67 @@ async def test_each_role_is_refused_what_another_role_does(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("stream", ["CKPT", "KV_CKPT_LEASES", "KV_CKPT_WORKERS", "EVIL"])
+async def test_no_role_creates_a_stream(bare: EmbeddedServer, role: str, stream: str) -> None:
+    """Not even one of ours, missing: `coordinator setup` (an administrator) makes
+    them, so that nobody can make one first with a `republish`."""
+    said = await refused(bare.url, role, lambda c: c.jetstream().add_stream(
+        name=stream, subjects=[f"{stream.lower()}.>"]))  # fmt: skip
+    assert "permission" in said.lower(), said
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize(
     "made_first",
-    ["stream CKPT", "bucket CKPT_COMMITTED", "bucket CKPT_WORKERS", "objects CKPT_OBJECTS"],
-)
+    ["stream CKPT", "bucket CKPT_COMMITTED", "bucket CKPT_WORKERS", "objects CKPT_OBJECTS",
+     "subjects CKPT_LEASES"],
+)  # fmt: skip
 async def test_a_stream_someone_made_first_to_copy_what_hosts_write_is_refused(
-    server: EmbeddedServer, made_first: str
+    bare: EmbeddedServer, tmp_path: Path, made_first: str
 ) -> None:
-    """Whoever may create one of our streams or buckets could make it first with a
-    `republish` (the server then copies every message past every permission:
-    a bucket's puts onto a subject of theirs) or `sources`: a host, a worker or a
-    watcher opening it refuses it (`bus.config`), and uses none of it."""
+    """Whoever could create one of our streams or buckets (an administrator's
+    slip; any role where the account has no authorization) could make it first
+    with a `republish` (the server then copies every message past every
+    permission: a bucket's puts onto a subject of theirs) or with subjects beyond
+    its own (it would store a host's inbox): `coordinator setup`, a host, a
+    worker or a watcher opening it refuses it (`bus.config`), and uses none of it."""
     from nats.js import api
 
     from coordinator.errors import BusConfigError
     from coordinator.remote import ObjectBucket
 
-    maker = "worker" if made_first.endswith("WORKERS") else "host"  # (who may create it)
-    client = await nats.connect(server.url, **as_role(maker))
+    server = bare
+    client = await nats.connect(server.url, user="admin", password=ADMIN)
     js = client.jetstream()
     copy = api.RePublish(src=">", dest="spy.>")
+    kind, name = made_first.split()
     try:
-        kind, name = made_first.split()
         if kind == "stream":
             await js.add_stream(name=name, subjects=["ckpt.>"], republish=copy)
-        elif kind == "bucket":
-            await js.add_stream(name=f"KV_{name}", subjects=[f"$KV.{name}.>"],
+        elif kind in ("bucket", "subjects"):
+            extra = {"republish": copy} if kind == "bucket" else {}
+            subjects = [f"$KV.{name}.>"] + (["_INBOX_host.>"] if kind == "subjects" else [])
+            await js.add_stream(name=f"KV_{name}", subjects=subjects,
                                 max_age=15, allow_rollup_hdrs=True, allow_direct=True,
-                                max_msgs_per_subject=1,
-                                republish=copy)  # fmt: skip
+                                max_msgs_per_subject=1, **extra)  # fmt: skip
         else:
             await js.add_stream(name=f"OBJ_{name}", subjects=[f"$O.{name}.C.>", f"$O.{name}.M.>"],
                                 max_age=60, allow_rollup_hdrs=True, allow_direct=True,
                                 republish=copy)  # fmt: skip
     finally:
         await client.close()
-    with pytest.raises(BusConfigError, match="republish"):
+    code, _, err = await setup(server.url, tmp_path)
+    assert code == 1 and "bus.config" in err, err
+    if made_first == "bucket CKPT_WORKERS":  # (its other bucket, as setup would make it)
+        async with NatsBus(server.url, user="admin", password=ADMIN) as admin:
+            await ObjectBucket.open(admin.client.jetstream(), "CKPT_OBJECTS", ttl=60, replicas=1)
+    with pytest.raises(BusConfigError, match="republish|also takes"):
         if made_first == "bucket CKPT_WORKERS":
             await serve_participant(server.url, Agent(), session_id="s1", **as_role("worker"))
         elif made_first == "objects CKPT_OBJECTS":
             async with NatsBus(server.url, **as_role("host")) as bus:
                 await ObjectBucket.open(bus.client.jetstream(), "CKPT_OBJECTS", ttl=60, replicas=1)
         else:
-            async with NatsBus(server.url, **as_role("host")):
-                pass
+            async with NatsBus(server.url, **as_role("host")) as bus:
+                await SessionLease(bus, "s1", ttl=5).__aenter__()

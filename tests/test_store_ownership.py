@@ -26,7 +26,7 @@ from fsmodel import RecordingFS, fail_nth
 from storekit import checkpoint, listed
 
 from coordinator.cli import main
-from coordinator.errors import CommitError, StoreLockedError, UsageError
+from coordinator.errors import CommitError, StoreDirectoryError, StoreLockedError, UsageError
 from coordinator.fs import FileSystem
 from coordinator.store import FileStore, SyncStore, export_payloads
 
@@ -423,3 +423,26 @@ def test_a_reader_holding_the_directory_of_a_store_without_lock_keeps_no_writer_
         assert said == "held"
         with SyncStore(store) as reopened:
             assert listed(reopened) == ["ckpt-1"]
+
+
+@pytest.mark.parametrize("how", ["others-write", "group-write", "another-users"])
+def test_a_store_in_a_directory_someone_else_may_write_is_refused(
+    shared: Path, umask: None, how: str
+) -> None:
+    """A directory made before the store (0777 under umask 000, or another user's:
+    squatted where anyone may make one) lets that user swap its manifest and
+    generations: the writer refuses it (`store.directory`); a read refuses one
+    anyone may write."""
+    store = a_store(shared / "store")
+    if how == "another-users":
+        os.chown(store, 65534, -1)  # nobody's
+    else:
+        store.chmod(0o777 if how == "others-write" else 0o770)
+    with pytest.raises(StoreDirectoryError, match="someone else may write"):
+        SyncStore(store)
+    if how == "others-write":
+        with pytest.raises(StoreDirectoryError):
+            SyncStore(store, read_only=True)
+    else:
+        with SyncStore(store, read_only=True) as reader:
+            assert listed(reader) == ["ckpt-1"]

@@ -6,8 +6,10 @@ into another bucket), ``sources`` and ``mirror`` fill it from other streams,
 and ``subject_transform`` renames what it stores. The server does all of that
 on its own, past every user's permissions: whoever made our stream or bucket
 first with one of them would read what hosts write there, or write where no
-role may (docs/operations.md, "Threat model"). So a stream or bucket of ours
-that has one is refused (``BusConfigError``), never used, and left as it is.
+role may (docs/operations.md, "Threat model"). A subject beyond a bucket's own
+would store what others send there (a host's inbox, say) for its maker to read.
+So a stream or bucket of ours that has any of these is refused
+(``BusConfigError``), never used, and left as it is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ __all__ = ["check_stream_config", "checked_stream_config"]
 _REDIRECTIONS = ("republish", "sources", "mirror", "subject_transform")
 
 
+def _bucket_subjects(stream: str) -> set[str] | None:
+    """The subjects a bucket's stream (``KV_<b>``, ``OBJ_<b>``) takes; ``None``
+    for another stream (the events': its own check)."""
+    if stream.startswith("KV_"):
+        return {f"$KV.{stream[3:]}.>"}
+    if stream.startswith("OBJ_"):
+        bucket = stream[4:]
+        return {f"$O.{bucket}.C.>", f"$O.{bucket}.M.>"}
+    return None
+
+
 async def checked_stream_config(js: Any, name: str) -> Any:
     """Stream ``name``'s configuration (``js``: nats-py's JetStream context), once
     ``check_stream_config`` found nothing wrong with it."""
@@ -31,8 +44,16 @@ async def checked_stream_config(js: Any, name: str) -> Any:
 
 def check_stream_config(name: str, config: Any) -> None:
     """``BusConfigError`` if stream ``name``'s ``config`` (nats-py's
-    ``StreamConfig``) moves messages past the server's permissions."""
+    ``StreamConfig``) moves messages past the server's permissions, or (a
+    bucket's stream) takes subjects beyond its bucket's."""
     found = [field for field in _REDIRECTIONS if getattr(config, field, None)]
+    own = _bucket_subjects(name)
+    extra = [s for s in (config.subjects or []) if s not in own] if own is not None else []
+    if extra:
+        raise BusConfigError(
+            f"stream {name} also takes {extra}: it would store what others send there; "
+            "it is left as it is. Make the bucket again before a host uses it"
+        )
     if found:
         raise BusConfigError(
             f"stream {name} has {', '.join(found)}: it would copy or move what hosts "

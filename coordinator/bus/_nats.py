@@ -303,7 +303,7 @@ class NatsBus:
             )
             return
         check_stream_config(self.stream, info.config)
-        if wanted not in (info.config.subjects or []):
+        if (info.config.subjects or []) != [wanted]:  # (more: it would keep others' too)
             raise BusConfigError(
                 f"stream {self.stream} exists with subjects {info.config.subjects}, not "
                 f"{wanted!r}; it is left as it is: pass another stream name or fix it"
@@ -820,20 +820,12 @@ class NatsBus:
         subscription = Subscription(self, None, send, receive)
         subjects = session_subjects(session_id, prefix=self.prefix)
 
-        recent: collections.deque[str] = collections.deque(maxlen=_RECENT_IDS)
-        recent_set: set[str] = set()
-
-        def seen_before(event_id: str) -> bool:
-            """A retry the stream de-duplicated (core NATS hands it on again)."""
-            if event_id in recent_set:
-                return True
-            if len(recent) == recent.maxlen:
-                recent_set.discard(recent[0])
-            recent.append(event_id)
-            recent_set.add(event_id)
-            return False
+        seen_before = _Recent(_RECENT_IDS).seen_before
 
         async def deliver(message: Any) -> None:
+            if not _on_its_subject(message):
+                self._counts["elsewhere"] += 1  # another session's subject: not its event
+                return
             if raw is not None:  # undecoded, but a retry is still handed on once
                 try:
                     event_id = _EVENT_ID.decode(message.data).event_id
@@ -1069,8 +1061,11 @@ class NatsBus:
                     messages = await consumer.fetch(wanted, timeout=self.publish_timeout)
                     batch: list[bytes] = []
                     for message in messages:
-                        batch.append(message.data)
                         pending = message.metadata.num_pending
+                        if _on_its_subject(message):
+                            batch.append(message.data)
+                        else:  # another session's subject: not its event
+                            self._counts["elsewhere"] += 1
                     largest = max(1024, largest // 2, *(len(data) for data in batch))
                     yield batch
             except TRANSIENT as error:
@@ -1375,9 +1370,50 @@ def _seq_key(session_id: str) -> str:
 
 class _EventId(msgspec.Struct, rename="camel"):
     event_id: str | None = None
+    event: Any = None
+    session_id: Any = None
 
 
 _EVENT_ID = msgspec.json.Decoder(_EventId)
+
+
+class _Recent:
+    """The latest event ids seen, to tell a retry the stream de-duplicated (core
+    NATS hands it on again)."""
+
+    def __init__(self, size: int) -> None:
+        self._order: collections.deque[str] = collections.deque(maxlen=size)
+        self._ids: set[str] = set()
+
+    def seen_before(self, event_id: str) -> bool:
+        if event_id in self._ids:
+            return True
+        if len(self._order) == self._order.maxlen:
+            self._ids.discard(self._order[0])
+        self._order.append(event_id)
+        self._ids.add(event_id)
+        return False
+
+
+def _elsewhere(subject: str, named: _EventId) -> bool:
+    """Whether a message names a session or a kind other than its subject's
+    (``<prefix>.<session token>.<event>``): published where that session's
+    events are not. Whoever may publish on one session's subjects could
+    otherwise speak for every session (a fold reads the session from the body)."""
+    if not (isinstance(named.session_id, str) and isinstance(named.event, str)):
+        return False  # no event at all: the fold's rule 1 counts it
+    _, _, rest = subject.partition(".")
+    token, _, kind = rest.rpartition(".")
+    return token != subject_token(named.session_id) or kind != named.event
+
+
+def _on_its_subject(message: Any) -> bool:
+    """``_elsewhere``'s opposite, for a message as nats-py gives it."""
+    try:
+        named = _EVENT_ID.decode(message.data)
+    except msgspec.MsgspecError:
+        return True  # (no event: the reader's rules say what it is)
+    return not _elsewhere(message.subject, named)
 
 
 class _Lane:

@@ -18,6 +18,7 @@ from ._participant import (
     DEFAULT_MAX_BYTES,
     DEFAULT_RPC_PREFIX,
     RemoteParticipant,
+    open_lease_bucket,
     serve_participant,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "RemoteParticipant",
     "StoredObject",
     "object_digest",
+    "open_lease_bucket",
     "remote_objects",
     "serve_participant",
 ]

@@ -96,6 +96,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "DEFAULT_RPC_PREFIX",
     "RemoteParticipant",
+    "open_lease_bucket",
     "serve_participant",
 ]
 
@@ -492,7 +493,7 @@ async def serve_participant(
     try:
         js = client.jetstream()
         bucket = await ObjectBucket.open(js, object_bucket, ttl=object_ttl, replicas=replicas)
-        leases, ttl = await _lease_bucket(js, lease_bucket, ttl=lease_ttl, replicas=replicas)
+        leases, ttl = await open_lease_bucket(js, lease_bucket, ttl=lease_ttl, replicas=replicas)
         ping = _subject(rpc_prefix, session_id, participant.name, "ping")
         key = lease_key(session_id, participant.name)
         signer = ReplySigner()  # this run's own: a restarted worker has a new one
@@ -530,10 +531,11 @@ async def serve_participant(
             await client.close()
 
 
-async def _lease_bucket(
+async def open_lease_bucket(
     js: JetStreamContext, name: str, *, ttl: float, replicas: int
 ) -> tuple[KeyValue, float]:
-    """The lease bucket (created with ``ttl``) and its TTL, which is the lease's."""
+    """The workers' lease bucket (created with ``ttl`` if it is missing, checked
+    otherwise) and its TTL, which is the lease's."""
     try:
         leases = await js.key_value(name)
     except BucketNotFoundError:

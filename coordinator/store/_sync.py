@@ -11,6 +11,7 @@ import collections
 import contextlib
 import mmap
 import os
+import stat
 import time
 from collections.abc import Sequence
 from typing import Literal, Self
@@ -182,6 +183,8 @@ class SyncStore:
         self._dir_lock: int | None = None
         if not read_only:
             self._make_durable(create)
+        self._check_owned(writer=not read_only)
+        if not read_only:
             self._dir_lock, lock_fd = self._lock_store()
         self._io = CommitSequence(self._fs, self.path, lock_fd, mode=self._mode)
         try:
@@ -209,6 +212,25 @@ class SyncStore:
             raise StoreDirectoryError(
                 f"{self.path}: cannot make it durable: {error.strerror or error}"
             ) from None
+
+    def _check_owned(self, *, writer: bool) -> None:
+        """Refuse a store directory that someone else may write in (they could swap
+        its manifest and generations for theirs: what a restore would then
+        install), and, to write in, one that is another user's. ``mode`` only
+        ever gives others the right to read."""
+        try:
+            found = os.stat(self.path)
+        except OSError:
+            return  # (a missing one is said where it is read)
+        mode = stat.S_IMODE(found.st_mode)
+        others_write = mode & (0o022 if writer else 0o002)
+        if others_write or (writer and found.st_uid != os.geteuid()):
+            whose = "another user's" if found.st_uid != os.geteuid() else f"mode {mode:04o}"
+            raise StoreDirectoryError(
+                f"{self.path}: {whose}: someone else may write in it (and swap its "
+                "checkpoints for theirs); use a directory only you may write "
+                "(chmod go-w, or a new one)"
+            )
 
     def _lock_store(self) -> tuple[int | None, int]:
         """The directory's flock, unless someone else holds it, and ``LOCK``'s
