@@ -1206,20 +1206,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_demo(commands)
 
     _add_dashboard(commands)
-
-    setup = _command(
-        commands,
-        "setup",
-        help="make every stream and bucket a fleet uses (or check them), as an administrator",
-        examples=["coordinator setup --nats nats://nats.example:4222 --creds admin.creds"],
-        note="Run it once before the first host in an account others share: the roles' "
-        "permission sets then need no right to create a stream (docs/operations.md). "
-        "What exists is checked, never changed.",
-    )
-    add_options(setup, url_help=_URL_HELP)
-    setup.add_argument("--replicas", type=_positive, default=1,
-                       help="replicas of each stream it makes (1; 3 on a cluster)")  # fmt: skip
-    setup.set_defaults(run=_setup)
+    _add_setup(commands)
 
     inspect = _command(
         commands,
