@@ -296,3 +296,50 @@ async def test_a_stream_someone_made_first_to_copy_what_hosts_write_is_refused(
         else:
             async with NatsBus(server.url, **as_role("host")) as bus:
                 await SessionLease(bus, "s1", ttl=5).__aenter__()
+
+
+@pytest.mark.asyncio
+async def test_a_role_on_an_account_not_set_up_is_told_to_run_setup(
+    bare: EmbeddedServer, tmp_path: Path
+) -> None:
+    """No role may create a stream, so on an account nobody set up each one's first
+    create is refused: a host, its lease, its replicator and a worker each end with
+    ``bus.refused`` naming `coordinator setup` (not a bare nats timeout, nor a
+    "try again"), the buckets' within the create request's timeout."""
+    from coordinator.errors import BusRefusedError
+
+    with pytest.raises(BusRefusedError, match="coordinator setup"):
+        async with NatsBus(bare.url, **as_role("host")):
+            pass
+    async with NatsBus(bare.url, user="admin", password=ADMIN):
+        pass  # the events' stream and bucket only: the rest is still missing
+    said: dict[str, BaseException] = {}
+
+    async def lease() -> None:
+        async with NatsBus(bare.url, **as_role("host")) as bus, SessionLease(bus, "s1", ttl=5):
+            pass
+
+    async def replicator() -> None:
+        async with (
+            NatsBus(bare.url, **as_role("host")) as bus,
+            FileStore(tmp_path / "store") as store,
+            Replicator(bus, store, grace=1, sweep_every=None),
+        ):
+            pass
+
+    async def worker() -> None:
+        await serve_participant(bare.url, Agent(), session_id="s1", **as_role("worker"))
+
+    async def attempt(name: str, act: Any) -> None:
+        try:
+            with anyio.fail_after(30):
+                await act()
+        except BaseException as error:  # (what each ended with is checked below)
+            said[name] = error
+
+    async with anyio.create_task_group() as group:
+        for name, act in (("lease", lease), ("replicator", replicator), ("worker", worker)):
+            group.start_soon(attempt, name, act)
+    for name in ("lease", "replicator", "worker"):
+        assert isinstance(said.get(name), BusRefusedError), (name, said.get(name))
+        assert "coordinator setup" in str(said[name]), said[name]

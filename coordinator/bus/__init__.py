@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..events import Event, Restored
 from ..presence import Presence
-from ._config import check_stream_config, checked_stream_config
+from ._config import check_stream_config, checked_stream_config, created
 from ._statistics import BusStatistics
 from .memory import MemoryBus, Subscription
 
@@ -31,6 +31,7 @@ __all__ = [
     "check_stream_config",
     "checked_stream_config",
     "connect",
+    "created",
     "server_address",
 ]
 

@@ -14,11 +14,16 @@ So a stream or bucket of ours that has any of these is refused
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
-from ..errors import BusConfigError
+import nats.errors
 
-__all__ = ["check_stream_config", "checked_stream_config"]
+from ..errors import BusConfigError, BusRefusedError
+
+__all__ = ["check_stream_config", "checked_stream_config", "created"]
+
+T = TypeVar("T")
 
 _REDIRECTIONS = ("republish", "sources", "mirror", "subject_transform")
 
@@ -32,6 +37,23 @@ def _bucket_subjects(stream: str) -> set[str] | None:
         bucket = stream[4:]
         return {f"$O.{bucket}.C.>", f"$O.{bucket}.M.>"}
     return None
+
+
+async def created(what: str, create: Awaitable[T]) -> T:
+    """``create`` (nats-py's call making the missing stream or bucket ``what``).
+    The server refuses a create this user may not make only on the side, so the
+    request waits for its timeout: that is ``BusRefusedError`` naming the cure
+    (the permission sets hold no ``STREAM.CREATE``; ``coordinator setup`` does it)."""
+    try:
+        return await create
+    except nats.errors.TimeoutError:
+        raise BusRefusedError(
+            f"{what} does not exist, and the request to create it got no answer: most "
+            "likely this user may not create streams ($JS.API.STREAM.CREATE.*), as no "
+            "role of docs/operations.md may. An administrator makes every stream and "
+            "bucket once: coordinator setup --nats URL (with the administrator's "
+            "credentials)"
+        ) from None
 
 
 async def checked_stream_config(js: Any, name: str) -> Any:

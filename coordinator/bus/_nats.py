@@ -489,6 +489,11 @@ class NatsBus:
         user = self._options.get("user")
         who = f"user {user!r}" if isinstance(user, str) else "this connection"
         hint = " (replies never reach it)" if subject.startswith("_INBOX.") else ""
+        if subject.startswith("$JS.API.STREAM.CREATE."):
+            hint = (
+                ": it does not exist, and no role of docs/operations.md may create it. "
+                "An administrator makes every stream and bucket once: coordinator setup"
+            )
         return BusRefusedError(
             f"permission denied: {who} may not {kind} to {json.dumps(subject)} on "
             f"{_redacted(self.servers)}{hint}"

@@ -49,7 +49,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundErr
 from nats.js.object_store import ObjectStore
 
 from ..artifacts import ArtifactLedger, BaseHandle, mark_verified, sha256_hex
-from ..bus import checked_stream_config
+from ..bus import checked_stream_config, created
 from ..errors import (
     ArtifactCorruptError,
     ArtifactReleasedError,
@@ -202,7 +202,10 @@ class ObjectBucket:
         try:
             store = await js.object_store(name)
         except (BucketNotFoundError, NotFoundError):
-            store = await js.create_object_store(bucket=name, ttl=ttl, replicas=replicas)
+            store = await created(
+                f"bucket {name}",
+                js.create_object_store(bucket=name, ttl=ttl, replicas=replicas),
+            )
         config = await checked_stream_config(js, store._stream)
         if not config.max_age:  # an operator's bucket: it must expire what a dead worker leaves
             raise BusConfigError(

@@ -82,7 +82,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from ..artifacts import ArtifactHandle, ArtifactLedger, owned_bytes
-from ..bus import NatsBus, checked_stream_config, connect
+from ..bus import NatsBus, checked_stream_config, connect, created
 from ..errors import BusConfigError, CoordinatorError, RemoteWorkerError, UsageError
 from ..events import subject_token
 from ..ids import U64_MAX, check_id, is_digest, is_id
@@ -540,7 +540,10 @@ async def open_lease_bucket(
         leases = await js.key_value(name)
     except BucketNotFoundError:
         try:
-            leases = await js.create_key_value(bucket=name, ttl=ttl, history=1, replicas=replicas)
+            leases = await created(
+                f"bucket {name}",
+                js.create_key_value(bucket=name, ttl=ttl, history=1, replicas=replicas),
+            )
         except BadRequestError:  # another worker created it first, maybe with another TTL
             leases = await js.key_value(name)
     max_age = (await checked_stream_config(js, f"KV_{name}")).max_age

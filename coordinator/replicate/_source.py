@@ -28,7 +28,7 @@ import anyio.to_thread
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from ..bus import NatsBus, checked_stream_config
+from ..bus import NatsBus, checked_stream_config, created
 from ..canonical import parse_canonical
 from ..envelope import (
     MAX_MANIFEST_BYTES,
@@ -93,7 +93,10 @@ class Replicas:
         except (BucketNotFoundError, NotFoundError):
             if not create:
                 raise ReplicaBucketMissingError(CONTENT_BUCKET) from None
-            store = await js.create_object_store(bucket=CONTENT_BUCKET, replicas=self.replicas)
+            store = await created(
+                f"bucket {CONTENT_BUCKET}",
+                js.create_object_store(bucket=CONTENT_BUCKET, replicas=self.replicas),
+            )
         config = await checked_stream_config(js, f"OBJ_{CONTENT_BUCKET}")
         if config.max_age:  # an operator's bucket: nothing in it may expire under a pointer
             raise BusConfigError(
@@ -107,8 +110,9 @@ class Replicas:
         except (BucketNotFoundError, NotFoundError):
             if not create:
                 raise ReplicaBucketMissingError(POINTERS_BUCKET) from None
-            kv = await js.create_key_value(
-                bucket=POINTERS_BUCKET, history=1, replicas=self.replicas
+            kv = await created(
+                f"bucket {POINTERS_BUCKET}",
+                js.create_key_value(bucket=POINTERS_BUCKET, history=1, replicas=self.replicas),
             )
         await checked_stream_config(js, f"KV_{POINTERS_BUCKET}")
         self._pointers = Pointers(self.client, kv, f"KV_{POINTERS_BUCKET}")
