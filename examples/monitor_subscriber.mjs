@@ -22,6 +22,9 @@ const KINDS = new Set([
 const FOLDED_IDS = 1024;
 const MAX_MISSING = 4096;
 const MAX_SEQ = Number.MAX_SAFE_INTEGER; // 2**53 - 1
+const MAX_EVENT_ID = 259; // four Ids and three ':' (rule 1)
+const MAX_JUMP = 4096; // rule 3: no gap the bus leaves is longer ...
+const RESYNC = 16; // ... unless this many strays in a row agree: the sequence moved
 
 // The fields the fold reads from each kind, and their form (rule 4: a body that
 // does not fit is folded like an unknown kind).
@@ -73,15 +76,58 @@ class Session {
     this.replicated = 0; // generations that reached the replicated tier
     this.replicatedHighWater = null;
     this.replicatedSeq = 0;
-    this.folded = []; // the latest FOLDED_IDS eventIds
+    this.folded = []; // the latest FOLDED_IDS eventIds (rule 2) ...
+    this.foldedSeqs = []; // ... and the seq each carried (rule 3)
+    this.invalid = 0; // messages naming this session that were no events (rule 1)
+    this.contradicting = 0; // events contradicting its own sequence (rule 3): not folded
+    this.lastContradiction = null;
+    this.rebased = 0; // times its sequence moved to a run of agreeing strays (rule 3)
+    this.straySeq = 0;
+    this.strayRun = 0;
   }
 
-  // Rules 2-6 of docs/events.md; returns a note for the line.
+  // Rule 3's first part: why seq contradicts this session's own sequence (it is
+  // then counted, not folded), or null. RESYNC agreeing strays in a row re-base
+  // the session, and the last of them is folded as a first event.
+  contradicts(seq) {
+    if (seq === 0) return null;
+    if (seq <= this.lastSeq && this.foldedSeqs.includes(seq)) {
+      return `seq ${seq} was folded already, under another eventId`;
+    }
+    const distance = seq - this.lastSeq;
+    if (this.lastSeq === 0 || Math.abs(distance) <= MAX_JUMP) {
+      this.straySeq = this.strayRun = 0; // its own sequence goes on
+      return null;
+    }
+    const agrees = this.strayRun > 0 && Math.abs(seq - this.straySeq) <= MAX_JUMP;
+    this.strayRun = agrees ? this.strayRun + 1 : 1;
+    this.straySeq = seq;
+    if (this.strayRun < RESYNC) {
+      const where = distance > 0 ? "past" : "before";
+      return `seq ${seq} is ${Math.abs(distance)} ${where} the session's seq ${this.lastSeq}`;
+    }
+    this.rebased += 1; // the sequence itself moved: begin again from this event
+    this.lost += this.missing.size;
+    this.missing = new Set();
+    this.lastSeq = this.highWaterSeq = this.replicatedSeq = 0;
+    this.straySeq = this.strayRun = 0;
+    this.foldedSeqs = this.foldedSeqs.map((folded) => (folded > seq ? 0 : folded));
+    return null;
+  }
+
+  // Rules 2 and 3 passed: remember the event's id and seq.
+  remember(event) {
+    this.folded.push(event.eventId);
+    this.foldedSeqs.push(event.seq);
+    if (this.folded.length > FOLDED_IDS) {
+      this.folded.shift();
+      this.foldedSeqs.shift();
+    }
+  }
+
+  // Rules 3-6 of docs/events.md; returns a note for the line.
   apply(event) {
     const { seq, event: kind, checkpointId: ckpt } = event;
-    if (this.folded.includes(event.eventId)) return null; // rule 2: a re-publication
-    this.folded.push(event.eventId);
-    if (this.folded.length > FOLDED_IDS) this.folded.shift();
     let note = "";
     const late = seq > 0 && seq < this.lastSeq; // rule 3
     if (late) {
@@ -170,6 +216,8 @@ class Session {
       superseded: this.superseded, failed: this.failures, restores: this.restores,
       lastSeq: this.lastSeq, gaps: this.gaps(), lost: this.lost,
       replicated: this.replicated, replicatedHighWater: this.replicatedHighWater,
+      invalid: this.invalid, contradicting: this.contradicting,
+      lastContradiction: this.lastContradiction, rebased: this.rebased,
     };
   }
 }
@@ -189,21 +237,36 @@ class Monitor {
     } catch {
       event = null;
     }
-    const fields = event && typeof event === "object" && typeof event.event === "string" &&
-      typeof event.sessionId === "string" && typeof event.eventId === "string" &&
+    const object = event !== null && typeof event === "object" && !Array.isArray(event);
+    const fields = object && typeof event.event === "string" &&
+      typeof event.sessionId === "string" && ID.test(event.sessionId) &&
+      typeof event.eventId === "string" && event.eventId.length <= MAX_EVENT_ID &&
       Number.isInteger(event.seq) && event.seq >= 0 && event.seq <= MAX_SEQ;
-    if (!fields) { // rule 1
+    if (!fields) { // rule 1: counted, and on a session followed, there too
       this.skipped += 1;
+      const named = object ? event.sessionId : null;
+      if (typeof named === "string" && this.sessions.has(named)) {
+        this.sessions.get(named).invalid += 1;
+      }
       console.log("skipped a message that is not an event");
       return;
     }
     if (!this.sessions.has(event.sessionId)) this.sessions.set(event.sessionId, new Session());
     const state = this.sessions.get(event.sessionId);
-    const note = state.apply(event);
-    if (note === null) {
+    if (state.folded.includes(event.eventId)) { // rule 2: a re-publication
       this.duplicates += 1;
       return;
     }
+    const why = state.contradicts(event.seq); // rule 3: not this session's own sequence
+    if (why !== null) {
+      state.contradicting += 1;
+      state.lastContradiction = why;
+      console.log(`${event.sessionId.padEnd(12)} ${String(event.seq).padStart(5)} ` +
+        `${event.event.padEnd(10)} CONTRADICTS its session: ${why}`);
+      return;
+    }
+    state.remember(event);
+    const note = state.apply(event);
     if (KINDS.has(event.event)) this.events += 1;
     console.log(
       `${event.sessionId.padEnd(12)} ${String(event.seq).padStart(5)} ${event.event.padEnd(10)} ` +
@@ -219,7 +282,9 @@ class Monitor {
       [...this.sessions.entries()].sort(([a], [b]) => (a < b ? -1 : 1))
         .map(([name, state]) => [name, state.summary()]),
     );
-    return JSON.stringify({ sessions, events: this.events, duplicates: this.duplicates });
+    return JSON.stringify({
+      sessions, events: this.events, duplicates: this.duplicates, skipped: this.skipped,
+    });
   }
 }
 

@@ -32,6 +32,8 @@ import nats.js.errors
 STREAM, BUCKET, PREFIX = "CKPT", "CKPT_COMMITTED", "ckpt"
 KINDS = ("captured", "queued", "superseded", "committed", "failed", "restored", "replicated")
 FOLDED_IDS, MAX_MISSING, MAX_SEQ = 1024, 4096, 2**53 - 1
+MAX_EVENT_ID = 259  # four Ids and three ':' (rule 1)
+MAX_JUMP, RESYNC = 4096, 16  # rule 3: no gap the bus leaves is longer; a run that re-bases
 
 
 def token(session: str) -> str:
@@ -61,6 +63,42 @@ class Session:
     folded: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=FOLDED_IDS)
     )  # this session's latest eventIds (rule 2)
+    folded_seqs: collections.deque[int] = field(
+        default_factory=lambda: collections.deque(maxlen=FOLDED_IDS)
+    )  # ... and the seq each carried (rule 3)
+    invalid: int = 0  # messages naming this session that were no events (rule 1)
+    contradicting: int = 0  # events contradicting its own sequence (rule 3): not folded
+    last_contradiction: str | None = None
+    rebased: int = 0  # times its sequence moved to a run of agreeing strays (rule 3)
+    stray_seq: int = 0
+    stray_run: int = 0
+
+    def contradicts(self, seq: int) -> str | None:
+        """Rule 3's first part: why ``seq`` contradicts this session's own sequence
+        (it is then counted, not folded), or None. A run of RESYNC agreeing strays
+        re-bases the session, and the last of them is folded as a first event."""
+        if seq == 0:
+            return None
+        if seq <= self.last_seq and seq in self.folded_seqs:
+            return f"seq {seq} was folded already, under another eventId"
+        distance = seq - self.last_seq
+        if self.last_seq == 0 or abs(distance) <= MAX_JUMP:
+            self.stray_seq = self.stray_run = 0  # its own sequence goes on
+            return None
+        agrees = self.stray_run > 0 and abs(seq - self.stray_seq) <= MAX_JUMP
+        self.stray_run = self.stray_run + 1 if agrees else 1
+        self.stray_seq = seq
+        if self.stray_run < RESYNC:
+            where = "past" if distance > 0 else "before"
+            return f"seq {seq} is {abs(distance)} {where} the session's seq {self.last_seq}"
+        self.rebased += 1  # the sequence itself moved: begin again from this event
+        self.lost += len(self.missing)
+        self.missing = set()
+        self.last_seq = self.high_water_seq = self.replicated_seq = 0
+        self.stray_seq = self.stray_run = 0
+        kept = [0 if folded > seq else folded for folded in self.folded_seqs]
+        self.folded_seqs = collections.deque(kept, maxlen=FOLDED_IDS)
+        return None
 
     def apply(self, event: dict) -> str:
         """Fold one event in; returns a note for the line (a gap, a failure...)."""
@@ -132,6 +170,8 @@ class Session:
             "superseded": self.superseded, "failed": self.failures, "restores": self.restores,
             "lastSeq": self.last_seq, "gaps": self.gaps(), "lost": self.lost,
             "replicated": self.replicated, "replicatedHighWater": self.replicated_high_water,
+            "invalid": self.invalid, "contradicting": self.contradicting,
+            "lastContradiction": self.last_contradiction, "rebased": self.rebased,
         }  # fmt: skip
 
     def gaps(self) -> list[list[int]]:
@@ -190,30 +230,60 @@ async def read_durable(js, session: str | None) -> dict[str, dict]:
     return durable
 
 
+def is_seq(value: object) -> bool:
+    """An integral JSON number from 0 to 2^53 - 1 (1.0 is 1; true is no number)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return 0 <= value <= MAX_SEQ and float(value).is_integer()
+
+
+def is_event(event: object) -> bool:
+    """Rule 1: a JSON object with a string event, an Id sessionId, an eventId of at
+    most 259 characters and a seq; anything else is no event."""
+    if not isinstance(event, dict):
+        return False
+    session_id, event_id = event.get("sessionId"), event.get("eventId")
+    return (
+        isinstance(event.get("event"), str)
+        and isinstance(session_id, str) and ID.fullmatch(session_id) is not None
+        and isinstance(event_id, str) and len(event_id) <= MAX_EVENT_ID
+        and is_seq(event.get("seq"))
+    )  # fmt: skip
+
+
 @dataclass
 class Monitor:
     sessions: dict[str, Session] = field(default_factory=dict)
     events: int = 0
     duplicates: int = 0
+    skipped: int = 0  # messages that were no events (rule 1)
 
     def receive(self, data: bytes) -> None:
         try:
             event = json.loads(data)
-            kind, session_id, event_id = event["event"], event["sessionId"], event["eventId"]
-            seq = event["seq"]
-        except (ValueError, KeyError, TypeError):
+        except ValueError:
             event = None
-        texts = event is not None and all(isinstance(v, str) for v in (kind, session_id, event_id))
-        number = event is not None and isinstance(seq, int | float) and not isinstance(seq, bool)
-        if not (texts and number and float(seq).is_integer() and 0 <= seq <= MAX_SEQ):  # rule 1
+        if not is_event(event):  # rule 1: counted, and on a session followed, there too
+            self.skipped += 1
+            named = event.get("sessionId") if isinstance(event, dict) else None
+            if isinstance(named, str) and named in self.sessions:
+                self.sessions[named].invalid += 1
             print("skipped a message that is not an event")
             return
-        event["seq"] = int(seq)
+        kind, session_id, event_id = event["event"], event["sessionId"], event["eventId"]
+        event["seq"] = seq = int(event["seq"])
         state = self.sessions.setdefault(session_id, Session())
         if event_id in state.folded:  # rule 2: a re-publication
             self.duplicates += 1
             return
+        why = state.contradicts(seq)  # rule 3: not this session's own sequence
+        if why is not None:
+            state.contradicting += 1
+            state.last_contradiction = why
+            print(f"{session_id:12} {seq:5} {kind:10} CONTRADICTS its session: {why}")
+            return
         state.folded.append(event_id)
+        state.folded_seqs.append(seq)
         self.events += kind in KINDS
         note = state.apply(event)
         ckpt = event.get("checkpointId")
@@ -228,7 +298,7 @@ class Monitor:
 
     def summary(self) -> str:
         sessions = {name: state.summary() for name, state in sorted(self.sessions.items())}
-        counts = {"events": self.events, "duplicates": self.duplicates}
+        counts = {"events": self.events, "duplicates": self.duplicates, "skipped": self.skipped}
         return json.dumps({"sessions": sessions, **counts})
 
 

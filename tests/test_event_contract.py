@@ -328,6 +328,53 @@ async def test_the_three_folds_agree_on_one_stream(tmp_path: Path, node: str) ->
     assert folded["inFlight"] == sorted(library.in_flight) == ["ckpt-11"]
 
 
+
+@pytest.mark.asyncio
+async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node: str) -> None:
+    """Rules 1 and 3, on one stream, alike in the library and both examples (what
+    anyone with publish rights on a session's subjects can send): no session is
+    made for a sessionId that is no Id; an eventId over 259 characters is no event,
+    counted on the session it names (`invalid`); a seq the session's own events
+    carried, and one far from its sequence, contradict it (counted, not folded);
+    16 agreeing strays in a row re-base it, and the last of them is folded."""
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        _, high_water, history, _ = await checkpoints_on_nats(server.url, tmp_path / "store")
+        last = history[-1]
+        base = {"event": "captured", "sessionId": "session-1", "epoch": last.epoch}
+
+        def captured(seq: int, name: str, **fields: Any) -> bytes:
+            return json.dumps({**base, "seq": seq, "checkpointId": name,
+                               "eventId": f"session-1:x:{name}:captured", **fields}).encode()  # fmt: skip
+
+        foreign = [
+            captured(last.seq + 1, "c-upper", sessionId="UPPER"),  # no Id: no session
+            captured(last.seq + 1, "c-long", eventId="x" * 260),  # no eventId: invalid
+            captured(last.seq, "c-again"),  # a seq the session's own event carried
+            captured(last.seq + 10**6, "c-far"),  # no gap the bus leaves
+            *(captured(10**9 + i, f"c-run-{i}") for i in range(16)),  # the sequence moved
+        ]
+        client = await nats.connect(server.url)
+        js = client.jetstream()
+        for index, data in enumerate(foreign):
+            await js.publish("ckpt.session-1.captured", data, headers={"Nats-Msg-Id": f"f{index}"})
+        raw = await stream_messages(client)
+        await client.close()
+        python, javascript = await both_examples(server.url, node)
+    assert python == javascript
+    state = SaveState()
+    for data in raw:
+        state = state.apply_message(data)
+    library = state.sessions["session-1"]
+    folded = python["sessions"]["session-1"]
+    assert set(python["sessions"]) == set(state.sessions) == {"session-1"}
+    assert python["skipped"] == state.skipped == 2
+    assert folded["invalid"] == library.invalid == 1
+    assert folded["contradicting"] == library.contradicting == 2 + 15
+    assert folded["rebased"] == library.rebased == 1
+    assert folded["lastSeq"] == library.last_seq == 10**9 + 15
+    assert folded["inFlight"] == sorted(library.in_flight) == ["c-run-15"]
+    assert folded["highWater"] == library.high_water == high_water  # (never moved by them)
+
 def test_a_huge_jump_in_seq_keeps_memory_bounded() -> None:
     """seq 1, then 10**12: no gap the bus leaves (rule 3: it contradicts the
     session's sequence, and is not taken); seq 1, then 4096 further on: the fold
