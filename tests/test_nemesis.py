@@ -179,13 +179,19 @@ class Checker:
     violations: list[str] = field(default_factory=list)
     rebuilt: dict[int, str] = field(default_factory=dict)  # revision -> "ok" or why not
     rebuilt_events: dict[str, str] = field(default_factory=dict)  # eventId -> "ok" or why not
+    queue: asyncio.Queue[int] = field(default_factory=asyncio.Queue)  # what is to rebuild
+
+    async def caught_up(self) -> None:
+        """Every move and event delivered so far is rebuilt (or given up on): on a
+        loaded machine that takes longer than the deliveries themselves."""
+        await self.queue.join()
 
     async def follow(self) -> None:
         client = await nats.connect(self.urls, max_reconnect_attempts=-1,
                                     reconnect_time_wait=0.1, error_cb=quiet)  # fmt: skip
         js = client.jetstream(timeout=5)
         replicas: Replicas | None = None
-        queue: asyncio.Queue[int] = asyncio.Queue()
+        queue = self.queue
 
         async def on_pointer(message: Any) -> None:
             revision = message.metadata.sequence.stream
@@ -242,16 +248,19 @@ class Checker:
 
                     async def generation(pointer: ReplicaPointer = pointer) -> Any:
                         return pointer.generation
-                for attempt in range(20):  # the cluster may be electing a leader
-                    try:
-                        named = await generation()
-                        with await replicas.rebuild(session, named) as stored:
-                            assert stored.record.envelope_digest == named.envelope_digest
-                        outcome[key] = "ok"
-                        break
-                    except Exception as error:
-                        outcome[key] = f"{type(error).__name__}: {error}"
-                        await anyio.sleep(0.25 * (attempt + 1))
+                try:
+                    for attempt in range(20):  # the cluster may be electing a leader
+                        try:
+                            named = await generation()
+                            with await replicas.rebuild(session, named) as stored:
+                                assert stored.record.envelope_digest == named.envelope_digest
+                            outcome[key] = "ok"
+                            break
+                        except Exception as error:
+                            outcome[key] = f"{type(error).__name__}: {error}"
+                            await anyio.sleep(0.25 * (attempt + 1))
+                finally:
+                    queue.task_done()
         finally:
             with anyio.CancelScope(shield=True):
                 await client.close()
@@ -423,7 +432,9 @@ async def run_nemesis(tmp_path: Path, seconds: float, seed: int) -> None:
                 if node.process is None:
                     node.start()
             await wait_ready(cluster)
-            await anyio.sleep(3)  # the checker catches up with the last moves
+            await anyio.sleep(3)  # the last moves and events are delivered ...
+            with anyio.fail_after(300):  # ... and rebuilt, however loaded the machine
+                await checker.caught_up()
             group.cancel_scope.cancel()
         history = read_history(hosts)
         checker.judge(history)
