@@ -3,6 +3,7 @@ the demo use it, so every one of them writes the same shape of checkpoint."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -22,6 +23,7 @@ from .manifest import (
 __all__ = ["sample_body", "sample_payload_names"]
 
 
+@functools.lru_cache(maxsize=256)  # (constant labels: a host computes them once)
 def _digest(label: str) -> str:
     return hashlib.sha256(label.encode()).hexdigest()
 
