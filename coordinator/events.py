@@ -23,6 +23,7 @@ import msgspec
 
 from .identity import Identity
 from .ids import U64, Digest, Id, check_id
+from .wire import read_json
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -190,7 +191,7 @@ def encode_event(event: Event) -> bytes:
 
 def decode_event(data: bytes | memoryview) -> Event:
     """Decode and validate one event (``msgspec.ValidationError`` if it is not one)."""
-    return _DECODER.decode(data)
+    return read_json(data, _DECODER)
 
 
 def event_name(event: Event | type[Event]) -> str:

@@ -35,6 +35,7 @@ from .events import (
 )
 from .ids import U64, Id
 from .presence import Presence, liveness
+from .wire import read_json
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -164,7 +165,7 @@ def read_message(data: bytes | str) -> Message | None:
     and the fields rule 6 reads (``None``: rule 4, a kind or a body this version
     does not know); ``None`` for a message that is no event at all (rule 1)."""
     try:
-        fields = _ENVELOPE.decode(data)
+        fields = read_json(data, _ENVELOPE)
     except msgspec.MsgspecError:
         return None
     seq = fields.seq
@@ -173,7 +174,7 @@ def read_message(data: bytes | str) -> Message | None:
     read: _Read | None = None
     if fields.event in EVENT_NAMES:
         try:
-            read = _READ.decode(data)
+            read = read_json(data, _READ)
         except msgspec.MsgspecError:  # rule 4: its body does not fit its kind
             read = None
     return fields.session_id, int(seq), fields.event_id, read
@@ -183,7 +184,7 @@ def named_session(data: bytes | str) -> str | None:
     """The session a message that is no event names (an Id ``sessionId``), if any:
     rule 1 counts it on that session too, when the reader follows it."""
     try:
-        return _NAMED.decode(data).session_id
+        return read_json(data, _NAMED).session_id
     except msgspec.MsgspecError:
         return None
 

@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from .ids import U64, Id
+from .wire import read_json
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
@@ -69,7 +70,7 @@ def encode_presence(presence: Presence) -> bytes:
 def decode_presence(data: bytes | memoryview) -> Presence:
     """A beat as it came off the wire; ``msgspec.ValidationError`` (or
     ``DecodeError``) for one that is not."""
-    return _DECODER.decode(data)
+    return read_json(data, _DECODER)
 
 
 def epoch_seconds(rfc3339: str) -> float | None:

@@ -22,7 +22,19 @@ const KINDS = new Set([
 const FOLDED_IDS = 1024;
 const MAX_MISSING = 4096;
 const MAX_SEQ = Number.MAX_SAFE_INTEGER; // 2**53 - 1
-const MAX_EVENT_ID = 259; // four Ids and three ':' (rule 1)
+const MAX_EVENT_ID = 259; // four Ids and three ':' (rule 1), in code points
+// Messages are UTF-8: a bad byte or a BOM makes no event (rule 1), as in Python.
+const UTF8 = new TextDecoder("utf-8", { fatal: true, ignoreBOM: true });
+// JSON.parse takes what Python's readers refuse: nesting deeper than about 1,000
+// levels and lone surrogates. Such a message is no event and names no session.
+const MAX_DEPTH = 1000;
+const readable = (value, depth = 0) => {
+  if (typeof value === "string") return value.isWellFormed();
+  if (value === null || typeof value !== "object") return true;
+  return depth < MAX_DEPTH && Object.entries(value).every(
+    ([key, item]) => key.isWellFormed() && readable(item, depth + 1),
+  );
+};
 const MAX_JUMP = 4096; // rule 3: no gap the bus leaves is longer ...
 const RESYNC = 16; // ... unless this many strays in a row agree: the sequence moved
 
@@ -233,14 +245,15 @@ class Monitor {
   receive(data) {
     let event;
     try {
-      event = JSON.parse(new TextDecoder().decode(data));
+      event = JSON.parse(UTF8.decode(data));
     } catch {
       event = null;
     }
+    if (!readable(event)) event = null;
     const object = event !== null && typeof event === "object" && !Array.isArray(event);
     const fields = object && typeof event.event === "string" &&
       typeof event.sessionId === "string" && ID.test(event.sessionId) &&
-      typeof event.eventId === "string" && event.eventId.length <= MAX_EVENT_ID &&
+      typeof event.eventId === "string" && [...event.eventId].length <= MAX_EVENT_ID &&
       Number.isInteger(event.seq) && event.seq >= 0 && event.seq <= MAX_SEQ;
     if (!fields) { // rule 1: counted, and on a session followed, there too
       this.skipped += 1;
@@ -314,7 +327,7 @@ async function readDurable(js, session) {
     if (!entry || entry.operation !== "PUT") continue;
     let event;
     try {
-      event = JSON.parse(new TextDecoder().decode(entry.value));
+      event = JSON.parse(UTF8.decode(entry.value));
     } catch {
       continue; // not an event: nothing durable to show for it
     }

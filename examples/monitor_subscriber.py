@@ -209,7 +209,9 @@ FIELDS = {
 
 
 def fits(event: dict) -> bool:
-    return all(FORMS[form](event.get(name)) for name, form in FIELDS[event["event"]].items())
+    """Every field the fold reads is there, of its form (null only where '?')."""
+    forms = FIELDS[event["event"]].items()
+    return all(name in event and FORMS[form](event[name]) for name, form in forms)
 
 
 async def read_durable(js, session: str | None) -> dict[str, dict]:
@@ -224,10 +226,25 @@ async def read_durable(js, session: str | None) -> dict[str, dict]:
     durable = {}
     for key in keys:
         with contextlib.suppress(nats.js.errors.KeyNotFoundError, ValueError, TypeError):
-            event = json.loads((await kv.get(key)).value)
-            if isinstance(event.get("sessionId"), str) and isinstance(event.get("highWater"), str):
+            event = parse((await kv.get(key)).value)
+            if isinstance(event, dict) and isinstance(event.get("sessionId"), str) and isinstance(event.get("highWater"), str):
                 durable[event["sessionId"]] = event
     return durable
+
+
+def refuse(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def parse(data: bytes) -> object:
+    """The JSON value of a message, or None: it must be UTF-8 (no BOM) and JSON
+    (no NaN, no lone surrogate, nested as deep as Python goes); rule 1 skips the rest."""
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=refuse)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # a lone surrogate fails
+    except (ValueError, RecursionError):
+        return None
+    return value
 
 
 def is_seq(value: object) -> bool:
@@ -259,10 +276,7 @@ class Monitor:
     skipped: int = 0  # messages that were no events (rule 1)
 
     def receive(self, data: bytes) -> None:
-        try:
-            event = json.loads(data)
-        except ValueError:
-            event = None
+        event = parse(data)
         if not is_event(event):  # rule 1: counted, and on a session followed, there too
             self.skipped += 1
             named = event.get("sessionId") if isinstance(event, dict) else None

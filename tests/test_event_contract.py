@@ -336,7 +336,9 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
     made for a sessionId that is no Id; an eventId over 259 characters is no event,
     counted on the session it names (`invalid`); a seq the session's own events
     carried, and one far from its sequence, contradict it (counted, not folded);
-    16 agreeing strays in a row re-base it, and the last of them is folded."""
+    16 agreeing strays in a row re-base it, and the last of them is folded. What one
+    reader cannot read no reader takes: NaN, nesting past 1,000, UTF-16, a BOM, bad
+    UTF-8, a lone surrogate; an eventId's length counts code points, not UTF-16 units."""
     async with EmbeddedServer(tmp_path / "nats") as server:
         _, high_water, history, _ = await checkpoints_on_nats(server.url, tmp_path / "store")
         last = history[-1]
@@ -346,11 +348,23 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
             return json.dumps({**base, "seq": seq, "checkpointId": name,
                                "eventId": f"session-1:x:{name}:captured", **fields}).encode()  # fmt: skip
 
+        deep = b"[" * 3000 + b"]" * 3000
         foreign = [
             captured(last.seq + 1, "c-upper", sessionId="UPPER"),  # no Id: no session
             captured(last.seq + 1, "c-long", eventId="x" * 260),  # no eventId: invalid
             captured(last.seq, "c-again"),  # a seq the session's own event carried
             captured(last.seq + 10**6, "c-far"),  # no gap the bus leaves
+            # Read by no reader: they name no session (rule 1).
+            captured(last.seq + 1, "c-nan", worldTime=float("nan")),  # NaN is no JSON
+            captured(last.seq + 1, "c-deep").replace(b"}", b', "x": ' + deep + b"}"),
+            captured(last.seq + 1, "c-utf16").decode().encode("utf-16"),
+            b"\xef\xbb\xbf" + captured(last.seq + 1, "c-bom"),
+            captured(last.seq + 1, "c-surrogate", reason="\ud800"),  # (a lone one)
+            captured(last.seq + 1, "c-bad-utf8").replace(b"c-bad-utf8", b"c-\xff"),
+            # A restored without its abandoned range: rule 4 (nats-py's KeyError).
+            captured(last.seq + 1, "c-restored", event="restored", boundary="1",
+                     reason="r", previousEpoch="p"),  # fmt: skip
+            captured(last.seq + 2, "c-emoji", eventId="\U0001f600" * 259),  # 259 points
             *(captured(10**9 + i, f"c-run-{i}") for i in range(16)),  # the sequence moved
         ]
         client = await nats.connect(server.url)
@@ -367,12 +381,12 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
     library = state.sessions["session-1"]
     folded = python["sessions"]["session-1"]
     assert set(python["sessions"]) == set(state.sessions) == {"session-1"}
-    assert python["skipped"] == state.skipped == 2
+    assert python["skipped"] == state.skipped == 2 + 6
     assert folded["invalid"] == library.invalid == 1
     assert folded["contradicting"] == library.contradicting == 2 + 15
     assert folded["rebased"] == library.rebased == 1
     assert folded["lastSeq"] == library.last_seq == 10**9 + 15
-    assert folded["inFlight"] == sorted(library.in_flight) == ["c-run-15"]
+    assert folded["inFlight"] == sorted(library.in_flight) == ["c-emoji", "c-run-15"]
     assert folded["highWater"] == library.high_water == high_water  # (never moved by them)
 
 def test_a_huge_jump_in_seq_keeps_memory_bounded() -> None:

@@ -52,7 +52,11 @@ from coordinator.monitor import (
     SaveState,
     render,
 )
-from coordinator.presence import Presence, encode_presence
+from coordinator.errors import ReplicaPointerError
+from coordinator.events import decode_event
+from coordinator.presence import Presence, decode_presence, encode_presence
+from coordinator.replicate._pointer import parse_pointer
+from coordinator.wire import read_any_json
 from coordinator.server import EmbeddedServer
 
 NOW = time.time() - 60
@@ -152,6 +156,26 @@ def test_an_event_id_or_session_id_no_event_of_ours_has_is_no_event() -> None:
     assert state.invalid == 1 and state.last_seq == 3
     assert sum(len(i) for i in folds.board.sessions["s"].state.folded) < 200
     assert list(folds.library.sessions) == list(folds.fleet.sessions) == ["s"]
+
+
+def test_a_message_nested_too_deeply_is_no_event_not_a_crash() -> None:
+    """msgspec refuses nesting past ~1,000 levels with RecursionError, even in a field
+    the reader skips: the three folds raised it (watch and the dashboard died on one
+    message), and so did every reader of presence beats, pointers, leases and replies.
+    Such a message is not read at all: it names no session (docs/events.md rule 1)."""
+    folds = Folds()
+    folds.feed(genuine("s", 1))
+    deep = b"[" * 3000 + b"]" * 3000
+    inside = data(wire("committed", "s", 4, "e1-2", extra="@")).replace(b'"@"', deep)
+    folds.feed([inside, b"[" * 3000, b'{"sessionId": "s", "x": ' + deep + b"}"])
+    state = folds.agree("s")
+    assert state.invalid == 0 and state.last_seq == 3  # (unread, it names no session)
+    assert folds.library.skipped == folds.fleet.skipped == folds.board.skipped == 3
+    for read in (decode_event, decode_presence, read_any_json):
+        with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
+            read(inside)
+    with pytest.raises(ReplicaPointerError):
+        parse_pointer(b'{"a":' + b"[" * 1200 + b"]" * 1200 + b"}", "s")
 
 
 def test_texts_a_publisher_makes_huge_are_kept_short() -> None:

@@ -96,6 +96,7 @@ from ..presence import (
     decode_presence,
     encode_presence,
 )
+from ..wire import read_json
 from ._config import check_stream_config, checked_stream_config
 from ._statistics import BusStatistics
 from .memory import Subscription
@@ -833,7 +834,7 @@ class NatsBus:
                 return
             if raw is not None:  # undecoded, but a retry is still handed on once
                 try:
-                    event_id = _EVENT_ID.decode(message.data).event_id
+                    event_id = read_json(message.data, _EVENT_ID).event_id
                 except msgspec.MsgspecError:  # no event of ours: the reader's rules say
                     event_id = None
                 if event_id is None or not seen_before(event_id):
@@ -1415,7 +1416,7 @@ def _elsewhere(subject: str, named: _EventId) -> bool:
 def _on_its_subject(message: Any) -> bool:
     """``_elsewhere``'s opposite, for a message as nats-py gives it."""
     try:
-        named = _EVENT_ID.decode(message.data)
+        named = read_json(message.data, _EVENT_ID)
     except msgspec.MsgspecError:
         return True  # (no event: the reader's rules say what it is)
     return not _elsewhere(message.subject, named)

@@ -58,6 +58,7 @@ from ..errors import (
     CoordinatorError,
 )
 from ..sealed import seal_fd, sealable_fd
+from ..wire import read_any_json
 
 __all__ = [
     "DEFAULT_OBJECT_BUCKET",
@@ -119,7 +120,7 @@ def _stored_object(
     """A meta message of object ``name``'s subject as a ``StoredObject``."""
     info: api.ObjectInfo | None
     try:
-        info = api.ObjectInfo.from_response(json.loads(data or b""))
+        info = api.ObjectInfo.from_response(read_any_json(data or b""))
         if info.name != name or not isinstance(info.size, int | None):
             info = None
         elif not (info.nuid is None or _NUID.fullmatch(str(info.nuid))):

@@ -87,6 +87,7 @@ from ..errors import BusConfigError, CoordinatorError, RemoteWorkerError, UsageE
 from ..events import subject_token
 from ..ids import U64_MAX, check_id, is_digest, is_id
 from ..participant import CaptureReply, CaptureScope, Participant, RestoreScope, check_reply
+from ..wire import read_any_json, read_json
 from ._companion import DEFAULT_OBJECT_TTL, remote_objects, unmap
 from ._objects import DEFAULT_OBJECT_BUCKET, ObjectArtifact, ObjectBucket
 
@@ -164,6 +165,10 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defa
     checkpoint_id: str = ""
     step: int = -1
     compatibility_digest: str | None = None
+
+
+_REQUEST = msgspec.json.Decoder(Request)
+_REPLY = msgspec.json.Decoder(Reply)
 
 
 def signed_reply(subject: str, request: bytes, reply: bytes) -> bytes:
@@ -341,7 +346,7 @@ class RemoteParticipant:
             if self._leases is None:
                 self._leases = await self.bus.client.jetstream().key_value(self.lease_bucket)
             entry = await self._leases.get(key)
-            lease = msgspec.json.decode(entry.value or b"{}")
+            lease = read_any_json(entry.value or b"{}")
             holder, public = lease.get("owner"), lease.get("key")
         except (BucketNotFoundError, KeyNotFoundError, msgspec.MsgspecError, AttributeError):
             holder = public = None
@@ -424,7 +429,7 @@ class _Answers:
             self.forged += 1
             return
         try:  # the holder's own word from here: a bad one is its protocol error
-            self.reply = msgspec.json.decode(message.data, type=Reply)
+            self.reply = read_json(message.data, _REPLY)
         except msgspec.MsgspecError as error:
             self.error = RemoteWorkerError(self.participant, "remote.protocol", str(error))
         self.done.set()
@@ -578,7 +583,7 @@ class _Lease:
     @property
     def owner_id(self) -> str:
         """This worker's id in the lease: hosts send requests to it."""
-        return str(msgspec.json.decode(self.owner)["owner"])
+        return str(read_any_json(self.owner)["owner"])
 
     @classmethod
     async def acquire(
@@ -697,7 +702,7 @@ async def _answers(client: Client, subject: str, *, timeout: float) -> bool:
 
 def _decode_request(data: bytes) -> Request:
     try:
-        return msgspec.json.decode(data, type=Request)
+        return read_json(data, _REQUEST)
     except msgspec.MsgspecError as error:
         raise RemoteWorkerError("?", "remote.protocol", f"a bad request: {error}") from None
 

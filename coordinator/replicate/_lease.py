@@ -38,6 +38,7 @@ from ..bus import NatsBus, checked_stream_config, created
 from ..errors import LeaseLostError, SessionLeasedError
 from ..events import subject_token
 from ..ids import check_id
+from ..wire import read_json
 from ._unavailable import cluster_errors
 
 __all__ = ["LEASES_BUCKET", "SessionLease"]
@@ -54,12 +55,15 @@ class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     instance: str = ""  # this lease object's own random token: what "ours" means
 
 
+_LEASE = msgspec.json.Decoder(LeaseRecord)
+
+
 def _held(value: bytes | None) -> LeaseRecord | None:
     """The lease a KV value records, or ``None`` for one no holder could have
     written (malformed, a TTL that is not a positive finite number, a renewal
     from the future): it can be taken like an expired one."""
     try:
-        held = msgspec.json.decode(value or b"", type=LeaseRecord)
+        held = read_json(value or b"", _LEASE)
     except msgspec.MsgspecError:
         return None
     sane = math.isfinite(held.ttl_s) and 0 < held.ttl_s <= MAX_TTL_S

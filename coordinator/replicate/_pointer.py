@@ -31,6 +31,7 @@ from ..errors import ReplicaFencedError, ReplicaPointerError
 from ..events import subject_token
 from ..ids import U64, Digest, Id
 from ..store import GenerationRecord
+from ..wire import read_json
 
 __all__ = [
     "POINTERS_BUCKET",
@@ -124,7 +125,7 @@ def parse_pointer(value: bytes | None, session_id: str) -> ReplicaPointer:
             "no replicator writes one this large"
         )
     try:
-        pointer = _DECODER.decode(data)
+        pointer = read_json(data, _DECODER)
     except msgspec.MsgspecError as error:
         raise ReplicaPointerError(
             f"the replicated pointer of session {session_id} is not one this version "
