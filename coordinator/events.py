@@ -16,7 +16,8 @@ Only ``durable: true`` on ``committed`` means saved.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import functools
+import time
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -200,9 +201,16 @@ def event_name(event: Event | type[Event]) -> str:
     return str(kind.__struct_config__.tag)
 
 
+@functools.lru_cache(maxsize=2)
+def _utc_second(seconds: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+
+
 def rfc3339_now() -> str:
-    """The current UTC time as events carry it: RFC 3339, microseconds, ``Z``."""
-    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    """The current UTC time as events carry it: RFC 3339, microseconds, ``Z``
+    (the second is formatted once: a checkpoint makes five events)."""
+    seconds, micros = divmod(time.time_ns() // 1000, 1_000_000)
+    return f"{_utc_second(seconds)}.{micros:06d}Z"
 
 
 def event_id(session_id: str, epoch: str, checkpoint_id: str, event: str) -> str:

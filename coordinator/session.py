@@ -54,7 +54,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
-from ._cancel import raised_on_its_own
+from ._cancel import raised_on_its_own, run_together
 from .artifacts import (
     ArtifactHandle,
     ArtifactLedger,
@@ -595,9 +595,7 @@ class Coordinator:
 
         try:
             with anyio.fail_after(self.capture_timeout):
-                async with anyio.create_task_group() as group:
-                    for participant in self.participants:
-                        group.start_soon(one, participant)
+                await run_together([one(participant) for participant in self.participants])
         except BaseException as error:
             with anyio.CancelScope(shield=True):
                 await release_off_loop(handles)
@@ -609,7 +607,7 @@ class Coordinator:
             if failure:
                 if current:
                     self._fenced = failure[0]
-                raise failure[0] from error
+                raise failure[0] from (None if error is failure[0] else error)
             if refusals:  # a programming error, found before anything was queued
                 raise refusals[0] from None
             raise

@@ -448,3 +448,60 @@ async def test_a_restore_whose_candidates_were_rotated_away_takes_the_newer_one(
         report = await c.restore(new_epoch="epoch-2")
         assert report.record.checkpoint_id == "epoch-1-2"
         assert participants[0].state == b"world@2"
+
+
+# --- the participants' tasks (run_together, not a task group: a small checkpoint's cost) --
+
+
+class Stubborn:
+    """Swallows the first cancellation it gets, and waits on."""
+
+    def __init__(self) -> None:
+        self.swallowed = 0
+
+    async def capture(self) -> None:
+        while True:
+            try:
+                await anyio.sleep(3600)
+            except anyio.get_cancelled_exc_class():
+                if self.swallowed:
+                    raise
+                self.swallowed += 1
+
+
+@pytest.mark.asyncio
+async def test_a_participant_that_swallows_its_cancellation_is_asked_again(
+    tmp_path: Path,
+) -> None:
+    """anyio's cancellation is level-triggered: a capture that swallowed one was
+    cancelled again at its next wait, and the deadline still ended the capture."""
+    participants = parts()
+    stubborn = Stubborn()
+    participants[0].capture = lambda scope: stubborn.capture()  # type: ignore[method-assign]
+    async with FileStore(tmp_path) as store, coordinator(store, participants, capture_timeout=0.1) as c:
+        with anyio.fail_after(5):
+            with pytest.raises(DeadlineExpiredError):
+                await c.capture(1)
+    assert stubborn.swallowed == 1
+
+
+@pytest.mark.asyncio
+async def test_a_failure_cancels_the_others_and_a_cancelled_host_fences_nothing(
+    tmp_path: Path,
+) -> None:
+    participants = parts()
+    participants[0].fail_capture = True
+    participants[1].gate = anyio.Event()  # would wait for ever
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        with anyio.fail_after(5):
+            with pytest.raises(CaptureFailedError, match="sensor offline") as caught:
+                await c.capture(1)
+        assert caught.value.__cause__ is None  # (not itself)
+        assert c.ledger.statistics().live == 0
+    participants = parts()
+    participants[0].gate = anyio.Event()
+    async with FileStore(tmp_path / "b") as store, coordinator(store, participants) as c:
+        with anyio.move_on_after(0.1):
+            await c.capture(1)  # the host's own cancellation: no failure of the epoch
+        participants[0].gate.set()
+        assert isinstance(await (await c.capture(2)).wait(), Committed)
