@@ -36,20 +36,23 @@ async def raised_on_its_own(error: BaseException) -> bool:
 RECANCEL_S = 0.05  # a task that swallowed its cancellation is asked again this often
 
 
-async def run_together(coroutines: Sequence[Coroutine[Any, Any, None]]) -> None:
+async def run_together(
+    coroutines: Sequence[Coroutine[Any, Any, None]], timeout: float | None = None
+) -> None:
     """Run every coroutine at once, each in a task of its own; the first to fail
-    cancels the rest, and its exception is raised once all have ended.
+    cancels the rest, and its exception is raised once all have ended. Any still
+    running after ``timeout`` seconds are cancelled, and ``TimeoutError`` raised.
 
-    A task group would do the same at a cost that dominates a small checkpoint
-    (anyio 4.16 makes a cancel scope and an event for each task). Cancellation
-    stays level-triggered as anyio's is: a task that swallows it is asked again.
-    Cancelling the caller cancels every task, and waits for them.
+    A task group inside ``fail_after`` would do the same at a cost that dominates a
+    small checkpoint (anyio 4.16 makes a cancel scope and an event for each task).
+    Cancellation stays level-triggered as anyio's is: a task that swallows it is
+    asked again. Cancelling the caller cancels every task, and waits for them.
     """
     tasks = [asyncio.create_task(coroutine) for coroutine in coroutines]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
     finally:
-        pending = [task for task in tasks if not task.done()]
+        late = pending = [task for task in tasks if not task.done()]
         with anyio.CancelScope(shield=True):
             while pending:
                 for task in pending:
@@ -60,3 +63,5 @@ async def run_together(coroutines: Sequence[Coroutine[Any, Any, None]]) -> None:
     for error in errors:
         if error is not None:
             raise error
+    if late:
+        raise TimeoutError(f"{len(late)} of {len(tasks)} did not end within {timeout} s")

@@ -594,8 +594,8 @@ class Coordinator:
                 raise failure[-1] from None
 
         try:
-            with anyio.fail_after(self.capture_timeout):
-                await run_together([one(participant) for participant in self.participants])
+            captures = [one(participant) for participant in self.participants]
+            await run_together(captures, timeout=self.capture_timeout)
         except BaseException as error:
             with anyio.CancelScope(shield=True):
                 await release_off_loop(handles)
