@@ -54,7 +54,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
-from ._cancel import raised_on_its_own, run_together
+from ._cancel import being_cancelled, raised_on_its_own
 from .artifacts import (
     ArtifactHandle,
     ArtifactLedger,
@@ -594,24 +594,47 @@ class Coordinator:
                 raise failure[-1] from None
 
         try:
-            captures = [one(participant) for participant in self.participants]
-            await run_together(captures, timeout=self.capture_timeout)
+            with anyio.fail_after(self.capture_timeout):
+                async with anyio.create_task_group() as group:
+                    for participant in self.participants:
+                        group.start_soon(one, participant)
+            for participant in self.participants:  # (a task someone else cancelled)
+                if participant.name not in captured:
+                    reason = "its capture was cancelled, and not by the coordinator"
+                    failure.append(CaptureFailedError(participant.name, reason))
+                    raise failure[-1]
         except BaseException as error:
             with anyio.CancelScope(shield=True):
                 await release_off_loop(handles)
-            current = scope.epoch == self.epoch  # a straggler never fences a newer epoch
-            if isinstance(error, TimeoutError):
-                if current:
-                    self._fenced = CaptureFailedError("(all)", "capture deadline expired")
-                raise DeadlineExpiredError(scope.checkpoint_id, "capture") from None
-            if failure:
-                if current:
-                    self._fenced = failure[0]
-                raise failure[0] from (None if error is failure[0] else error)
-            if refusals:  # a programming error, found before anything was queued
-                raise refusals[0] from None
-            raise
+            cancelled = anyio.get_cancelled_exc_class()
+            if isinstance(error, cancelled):
+                raise
+            if await being_cancelled():  # the host's: what failed on the way fences nothing
+                raise cancelled() from None
+            raise self._capture_failed(scope, error, failure, refusals) from None
         return [captured[p.name] for p in self.participants]
+
+    def _capture_failed(
+        self,
+        scope: CaptureScope,
+        error: BaseException,
+        failure: list[CaptureFailedError],
+        refusals: list[UsageError],
+    ) -> BaseException:
+        """What a capture that did not take every participant raises; the epoch is
+        fenced unless it was a refusal (a programming error) or an interruption."""
+        current = scope.epoch == self.epoch  # a straggler never fences a newer epoch
+        if isinstance(error, TimeoutError):
+            if current:
+                self._fenced = CaptureFailedError("(all)", "capture deadline expired")
+            return DeadlineExpiredError(scope.checkpoint_id, "capture")
+        if failure:
+            if current:
+                self._fenced = failure[0]
+            return failure[0]
+        if refusals:  # found before anything was queued
+            return refusals[0]
+        return error
 
     async def checkpoint(
         self,

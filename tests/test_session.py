@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from coordinator import (
 )
 from coordinator.sample import sample_body
 from coordinator.bus import MemoryBus
+from coordinator.artifacts import MemoryArtifact, release_off_loop
 from coordinator.events import Committed
 from coordinator.session import CaptureScope, Coordinator, RestoreScope
 from coordinator.store import FileStore
@@ -505,3 +507,147 @@ async def test_a_failure_cancels_the_others_and_a_cancelled_host_fences_nothing(
             await c.capture(1)  # the host's own cancellation: no failure of the epoch
         participants[0].gate.set()
         assert isinstance(await (await c.capture(2)).wait(), Committed)
+
+
+# From the attack on run_together: plain task.cancel() went through every shield.
+
+
+def _others(before: set[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
+    return {t for t in asyncio.all_tasks() if t not in before and not t.done()} - {
+        asyncio.current_task()
+    }
+
+
+@pytest.mark.asyncio
+async def test_a_host_cancelled_twice_leaves_no_participant_running_and_nothing_live(
+    tmp_path: Path,
+) -> None:
+    """The second cancel broke out of the cleanup: two tasks ran on, one handle stayed
+    live for ever and a failure was never retrieved."""
+    participants = parts()
+
+    async def late_world(scope: CaptureScope) -> bytes:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(0.15)  # a flush, then the answer anyway
+            return b"world-late"
+        return b""
+
+    async def failing_agent(scope: CaptureScope) -> bytes:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(0.12)
+            raise RuntimeError("flush failed") from None
+        return b""
+
+    participants[0].capture = late_world  # type: ignore[method-assign]
+    participants[1].capture = failing_agent  # type: ignore[method-assign]
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        before = set(asyncio.all_tasks())
+        host = asyncio.create_task(c.capture(1))
+        await asyncio.sleep(0.05)
+        host.cancel()
+        await asyncio.sleep(0.02)
+        host.cancel()  # asked again, as asyncio.run's shutdown does
+        with pytest.raises(asyncio.CancelledError):
+            await host
+        assert _others(before) == set()
+        assert c.ledger.statistics().live == 0
+        del participants[0].capture, participants[1].capture
+        assert isinstance(await (await c.capture(2)).wait(), Committed)  # nothing fenced
+
+
+@pytest.mark.asyncio
+async def test_a_participants_shielded_cleanup_ends_before_the_capture_fails(
+    tmp_path: Path,
+) -> None:
+    """A re-cancel every 50 ms cut a shielded cleanup short: its handle stayed live."""
+    cleaned: list[bool] = []
+
+    class Source:
+        name = "agent-fly-a"
+
+        async def capture_artifact(self, scope: CaptureScope, ledger: Any) -> Any:
+            handle = MemoryArtifact(self.name, b"x" * 100, None, ledger)
+            try:
+                await anyio.sleep(3600)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await anyio.sleep(0.12)  # tells its remote end, then releases
+                    await release_off_loop([handle])
+                    cleaned.append(True)
+                raise
+            return handle
+
+    participants: list[Any] = parts()
+    participants[0].fail_capture = True
+    participants[1] = Source()
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        with pytest.raises(CaptureFailedError, match="sensor offline"):
+            await c.capture(1)
+        assert cleaned == [True] and c.ledger.statistics().live == 0
+
+
+@pytest.mark.parametrize("cleanup", ["fail_after", "raise"])
+@pytest.mark.asyncio
+async def test_a_cleanup_failing_under_the_hosts_cancellation_fences_nothing(
+    tmp_path: Path, cleanup: str
+) -> None:
+    """Cancelled once, a participant's cleanup ran and raised: the host's own
+    cancellation became CaptureFailedError, swallowed, and the epoch was fenced."""
+    participants = parts()
+
+    async def cleaning(scope: CaptureScope) -> bytes:
+        try:
+            await anyio.sleep(3600)
+        except anyio.get_cancelled_exc_class():
+            if cleanup == "fail_after":
+                with anyio.fail_after(0.02):
+                    await anyio.sleep(1)
+            await anyio.sleep(0.01)
+            raise ConnectionResetError("the remote end went away") from None
+        return b""
+
+    participants[0].capture = cleaning  # type: ignore[method-assign]
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        with anyio.move_on_after(0.1) as host:
+            await c.capture(1)
+        assert host.cancelled_caught
+        del participants[0].capture
+        assert isinstance(await (await c.capture(2)).wait(), Committed)
+        # ... and at the deadline, it is the deadline
+    participants[0].capture = cleaning  # type: ignore[method-assign]
+    async with FileStore(tmp_path / "b") as store:
+        async with coordinator(store, participants, capture_timeout=0.1) as c:
+            with pytest.raises(DeadlineExpiredError):
+                await c.capture(1)
+            assert c.ledger.statistics().live == 0
+
+
+@pytest.mark.asyncio
+async def test_a_participant_cancelled_by_someone_else_fails_the_capture_naming_it(
+    tmp_path: Path,
+) -> None:
+    """Its own watchdog cancelled its task: a bare KeyError out of capture, 4 handles
+    live, nothing fenced (the task group did the same)."""
+    participants = parts()
+
+    async def watchdogged(scope: CaptureScope) -> bytes:
+        me = asyncio.current_task()
+        assert me is not None
+        asyncio.get_running_loop().call_later(0.02, me.cancel)
+        await asyncio.sleep(1)
+        return b"never"
+
+    participants[2].capture = watchdogged  # type: ignore[method-assign]
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        with pytest.raises(CaptureFailedError, match="not by the coordinator") as caught:
+            await c.capture(1)
+        assert caught.value.participant == participants[2].name
+        assert c.ledger.statistics().live == 0
+        with pytest.raises(EpochFencedError):
+            await c.capture(2)
