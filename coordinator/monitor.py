@@ -284,7 +284,10 @@ class _ReadCaptured(_Read, frozen=True, kw_only=True, tag="captured"):
 
 
 class _ReadQueued(_Read, frozen=True, kw_only=True, tag="queued"):
-    queue_depth: Annotated[int, msgspec.Meta(ge=0)]
+    queue_depth: (
+        Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
+        | Annotated[float, msgspec.Meta(ge=0, le=MAX_SEQ)]
+    )  # (a count, read as seq is: 2.0 is 2, as every language reads it)
 
 
 class _ReadSuperseded(_Read, frozen=True, kw_only=True, tag="superseded"):
@@ -398,7 +401,7 @@ def _fold(
                 changes["untracked"] = state.untracked + 1
     elif isinstance(event, Queued | _ReadQueued):
         if not late:
-            changes["queue_depth"] = event.queue_depth
+            changes["queue_depth"] = int(event.queue_depth)
     else:
         if event.checkpoint_id in open_ids:
             open_ids = open_ids - {event.checkpoint_id}

@@ -47,7 +47,7 @@ const FORMS = {
   u64: (v) => typeof v === "string" && U64.test(v) && BigInt(v) < 2n ** 64n,
   "u64?": (v) => v === null || FORMS.u64(v),
   text: (v) => typeof v === "string",
-  count: (v) => Number.isInteger(v) && v >= 0,
+  count: (v) => Number.isInteger(v) && v >= 0 && v <= MAX_SEQ, // as seq
 };
 const FIELDS = {
   captured: { checkpointId: "id", epoch: "id" },

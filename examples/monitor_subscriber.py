@@ -194,7 +194,7 @@ FORMS = {
     "u64": lambda v: isinstance(v, str) and U64.fullmatch(v) is not None and int(v) < 2**64,
     "u64?": lambda v: v is None or FORMS["u64"](v),
     "text": lambda v: isinstance(v, str),
-    "count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    "count": lambda v: is_seq(v),  # an integral number from 0 to 2^53 - 1, as seq
 }
 FIELDS = {
     "captured": {"checkpointId": "id", "epoch": "id"},

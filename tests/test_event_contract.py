@@ -365,6 +365,12 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
             captured(last.seq + 1, "c-restored", event="restored", boundary="1",
                      reason="r", previousEpoch="p"),  # fmt: skip
             captured(last.seq + 2, "c-emoji", eventId="\U0001f600" * 259),  # 259 points
+            # A count is read as seq is: 2.0 is 2; past 2^53 - 1 it is rule 4 (JS rounds).
+            captured(last.seq + 3, "c-emoji", event="queued", queueDepth=2.0, queuedBytes="1"),
+            captured(last.seq + 4, "c-huge", event="queued", queueDepth=10**400),
+            captured(last.seq + 5, "c-half", event="queued", queueDepth="@").replace(
+                b'"@"', b"9007199254740993.5"
+            ),
             *(captured(10**9 + i, f"c-run-{i}") for i in range(16)),  # the sequence moved
         ]
         client = await nats.connect(server.url)
