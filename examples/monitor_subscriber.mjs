@@ -23,6 +23,7 @@ const FOLDED_IDS = 1024;
 const MAX_MISSING = 4096;
 const MAX_SEQ = Number.MAX_SAFE_INTEGER; // 2**53 - 1
 const MAX_EVENT_ID = 259; // four Ids and three ':' (rule 1), in code points
+const MAX_IN_FLIGHT = 1024; // a host has a few; beyond, captures are only counted (rule 6)
 // Messages are UTF-8: a bad byte or a BOM makes no event (rule 1), as in Python.
 const UTF8 = new TextDecoder("utf-8", { fatal: true, ignoreBOM: true });
 // JSON.parse takes what Python's readers refuse: nesting deeper than about 1,000
@@ -82,6 +83,7 @@ class Session {
     this.epoch = null;
     this.epochs = []; // the latest 8 epochs seen
     this.closedOut = 0; // captures of an older run, ended by the next run's start (rule 5)
+    this.untracked = 0; // captures beyond MAX_IN_FLIGHT in flight (rule 6)
     this.lastSeq = 0;
     this.missing = new Set();
     this.lost = 0; // seqs skipped beyond MAX_MISSING: counted only
@@ -178,7 +180,13 @@ class Session {
       return note + `  to the replicated tier as ${event.object}`;
     }
     if (kind === "captured") {
-      if (!late) this.inFlight.add(ckpt);
+      if (late) {
+        // a late one may be over already
+      } else if (this.inFlight.size < MAX_IN_FLIGHT || this.inFlight.has(ckpt)) {
+        this.inFlight.add(ckpt);
+      } else {
+        this.untracked += 1;
+      }
     } else if (kind === "queued") {
       if (!late) this.queueDepth = event.queueDepth;
     } else if (kind === "restored") {
@@ -223,7 +231,8 @@ class Session {
   summary() {
     return {
       kv: this.kv, highWater: this.highWater, boundary: this.boundary,
-      inFlight: [...this.inFlight].sort(), closedOut: this.closedOut,
+      inFlight: [...this.inFlight].sort(), untracked: this.untracked,
+      closedOut: this.closedOut,
       committed: this.committed,
       superseded: this.superseded, failed: this.failures, restores: this.restores,
       lastSeq: this.lastSeq, gaps: this.gaps(), lost: this.lost,

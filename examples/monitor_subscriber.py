@@ -33,6 +33,7 @@ STREAM, BUCKET, PREFIX = "CKPT", "CKPT_COMMITTED", "ckpt"
 KINDS = ("captured", "queued", "superseded", "committed", "failed", "restored", "replicated")
 FOLDED_IDS, MAX_MISSING, MAX_SEQ = 1024, 4096, 2**53 - 1
 MAX_EVENT_ID = 259  # four Ids and three ':' (rule 1)
+MAX_IN_FLIGHT = 1024  # a host has a few; beyond, captures are only counted (rule 6)
 MAX_JUMP, RESYNC = 4096, 16  # rule 3: no gap the bus leaves is longer; a run that re-bases
 
 
@@ -49,6 +50,7 @@ class Session:
     in_flight: set[str] = field(default_factory=set)  # captured, no terminal event yet
     epochs: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=8))
     closed_out: int = 0  # captures of an older run, ended by the next run's start (rule 5)
+    untracked: int = 0  # captures beyond MAX_IN_FLIGHT in flight (rule 6)
     committed: int = 0
     superseded: int = 0
     failures: list[dict[str, str]] = field(default_factory=list)
@@ -130,8 +132,12 @@ class Session:
                 self.replicated_high_water, self.replicated_seq = ckpt, seq
             return note + f"  to the replicated tier as {event.get('object')}"
         if kind == "captured":
-            if not late:  # a late one may be over already
+            if late:  # a late one may be over already
+                pass
+            elif len(self.in_flight) < MAX_IN_FLIGHT or ckpt in self.in_flight:
                 self.in_flight.add(ckpt)
+            else:
+                self.untracked += 1
         elif kind in ("superseded", "committed", "failed"):
             self.in_flight.discard(ckpt)
         # Only an event after the one that set the high water moves it: never back.
@@ -165,7 +171,8 @@ class Session:
     def summary(self) -> dict:
         return {
             "kv": self.kv, "highWater": self.high_water, "boundary": self.boundary,
-            "inFlight": sorted(self.in_flight), "closedOut": self.closed_out,
+            "inFlight": sorted(self.in_flight), "untracked": self.untracked,
+            "closedOut": self.closed_out,
             "committed": self.committed,
             "superseded": self.superseded, "failed": self.failures, "restores": self.restores,
             "lastSeq": self.last_seq, "gaps": self.gaps(), "lost": self.lost,

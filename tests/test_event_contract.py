@@ -372,6 +372,8 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
                 b'"@"', b"9007199254740993.5"
             ),
             *(captured(10**9 + i, f"c-run-{i}") for i in range(16)),  # the sequence moved
+            # A flood of captures: 1024 kept in flight, the rest counted (untracked).
+            *(captured(10**9 + 16 + i, f"c-flood-{i}") for i in range(1030)),
         ]
         client = await nats.connect(server.url)
         js = client.jetstream()
@@ -391,8 +393,10 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
     assert folded["invalid"] == library.invalid == 1
     assert folded["contradicting"] == library.contradicting == 2 + 15
     assert folded["rebased"] == library.rebased == 1
-    assert folded["lastSeq"] == library.last_seq == 10**9 + 15
-    assert folded["inFlight"] == sorted(library.in_flight) == ["c-emoji", "c-run-15"]
+    assert folded["lastSeq"] == library.last_seq == 10**9 + 15 + 1030
+    assert folded["inFlight"] == sorted(library.in_flight)
+    assert {"c-emoji", "c-run-15"} < set(library.in_flight) and len(library.in_flight) == 1024
+    assert folded["untracked"] == library.untracked == 2 + 1030 - 1024
     assert folded["highWater"] == library.high_water == high_water  # (never moved by them)
 
 def test_a_huge_jump_in_seq_keeps_memory_bounded() -> None:
