@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any
@@ -35,7 +36,7 @@ from .events import (
 )
 from .ids import U64, Id
 from .presence import Presence, liveness
-from .wire import read_json
+from .wire import read_any_json, read_json
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -276,7 +277,9 @@ class _Read(msgspec.Struct, frozen=True, kw_only=True, rename="camel", tag_field
 
     checkpoint_id: Id
     epoch: Id
-    time: Any = None  # read when it is a string: for ages, never a reason for rule 4
+    # Read as it is, and only later (``_loose``): any JSON here, 1e400 too, is no reason
+    # for rule 4 (msgspec refuses a number out of a float's range even into Any).
+    time: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # read when a string
 
 
 class _ReadCaptured(_Read, frozen=True, kw_only=True, tag="captured"):
@@ -297,8 +300,8 @@ class _ReadSuperseded(_Read, frozen=True, kw_only=True, tag="superseded"):
 class _ReadCommitted(_Read, frozen=True, kw_only=True, tag="committed"):
     high_water: Id
     boundary: U64
-    timings: Any = None  # read for the last commit's latency when it is a Timings
-    envelope_bytes: Any = None
+    timings: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # its totalMs
+    envelope_bytes: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
 
 
 class _ReadFailed(_Read, frozen=True, kw_only=True, tag="failed"):
@@ -358,7 +361,8 @@ def _fold(
         return msgspec.structs.replace(state, **changes)
     kind = _kind(event)
     open_ids = state.in_flight  # a new set only where it changes (at most MAX_IN_FLIGHT)
-    when = event.time if isinstance(event.time, str) and len(event.time) <= MAX_TIME else None
+    time = _loose(event.time)
+    when = time if isinstance(time, str) and len(time) <= MAX_TIME else None
     current = not late and seq > 0
     if current and kind != "replicated":  # the host's epoch, not the replica's
         changes["last_event_time"] = when
@@ -501,8 +505,8 @@ def _newest_commit(
         "high_water": event.high_water,
         "high_water_boundary": event.boundary,
         "high_water_seq": seq,
-        "last_committed_ms": _total_ms(event.timings),
-        "last_committed_bytes": _count(event.envelope_bytes),
+        "last_committed_ms": _total_ms(_loose(event.timings)),
+        "last_committed_bytes": _count(_loose(event.envelope_bytes)),
         "last_committed_time": when,
         "recent_commits": recent,
         "unreplicated": state.unreplicated + 1,
@@ -525,11 +529,31 @@ def _total_ms(timings: object) -> float | None:
     total = timings.total_ms if isinstance(timings, Timings) else None
     if isinstance(timings, dict):
         total = timings.get("totalMs")
-    return float(total) if isinstance(total, int | float) and not isinstance(total, bool) else None
+    if isinstance(total, bool) or not isinstance(total, int | float):
+        return None
+    try:  # (anyone may publish: an integer of 310 digits is no float)
+        value = float(total)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _loose(value: Any) -> Any:
+    """A field rule 6 reads only when it has its form: an event's own value, or the
+    raw JSON of one read loosely (``None`` when absent or unreadable)."""
+    if not isinstance(value, msgspec.Raw):
+        return value
+    try:
+        return read_any_json(value) if value else None
+    except msgspec.DecodeError:
+        return None
 
 
 def _count(value: object) -> int | None:
-    return int(value) if isinstance(value, str) and value.isdigit() else None
+    """A U64 string's value (``isdigit`` alone takes "²", and int() refuses 4301 digits)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
+        return int(value)
+    return None
 
 
 def _restore_text(event: Restored | _ReadRestored) -> str:

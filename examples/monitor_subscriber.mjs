@@ -212,8 +212,8 @@ class Session {
         this.failures.push({ checkpointId: ckpt, code: event.code });
         note += `  ${event.code}: ${event.reason}`;
       }
-      this.queueDepth = Math.min(this.queueDepth, this.inFlight.size); // queued is in flight
     }
+    this.queueDepth = Math.min(this.queueDepth, this.inFlight.size); // queued is in flight
     return note;
   }
 
@@ -231,7 +231,7 @@ class Session {
   summary() {
     return {
       kv: this.kv, highWater: this.highWater, boundary: this.boundary,
-      inFlight: [...this.inFlight].sort(), untracked: this.untracked,
+      inFlight: [...this.inFlight].sort(), untracked: this.untracked, queueDepth: this.queueDepth,
       closedOut: this.closedOut,
       committed: this.committed,
       superseded: this.superseded, failed: this.failures, restores: this.restores,

@@ -51,6 +51,7 @@ class Session:
     epochs: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=8))
     closed_out: int = 0  # captures of an older run, ended by the next run's start (rule 5)
     untracked: int = 0  # captures beyond MAX_IN_FLIGHT in flight (rule 6)
+    queue_depth: int = 0  # from the latest queued; never more than in flight (rule 6)
     committed: int = 0
     superseded: int = 0
     failures: list[dict[str, str]] = field(default_factory=list)
@@ -138,8 +139,11 @@ class Session:
                 self.in_flight.add(ckpt)
             else:
                 self.untracked += 1
+        elif kind == "queued" and not late:
+            self.queue_depth = int(event["queueDepth"])
         elif kind in ("superseded", "committed", "failed"):
             self.in_flight.discard(ckpt)
+        self.queue_depth = min(self.queue_depth, len(self.in_flight))  # queued is in flight
         # Only an event after the one that set the high water moves it: never back.
         newest = self.high_water is None or (seq > 0 and seq >= self.high_water_seq)
         if kind == "committed":  # the only event that means saved
@@ -172,6 +176,7 @@ class Session:
         return {
             "kv": self.kv, "highWater": self.high_water, "boundary": self.boundary,
             "inFlight": sorted(self.in_flight), "untracked": self.untracked,
+            "queueDepth": self.queue_depth,
             "closedOut": self.closed_out,
             "committed": self.committed,
             "superseded": self.superseded, "failed": self.failures, "restores": self.restores,
@@ -243,11 +248,17 @@ def refuse(constant: str) -> None:
     raise ValueError(f"{constant} is not JSON")
 
 
+def number(digits: str) -> int | float:
+    """An integer as JSON writes it; one longer than Python converts (4300 digits) is
+    read as infinite: no seq, no count, and nothing in a field the fold does not read."""
+    return int(digits) if len(digits) <= 4300 else float("inf")
+
+
 def parse(data: bytes) -> object:
     """The JSON value of a message, or None: it must be UTF-8 (no BOM) and JSON
     (no NaN, no lone surrogate, nested as deep as Python goes); rule 1 skips the rest."""
     try:
-        value = json.loads(data.decode("utf-8"), parse_constant=refuse)
+        value = json.loads(data.decode("utf-8"), parse_constant=refuse, parse_int=number)
         json.dumps(value, ensure_ascii=False).encode("utf-8")  # a lone surrogate fails
     except (ValueError, RecursionError):
         return None

@@ -371,6 +371,13 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
             captured(last.seq + 5, "c-half", event="queued", queueDepth="@").replace(
                 b'"@"', b"9007199254740993.5"
             ),
+            # Fields the fold does not read never make an event rule 4, whatever they hold;
+            # a name given twice is read as its last value (as JSON.parse reads it).
+            captured(last.seq + 6, "c-time", time="@").replace(b'"@"', b"1e400"),
+            captured(last.seq + 7, "c-bigint", x="@").replace(b'"@"', b"1" + b"0" * 4300),
+            captured(last.seq + 8, "c-dup").replace(
+                b'"checkpointId": "c-dup"', b'"checkpointId": "not an Id", "checkpointId": "c-dup"'
+            ),
             *(captured(10**9 + i, f"c-run-{i}") for i in range(16)),  # the sequence moved
             # A flood of captures: 1024 kept in flight, the rest counted (untracked).
             *(captured(10**9 + 16 + i, f"c-flood-{i}") for i in range(1030)),
@@ -395,8 +402,10 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
     assert folded["rebased"] == library.rebased == 1
     assert folded["lastSeq"] == library.last_seq == 10**9 + 15 + 1030
     assert folded["inFlight"] == sorted(library.in_flight)
-    assert {"c-emoji", "c-run-15"} < set(library.in_flight) and len(library.in_flight) == 1024
-    assert folded["untracked"] == library.untracked == 2 + 1030 - 1024
+    assert {"c-emoji", "c-time", "c-bigint", "c-dup", "c-run-15"} < set(library.in_flight)
+    assert len(library.in_flight) == 1024
+    assert folded["untracked"] == library.untracked == 5 + 1030 - 1024
+    assert folded["queueDepth"] == library.queue_depth
     assert folded["highWater"] == library.high_water == high_water  # (never moved by them)
 
 def test_a_huge_jump_in_seq_keeps_memory_bounded() -> None:

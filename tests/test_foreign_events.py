@@ -178,6 +178,27 @@ def test_a_message_nested_too_deeply_is_no_event_not_a_crash() -> None:
         parse_pointer(b'{"a":' + b"[" * 1200 + b"]" * 1200 + b"}", "s")
 
 
+def test_fields_the_fold_does_not_read_never_crash_it_nor_make_rule_4() -> None:
+    """A totalMs of 310 digits (float() overflowed), an envelopeBytes of "²" (isdigit,
+    then int() refused it) or of 4301 digits crashed all three folds; a time or
+    envelopeBytes of 1e400 (msgspec refuses it even into Any) made the event rule 4."""
+    folds = Folds()
+    folds.feed(genuine("s", 1))  # seq 1..3
+    odd = [
+        ("timings", b'{"totalMs": 1' + b"0" * 309 + b"}"),
+        ("envelopeBytes", '"\u00b2"'.encode()),
+        ("envelopeBytes", b'"' + b"9" * 4301 + b'"'),
+        ("envelopeBytes", b"1e400"),
+        ("time", b"1e400"),
+        ("timings", b'{"x": 1e400}'),
+    ]
+    for n, (name, value) in enumerate(odd):
+        message = data(wire("committed", "s", 4 + n, f"e1-{2 + n}", **{name: "@"}))
+        folds.feed([message.replace(b'"@"', value)])
+    state = folds.agree("s")
+    assert (state.committed, state.high_water, state.invalid) == (1 + len(odd), "e1-7", 0)
+
+
 def test_texts_a_publisher_makes_huge_are_kept_short() -> None:
     """A failure's code and reason of 400 KB were kept whole (and a commit's time, 64
     times over in the commits remembered for the replication lag)."""
