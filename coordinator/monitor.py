@@ -178,6 +178,8 @@ def read_message(data: bytes | str) -> Message | None:
             read = read_json(data, _READ)
         except msgspec.MsgspecError:  # rule 4: its body does not fit its kind
             read = None
+        if isinstance(read, _ReadQueued) and not float(read.queue_depth).is_integer():
+            read = None  # (no count: 2.0 is 2, 2.5 is nothing)
     return fields.session_id, int(seq), fields.event_id, read
 
 
@@ -361,8 +363,8 @@ def _fold(
         return msgspec.structs.replace(state, **changes)
     kind = _kind(event)
     open_ids = state.in_flight  # a new set only where it changes (at most MAX_IN_FLIGHT)
-    time = _loose(event.time)
-    when = time if isinstance(time, str) and len(time) <= MAX_TIME else None
+    stamp = _loose(event.time)
+    when = stamp if isinstance(stamp, str) and len(stamp) <= MAX_TIME else None
     current = not late and seq > 0
     if current and kind != "replicated":  # the host's epoch, not the replica's
         changes["last_event_time"] = when

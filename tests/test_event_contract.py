@@ -378,6 +378,7 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
             captured(last.seq + 8, "c-dup").replace(
                 b'"checkpointId": "c-dup"', b'"checkpointId": "not an Id", "checkpointId": "c-dup"'
             ),
+            captured(last.seq + 9, "c-emoji", event="queued", queueDepth=2.5, eventId="q2.5"),
             *(captured(10**9 + i, f"c-run-{i}") for i in range(16)),  # the sequence moved
             # A flood of captures: 1024 kept in flight, the rest counted (untracked).
             *(captured(10**9 + 16 + i, f"c-flood-{i}") for i in range(1030)),
@@ -405,7 +406,7 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
     assert {"c-emoji", "c-time", "c-bigint", "c-dup", "c-run-15"} < set(library.in_flight)
     assert len(library.in_flight) == 1024
     assert folded["untracked"] == library.untracked == 5 + 1030 - 1024
-    assert folded["queueDepth"] == library.queue_depth
+    assert folded["queueDepth"] == library.queue_depth == 1  # (2.0 capped by 1 in flight)
     assert folded["highWater"] == library.high_water == high_water  # (never moved by them)
 
 def test_a_huge_jump_in_seq_keeps_memory_bounded() -> None:
