@@ -46,7 +46,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self
 
@@ -598,23 +598,20 @@ class Coordinator:
                 async with anyio.create_task_group() as group:
                     for participant in self.participants:
                         group.start_soon(one, participant)
-            for participant in self.participants:  # (a task someone else cancelled)
-                if participant.name not in captured:
-                    reason = "its capture was cancelled, and not by the coordinator"
-                    failure.append(CaptureFailedError(participant.name, reason))
-                    raise failure[-1]
+            missed = _not_captured(self.participants, captured)
+            if missed is not None:  # (a task someone else cancelled)
+                failure.append(missed)
+                raise missed
         except BaseException as error:
             with anyio.CancelScope(shield=True):
                 await release_off_loop(handles)
-            cancelled = anyio.get_cancelled_exc_class()
-            if isinstance(error, cancelled):
+            failed = await self._capture_failed(scope, error, failure, refusals)
+            if failed is error:
                 raise
-            if await being_cancelled():  # the host's: what failed on the way fences nothing
-                raise cancelled() from None
-            raise self._capture_failed(scope, error, failure, refusals) from None
+            raise failed from None
         return [captured[p.name] for p in self.participants]
 
-    def _capture_failed(
+    async def _capture_failed(
         self,
         scope: CaptureScope,
         error: BaseException,
@@ -623,6 +620,11 @@ class Coordinator:
     ) -> BaseException:
         """What a capture that did not take every participant raises; the epoch is
         fenced unless it was a refusal (a programming error) or an interruption."""
+        cancelled = anyio.get_cancelled_exc_class()
+        if isinstance(error, cancelled):
+            return error
+        if await being_cancelled():  # the host's: what failed on the way fences nothing
+            return cancelled()
         current = scope.epoch == self.epoch  # a straggler never fences a newer epoch
         if isinstance(error, TimeoutError):
             if current:
@@ -1096,6 +1098,18 @@ def _check_epoch(epoch: str) -> str:
 # What the record of a payload whose digest the writer computes holds until then:
 # the manifest validates at capture, and the writer replaces it before any write.
 PENDING_DIGEST = "0" * 64
+
+
+def _not_captured(
+    participants: Sequence[Participant], captured: Mapping[str, object]
+) -> CaptureFailedError | None:
+    """The first participant whose capture ended with nothing: its task was
+    cancelled by someone else (its own watchdog), as the coordinator never does."""
+    for participant in participants:
+        if participant.name not in captured:
+            reason = "its capture was cancelled, and not by the coordinator"
+            return CaptureFailedError(participant.name, reason)
+    return None
 
 
 def _record_of(handle: ArtifactHandle, name: str) -> PayloadRecord:
