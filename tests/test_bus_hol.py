@@ -157,3 +157,32 @@ async def test_a_server_that_is_away_loses_nothing_beside_a_denied_session(
         counts = bus.counts()
     assert counts.get("undeliverable", 0) == 0 and counts.get("dropped", 0) == 0
     assert counts["kv_failed"] == 2  # the denied key's writes, before and after: counted
+
+
+@pytest.mark.asyncio
+async def test_a_deleted_event_stream_is_said_once_and_nothing_is_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream deleted under a running host: every publish got 'no responders' and
+    was retried for ever, shown only as retries. Now one warning names the stream and
+    `coordinator setup`; once the stream is made again, the event is stored."""
+    import nats
+
+    from coordinator.bus import _nats as bus_nats
+
+    monkeypatch.setattr(bus_nats, "NO_STREAM_WARN_S", 0.5)
+    async with EmbeddedServer(tmp_path / "plain") as plain, NatsBus(plain.url) as bus:
+        await bus.publish(make("captured", 1))
+        await wait_until(lambda: bus.statistics().published >= 1)
+        client = await nats.connect(plain.url)
+        try:
+            await client.jetstream().delete_stream(bus.stream)
+            with caplog.at_level(logging.WARNING, logger="coordinator.bus"):
+                await bus.publish(make("queued", 2))
+                await wait_until(lambda: "coordinator setup" in caplog.text, timeout=10)
+            said = [r for r in caplog.records if "no stream has answered" in r.getMessage()]
+            assert len(said) == 1 and bus.stream in said[0].getMessage()
+            await bus._ensure_stream()  # what `coordinator setup` does for the stream
+            await wait_until(lambda: bus.statistics().published >= 2, timeout=10)
+        finally:
+            await client.close()

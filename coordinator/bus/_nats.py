@@ -41,6 +41,7 @@ import collections
 import contextlib
 import json
 import logging
+import math
 import re
 import ssl
 import urllib.parse
@@ -122,6 +123,8 @@ TRANSIENT = (
     NoStreamResponseError,  # the stream has no leader for a moment (a cluster election)
     TooManyStalledMsgsError,  # nats-py's in-flight publishes are all waiting for acks
 )
+# A stream silent this long with the server connected is said once (a deleted stream).
+NO_STREAM_WARN_S = 10.0
 # A host's presence entry is kept this long after its last beat, then forgotten.
 PRESENCE_KEPT_S = 7 * 24 * 3600.0
 # How many recent event ids a live subscription remembers, to drop re-publications.
@@ -588,6 +591,7 @@ class NatsBus:
         past. ``_AbandonedError`` once the close's flush deadline passes."""
         assert self._nc is not None
         backoff, failures = 0.05, 0
+        unanswered: float | None = None  # since when no stream answers, connected
         while True:
             disconnects = self._disconnects
             try:
@@ -602,10 +606,31 @@ class NatsBus:
                     if failures >= self.max_attempts:
                         return error
                 self._counts["retries"] += 1
+                unanswered = self._no_stream(error, connected, unanswered)
             if self._closing and anyio.current_time() + backoff > self._flush_deadline:
                 raise _AbandonedError
             await anyio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
+
+    def _no_stream(self, error: Exception, connected: bool, since: float | None) -> float | None:
+        """Says once, after ``NO_STREAM_WARN_S`` of it, that no stream answers while
+        the server is there: a cluster electing a leader answers again within
+        seconds; a deleted stream never does, and only ``coordinator setup`` helps.
+        Returns since when (``inf`` once said; ``None`` once answered)."""
+        if not (connected and isinstance(error, NoStreamResponseError)):
+            return None
+        now = anyio.current_time()
+        if since is None:
+            return now
+        if now - since >= NO_STREAM_WARN_S:
+            _log.warning(
+                "no stream has answered the publishes on %s for %.0f s, connected: a "
+                "cluster without a leader, or stream %s was deleted (`coordinator setup` "
+                "makes it again); retrying, nothing is lost",
+                _redacted(self.servers), now - since, self.stream,
+            )  # fmt: skip
+            return math.inf
+        return since
 
     async def _read_seq(self, session_id: str, lane: _Lane) -> None:
         lane.reserved = await self._stored_seq(session_id)
