@@ -23,20 +23,22 @@ import contextlib
 import hashlib
 import os
 import statistics
+import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 
 from ..bus import MemoryBus
 from ..errors import WriterBusyError
-from ..events import Committed
+from ..events import Committed, rfc3339_now
 from ..fs import FileSystem
 from ..manifest import ManifestBody, build_manifest
 from ..sample import sample_body, sample_payload_names
@@ -521,6 +523,7 @@ def _small(folder: Path, runs: int, progress: Progress = NO_PROGRESS) -> list[Re
 
     with progress.phase("runtime: preparing the small checkpoints"):
         checkpoints, raw_items = _small_work(folder, parts, count)
+    groups = _chunks(raw_items)
 
     async def store_only(run: int) -> float:
         payloads = [(p.name, p.data) for p in parts]
@@ -539,12 +542,16 @@ def _small(folder: Path, runs: int, progress: Progress = NO_PROGRESS) -> list[Re
         "store": lambda run: anyio.run(store_only, run),
         "sqlite": lambda run: _sqlite_rate(folder / f"sqlite-{run}.db", parts, count),
         "raw": lambda run: _raw_rate(folder / f"raw-{run}", raw_items),
-        "raw_group": lambda run: _raw_group_rate(folder / f"raw-group-{run}", raw_items),
+        "raw_group": lambda run: _raw_group_rate(folder / f"raw-group-{run}", groups),
         "raw_syncfs": lambda run: _raw_group_rate(
-            folder / f"raw-syncfs-{run}", raw_items, syncfs=True
+            folder / f"raw-syncfs-{run}", groups, syncfs=True
         ),
         "raw_recycled": lambda run: _raw_group_rate(
-            folder / f"raw-recycled-{run}", raw_items, recycle=True
+            folder / f"raw-recycled-{run}", groups, recycle=True
+        ),
+        "lean": lambda run: _raw_group_rate(folder / f"lean-{run}", _lean_groups(parts, count)),
+        "lean_recycled": lambda run: _raw_group_rate(
+            folder / f"lean-recycled-{run}", _lean_groups(parts, count), recycle=True
         ),
     }
     with progress.phase("runtime.small_rate_one_session (+ pipeline_small_rate)", runs):
@@ -664,7 +671,7 @@ class _RawFiles:
 
 
 def _raw_group_rate(
-    target: Path, items: Sequence[Any], *, syncfs: bool = False, recycle: bool = False
+    target: Path, items: Iterable[Sequence[Any]], *, syncfs: bool = False, recycle: bool = False
 ) -> float:
     """The commit sequence done in groups of ``RAW_GROUP``, with nothing but its
     syscalls: each group's envelopes written, their fsyncs at once on 8 threads
@@ -675,7 +682,9 @@ def _raw_group_rate(
     the files' fsyncs (not what the sequence says; for comparison only).
     ``recycle``: the sequence as it is, with the files rotation frees renamed to
     spare temporaries (not unlinked), and each new envelope written over one
-    (truncated to its length) while any is spare: no block is allocated or freed."""
+    (truncated to its length) while any is spare: no block is allocated or freed.
+    ``items`` are the groups' items, a group at a time: made as they are asked
+    for (``_lean_groups``), their making is timed too."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -684,9 +693,9 @@ def _raw_group_rate(
     directory = os.open(files.folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         with ThreadPoolExecutor(max_workers=8) as pool:
-            start = time.perf_counter()
-            for first in range(0, len(items), RAW_GROUP):
-                group = items[first : first + RAW_GROUP]
+            start, count = time.perf_counter(), 0
+            for group in items:
+                count += len(group)
                 fds = [files.create("tmp-" + name, pieces) for name, pieces, _, _ in group]
                 if syncfs:
                     if libc.syncfs(directory) != 0:
@@ -705,9 +714,50 @@ def _raw_group_rate(
                 for _, _, _, dropped in group:
                     for old in dropped:
                         files.drop(f"{old}.flysess")
-            return len(items) / (time.perf_counter() - start)
+            return count / (time.perf_counter() - start)
     finally:
         os.close(directory)
+
+
+def _chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
+    return [items[first : first + RAW_GROUP] for first in range(0, len(items), RAW_GROUP)]
+
+
+def _lean_groups(parts: Sequence[_Bytes], count: int) -> Iterator[list[Any]]:
+    """The Python a small checkpoint cannot do without, a group at a time: the
+    host's body as builtins, five SHA-256s, the manifest encoded with sorted keys,
+    an envelope of the same shape (header, manifest, table, payloads, footer
+    digest), three events encoded, and a store manifest of the newest three. No
+    checks, no event loop, no lineage: a floor for a leaner path, not a store."""
+    encoder = msgspec.json.Encoder(order="sorted")
+    datas = [bytes(part.data) for part in parts]
+    kept: list[str] = []
+    for first in range(0, count, RAW_GROUP):
+        group = []
+        for step in range(first, min(first + RAW_GROUP, count)):
+            name = f"e1-{step}"
+            scope = CaptureScope(session_id="bench", epoch="e1", step=step, checkpoint_id=name)
+            body = msgspec.to_builtins(small_describe(scope))
+            digests = [hashlib.sha256(data).digest() for data in datas]
+            body["payloads"] = [
+                {"name": part.name, "byteLength": str(len(data)), "digest": digest.hex()}
+                for part, data, digest in zip(parts, datas, digests, strict=True)
+            ]
+            manifest = encoder.encode(body)
+            table = b"".join(
+                struct.pack("<64sQQ32s", part.name.encode(), 0, len(data), digest)
+                for part, data, digest in zip(parts, datas, digests, strict=True)
+            )
+            header = struct.pack("<8sIIQ", b"FLYSESS1", 1, 64, len(manifest)).ljust(64, b"\0")
+            footer = hashlib.sha256(header + manifest + table)
+            for kind in ("captured", "queued", "committed"):
+                encoder.encode({"event": kind, "checkpointId": name, "time": rfc3339_now()})
+            kept.append(name)
+            dropped, kept[:] = kept[:-3], kept[-3:]
+            store_manifest = encoder.encode({"generations": kept, "lastSequence": str(step)})
+            pieces = [header, manifest, table, *datas, footer.digest()]
+            group.append((f"{name}.flysess", pieces, store_manifest, dropped))
+        yield group
 
 
 def _sqlite_rate(path: Path, parts: Sequence[_Bytes], count: int) -> float:
@@ -784,6 +834,14 @@ def _small_results(
                 "the files rotation frees renamed to spare temporaries and written over "
                 "(truncated) instead of new files: no block allocated or freed. The store "
                 "does not do this yet: a reader in another process may hold a rotated file",
+                "lean_rates": per_run("lean"),
+                "lean_over_sqlite": round(median(rates["lean"]) / sqlite, 3),
+                "lean_recycled_rates": per_run("lean_recycled"),
+                "lean_recycled_over_sqlite": round(median(rates["lean_recycled"]) / sqlite, 3),
+                "lean_is": "a floor for a leaner path: the raw groups, with the Python a "
+                "checkpoint cannot do without made in the timed loop (the host's body, five "
+                "SHA-256s, the manifest encoded, an envelope of the same shape, three events "
+                "encoded), no checks, no event loop, no lineage; and with recycled temporaries",
                 "raw_is": "write+fsync+rename+fsync(dir) of each envelope, then of the store "
                 "manifest, and rotation's unlinks: the same bytes, one after another",
                 "cpu_ms_per_checkpoint": {
