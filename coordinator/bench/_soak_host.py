@@ -15,6 +15,7 @@ import collections
 import contextlib
 import gc
 import json
+import logging
 import os
 import sys
 import time
@@ -32,6 +33,8 @@ from ..session import Coordinator
 from ..store import FileStore
 
 __all__ = ["AGENTS", "BIG_BYTES", "BIG_EVERY", "REMOTE", "SESSION", "main"]
+
+_log = logging.getLogger("coordinator.bench.soak_host")  # its stderr, read by people
 
 SESSION = "soak"
 AGENTS = ["a0", "a1", "a2"]
@@ -75,7 +78,9 @@ class Part:
 
 
 def _line(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
+    """One line of the host's protocol with the bench (its stdout): not a report."""
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
 
 
 async def _host(  # noqa: PLR0917 (the command line's options)
@@ -108,7 +113,7 @@ async def _host(  # noqa: PLR0917 (the command line's options)
                 except CoordinatorError as error:  # the remote agent away (a restart)
                     errors[error.code] += 1
                     if errors[error.code] == 1:  # each kind once, for the person reading
-                        print(f"soak host: step {step}: {error}", file=sys.stderr)
+                        _log.warning("step %d: %s", step, error)
                     outcome = None
                     if isinstance(error, CaptureFailedError | EpochFencedError):
                         step = await _resume(coordinator)  # as docs/host.md says
@@ -140,8 +145,9 @@ def _show_growth(baseline: tracemalloc.Snapshot) -> None:
     """Where memory grew since ``baseline``, on stderr (``--trace``)."""
     gc.collect()
     for stat in tracemalloc.take_snapshot().compare_to(baseline, "traceback")[:8]:
-        print(f"soak host: grew {stat.size_diff / 1024:+.1f} KiB in {stat.count_diff:+d} blocks",
-              *stat.traceback.format()[-6:], sep="\n  ", file=sys.stderr)  # fmt: skip
+        where = "\n  ".join(stat.traceback.format()[-6:])
+        _log.warning("grew %+.1f KiB in %+d blocks\n  %s", stat.size_diff / 1024,
+                     stat.count_diff, where)  # fmt: skip
 
 
 async def _released(coordinator: Coordinator, bus: NatsBus) -> int:
@@ -197,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=1000)
     parser.add_argument("--trace", action="store_true", help="where memory grew, on stderr")
     args = parser.parse_args(argv)
+    logging.basicConfig(format="soak host: %(message)s", level=logging.WARNING)
     if args.role == "worker":
         anyio.run(_worker, args.url)
     else:

@@ -408,11 +408,15 @@ def _child(mode: str, cache: str, plan: dict[str, Any]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _spinning() -> Iterator[None]:
-    """Another process spinning on one core (``while True: pass``) while inside."""
-    command = with_parent_death_signal([sys.executable, "-c", "while True: pass"], signal.SIGKILL)
-    spinner = subprocess.Popen(command)
+    """Another process spinning on one core (``while True: pass``) while inside:
+    entered once it says it spins (past the shim's exec and its own start)."""
+    spin = "import sys; sys.stdout.write('spinning\\n'); sys.stdout.flush()\nwhile True: pass"
+    command = with_parent_death_signal([sys.executable, "-c", spin], signal.SIGKILL)
+    spinner = subprocess.Popen(command, stdout=subprocess.PIPE)
     try:
-        time.sleep(0.2)  # past the shim's exec, spinning
+        assert spinner.stdout is not None
+        if spinner.stdout.readline() != b"spinning\n":
+            raise RuntimeError("bench restore: the spinning process did not start")
         yield
     finally:
         spinner.kill()
