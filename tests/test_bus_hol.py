@@ -171,18 +171,27 @@ async def test_a_deleted_event_stream_is_said_once_and_nothing_is_lost(
     from coordinator.bus import _nats as bus_nats
 
     monkeypatch.setattr(bus_nats, "NO_STREAM_WARN_S", 0.5)
+    sessions = [f"s{index}" for index in range(5)]  # a lane each: still one warning
+
+    def event(kind: str, seq: int, session: str) -> Event:
+        named = event_id(session, "epoch-1", "ckpt-7", kind)
+        return msgspec.structs.replace(make(kind, seq), session_id=session, event_id=named)
+
     async with EmbeddedServer(tmp_path / "plain") as plain, NatsBus(plain.url) as bus:
-        await bus.publish(make("captured", 1))
-        await wait_until(lambda: bus.statistics().published >= 1)
+        for session in sessions:
+            await bus.publish(event("captured", 1, session))
+        await wait_until(lambda: bus.statistics().published >= len(sessions))
         client = await nats.connect(plain.url)
         try:
             await client.jetstream().delete_stream(bus.stream)
             with caplog.at_level(logging.WARNING, logger="coordinator.bus"):
-                await bus.publish(make("queued", 2))
+                for session in sessions:
+                    await bus.publish(event("queued", 2, session))
                 await wait_until(lambda: "coordinator setup" in caplog.text, timeout=10)
+                await anyio.sleep(1.5)  # every lane has waited past the threshold
             said = [r for r in caplog.records if "no stream has answered" in r.getMessage()]
             assert len(said) == 1 and bus.stream in said[0].getMessage()
             await bus._ensure_stream()  # what `coordinator setup` does for the stream
-            await wait_until(lambda: bus.statistics().published >= 2, timeout=10)
+            await wait_until(lambda: bus.statistics().published >= 2 * len(sessions), timeout=10)
         finally:
             await client.close()

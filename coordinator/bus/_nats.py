@@ -188,6 +188,7 @@ class NatsBus:
         self._on_close: list[Callable[[], None]] = []
         self._disconnects = 0
         self._closing = False
+        self._no_stream_said = False  # for this outage of the stream, by any lane
         self._flush_deadline = 0.0
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
@@ -616,21 +617,24 @@ class NatsBus:
         """Says once, after ``NO_STREAM_WARN_S`` of it, that no stream answers while
         the server is there: a cluster electing a leader answers again within
         seconds; a deleted stream never does, and only ``coordinator setup`` helps.
-        Returns since when (``inf`` once said; ``None`` once answered)."""
+        Returns since when (``inf`` once said, by this lane or another; ``None`` once
+        answered)."""
         if not (connected and isinstance(error, NoStreamResponseError)):
             return None
         now = anyio.current_time()
         if since is None:
             return now
-        if now - since >= NO_STREAM_WARN_S:
+        if now - since < NO_STREAM_WARN_S:
+            return since
+        if not self._no_stream_said:
+            self._no_stream_said = True
             _log.warning(
                 "no stream has answered the publishes on %s for %.0f s, connected: a "
                 "cluster without a leader, or stream %s was deleted (`coordinator setup` "
                 "makes it again); retrying, nothing is lost",
                 _redacted(self.servers), now - since, self.stream,
             )  # fmt: skip
-            return math.inf
-        return since
+        return math.inf
 
     async def _read_seq(self, session_id: str, lane: _Lane) -> None:
         lane.reserved = await self._stored_seq(session_id)
@@ -681,6 +685,7 @@ class NatsBus:
                     self._lost(event, f"(seq {event.seq}) refused", outcome)
                 else:
                     self._counts["duplicates" if outcome.duplicate else "published"] += 1
+                    self._no_stream_said = False  # a stream answers: a later outage is said
                     ours = retried or not outcome.duplicate  # not someone else's, stored before
                     if not ours:
                         taken.append((event, outcome.seq))
