@@ -105,7 +105,7 @@ class Captured(_Event, frozen=True, kw_only=True, tag="captured"):
 class Queued(_Event, frozen=True, kw_only=True, tag="queued"):
     """The capture is in the writer's queue."""
 
-    queue_depth: Annotated[int, msgspec.Meta(ge=0)]
+    queue_depth: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]  # (as seq: exact everywhere)
     queued_bytes: U64
 
 
@@ -278,7 +278,7 @@ def events_schema() -> dict[str, Any]:
         definitions["Timings"]["properties"][name] = {
             "type": "number", "minimum": 0, "maximum": MAX_TIMING_MS,
         }  # fmt: skip
-    definitions["Queued"]["properties"]["queueDepth"]["minimum"] = 0
+    definitions["Queued"]["properties"]["queueDepth"].update(minimum=0, maximum=MAX_SEQ)
     definitions["Failed"]["properties"]["attempt"]["minimum"] = 0  # 0: never tried
     refs = [{"$ref": f"#/$defs/{kind.__name__}"} for kind in kinds]
     portable = {

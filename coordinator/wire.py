@@ -12,6 +12,7 @@ object is read as its last value, as Python's ``json`` and JavaScript's
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeVar
 
 import msgspec
@@ -33,15 +34,37 @@ def read_json(data: bytes | memoryview | str, decoder: msgspec.json.Decoder[T]) 
             return decoder.decode(text)
         except msgspec.ValidationError as refused:
             # (rare: only what the type refuses pays for the second reading)
+            if not _repeats_a_name(text):
+                raise refused from None
             try:
-                plain = msgspec.json.encode(_ANY.decode(text))
+                plain = msgspec.json.encode(_ANY.decode(text))  # (the last values)
             except (msgspec.MsgspecError, ValueError):  # (an integer too long to write)
                 raise refused from None
-            if len(plain) == len(text.encode()):
-                raise refused from None  # no name repeated: the refusal stands
             return decoder.decode(plain)
     except RecursionError:
         raise msgspec.DecodeError("JSON malformed: nested too deeply") from None
+
+
+class _RepeatedNameError(Exception):
+    pass
+
+
+def _no_name_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    names = {name for name, _ in pairs}
+    if len(names) < len(pairs):
+        raise _RepeatedNameError
+    return {}  # (the values are not needed)
+
+
+def _repeats_a_name(text: str) -> bool:
+    """Whether any object in ``text`` (JSON msgspec has read) gives a name twice."""
+    try:
+        json.loads(text, object_pairs_hook=_no_name_twice)
+    except _RepeatedNameError:
+        return True
+    except ValueError:  # (read by msgspec, so not expected)
+        return False
+    return False
 
 
 def read_any_json(data: bytes | memoryview | str) -> Any:

@@ -199,6 +199,41 @@ def test_fields_the_fold_does_not_read_never_crash_it_nor_make_rule_4() -> None:
     assert (state.committed, state.high_water, state.invalid) == (1 + len(odd), "e1-7", 0)
 
 
+def test_a_name_given_twice_is_its_last_value_whatever_surrounds_it() -> None:
+    """A repeated name is read as its last value (rule 1). The reader decided "no name
+    repeated" by comparing lengths with a re-encoding: numbers msgspec writes longer
+    (1e10 is 10000000000.0), offset by spaces, made a repeated name look like none,
+    and the queued event below was refused (rule 4) where JSON.parse reads it."""
+    folds = Folds()
+    folds.feed(genuine("s", 1))  # seq 1..3
+    queued = wire("queued", "s", 5, "e1-2", queueDepth="bad", p=1e10, q=1e10, r=1e10)
+    message = json.dumps(queued, separators=(",", ":")).encode()
+    message = message.replace(b'"queuedBytes"', b'"queueDepth":1,"queuedBytes"')
+    message = message.replace(b"10000000000.0", b"1e10")
+    longer = len(msgspec.json.encode(read_any_json(message))) - len(message)
+    message = message.replace(b'"p"', b" " * longer + b'"p"')
+    assert len(msgspec.json.encode(read_any_json(message))) == len(message)  # (the trap)
+    assert json.loads(message)["queueDepth"] == 1
+    folds.feed([data(wire("captured", "s", 4, "e1-2")), message])
+    state = folds.agree("s")
+    assert set(state.in_flight) == {"e1-2"} and state.queue_depth == 1 and state.invalid == 0
+
+
+def test_a_queue_depth_past_2_53_is_rule_4_in_every_fold() -> None:
+    """A queueDepth of 2^53 is no count any language reads exactly: rule 4 for
+    watch and the library; the dashboard's own decoding took it as an event."""
+    folds = Folds()
+    folds.feed(genuine("s", 1))  # seq 1..3
+    huge = wire("queued", "s", 5, "e2-3", queueDepth=2**53, epoch="e2", eventId="s:e2:e2-3:queued")
+    folds.feed([data(wire("captured", "s", 4, "e1-2")), data(huge)])
+    state = folds.agree("s")  # (adopted, the new epoch would close e1-2 out: rule 5)
+    assert set(state.in_flight) == {"e1-2"} and state.epochs == ("e1",) and state.last_seq == 5
+    for other in (folds.fleet.sessions["s"], folds.board.sessions["s"].state):
+        assert (other.epochs, other.closed_out, other.queue_depth) == (
+            state.epochs, state.closed_out, state.queue_depth
+        )
+
+
 def test_texts_a_publisher_makes_huge_are_kept_short() -> None:
     """A failure's code and reason of 400 KB were kept whole (and a commit's time, 64
     times over in the commits remembered for the replication lag)."""
