@@ -8,6 +8,7 @@ nothing, denied sessions or not."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -195,3 +196,93 @@ async def test_a_deleted_event_stream_is_said_once_and_nothing_is_lost(
             await wait_until(lambda: bus.statistics().published >= 2 * len(sessions), timeout=10)
         finally:
             await client.close()
+
+
+def captured_event(session: str, index: int) -> Event:
+    return msgspec.structs.replace(
+        make("captured"), session_id=session, checkpoint_id=f"c{index}",
+        event_id=event_id(session, "e1", f"c{index}", "captured"),
+    )  # fmt: skip
+
+
+async def stored_ids(url: str, session: str) -> list[str]:
+    async with NatsBus(url, read_only=True) as reader:
+        return [event.checkpoint_id for event in await reader.history(session)]
+
+
+@pytest.mark.asyncio
+async def test_a_deleted_stream_with_a_live_subscriber_loses_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With anyone subscribed to the event subjects (watch, the dashboard, the host
+    itself), a publish to a deleted stream has a responder that never acks: it timed
+    out instead of 'no responders', and after max_attempts timeouts the event was
+    dropped for good, with no warning. A timeout now asks whether the stream is
+    there; while it is not, the event waits for it, as with 'no responders'."""
+    import nats
+
+    from coordinator.bus import _nats as bus_nats
+
+    monkeypatch.setattr(bus_nats, "NO_STREAM_WARN_S", 0.5)
+    async with EmbeddedServer(tmp_path / "plain") as plain:
+        async with NatsBus(plain.url) as watcher, NatsBus(
+            plain.url, publish_timeout=0.3, max_attempts=2
+        ) as bus:
+            subscription = await watcher.subscribe()
+            await bus.publish(captured_event("s", 0))
+            await wait_until(lambda: bus.statistics().published >= 1)
+            client = await nats.connect(plain.url)
+            await client.jetstream().delete_stream(bus.stream)
+            await client.close()
+            with caplog.at_level(logging.WARNING, logger="coordinator.bus"):
+                for index in (1, 2, 3):
+                    await bus.publish(captured_event("s", index))
+                await wait_until(lambda: "coordinator setup" in caplog.text, timeout=10)
+                await anyio.sleep(2)  # past max_attempts timeouts, several times over
+            assert bus.counts().get("undeliverable", 0) == 0, caplog.text
+            await bus._ensure_stream()  # what `coordinator setup` does for the stream
+            await wait_until(lambda: bus.statistics().published >= 4, timeout=10)
+            await subscription.aclose()
+        assert await stored_ids(plain.url, "s") == ["c1", "c2", "c3"]
+
+
+@pytest.mark.asyncio
+async def test_a_stream_made_again_while_a_retry_is_handed_over_keeps_the_order(
+    tmp_path: Path,
+) -> None:
+    """A window (up to 512 events) is handed to nats-py before any ack returns: a
+    stream made again while a retried window was handed over stored its tail, and
+    its head ('no responders') was sent again after it, out of order. After 'no
+    responders' the lane now sends one event until the stream answers."""
+    import nats
+    import nats.js.errors
+
+    count = 2000
+    async with EmbeddedServer(tmp_path / "plain") as plain, NatsBus(plain.url) as bus:
+        await bus.publish(captured_event("s", 0))
+        await wait_until(lambda: bus.statistics().published >= 1)
+        client = await nats.connect(plain.url)
+        js = client.jetstream()
+        await js.delete_stream(bus.stream)
+        handed_in_retries = [0]
+        real = bus._js.publish_async  # type: ignore[union-attr]
+
+        async def made_again_in_a_retry(*args: object, **kwargs: object) -> object:
+            if bus.counts().get("retries", 0) >= 2:
+                handed_in_retries[0] += 1
+                if handed_in_retries[0] == 2:  # (one event of the retry handed over already)
+                    await bus.client.flush()  # (it reached the server: no stream then)
+                    await js.add_stream(name=bus.stream, subjects=[f"{bus.prefix}.>"])
+                    while True:  # until the stream takes what is published
+                        with contextlib.suppress(nats.js.errors.NoStreamResponseError):
+                            await js.publish(f"{bus.prefix}.other.captured", b"{}")
+                            break
+            return await real(*args, **kwargs)
+
+        bus._js.publish_async = made_again_in_a_retry  # type: ignore[method-assign,union-attr]
+        for index in range(1, count + 1):
+            bus.publish_nowait(captured_event("s", index))
+        await wait_until(lambda: handed_in_retries[0] >= 2, timeout=20)
+        await wait_until(lambda: bus.statistics().published >= count + 1, timeout=20)
+        await client.close()
+        assert await stored_ids(plain.url, "s") == [f"c{i}" for i in range(1, count + 1)]

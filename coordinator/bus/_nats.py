@@ -672,13 +672,15 @@ class NatsBus:
         newest: Committed | None = None
         sent = 0  # attempts so far: a duplicate after the first may be our own
         taken: list[tuple[Event, int]] = []  # first-attempt duplicates: whose, then?
+        probing = False  # no stream answered: one event until one does (kept in order)
 
         async def send_unsent() -> None:
-            nonlocal newest, sent
-            outcomes = await self._send(lane.window)
+            nonlocal newest, sent, probing
+            batch = lane.window[:1] if probing else lane.window
+            outcomes = await self._send(batch)
             retried, sent = sent > 0, sent + 1
             unsent = []
-            for event, outcome in zip(lane.window, outcomes, strict=True):
+            for event, outcome in zip(batch, outcomes, strict=True):
                 if isinstance(outcome, TRANSIENT):
                     unsent.append(event)
                 elif isinstance(outcome, BaseException):  # retrying could not help
@@ -691,8 +693,12 @@ class NatsBus:
                         taken.append((event, outcome.seq))
                     if isinstance(event, Committed) and ours:
                         newest = event if newest is None or event.seq > newest.seq else newest
-            lane.window = unsent
-            if failure := next((o for o in outcomes if isinstance(o, TRANSIENT)), None):
+            lane.window = unsent + lane.window[len(batch) :]
+            failure = next((o for o in outcomes if isinstance(o, TRANSIENT)), None)
+            if isinstance(failure, TimeoutError) and await self._stream_missing():
+                failure = NoStreamResponseError()  # (a subscriber got it: no ack ever)
+            probing = isinstance(failure, NoStreamResponseError)
+            if failure is not None:
                 raise failure
 
         while lane.window:
@@ -705,6 +711,20 @@ class NatsBus:
             if foreign and isinstance(event, Committed):  # the KV says ours, not theirs
                 newest = event if newest is None or event.seq > newest.seq else newest
         return newest
+
+    async def _stream_missing(self) -> bool:
+        """Whether the server says the event stream is not there: with anyone
+        subscribed to the event subjects, a publish to a deleted stream times out
+        instead of getting 'no responders'. ``False`` when it cannot tell now."""
+        assert self._js is not None
+        try:
+            with anyio.fail_after(self.publish_timeout):
+                await self._js.stream_info(self.stream)
+        except NotFoundError:
+            return True
+        except Exception:  # (the timeout stands)
+            return False
+        return False
 
     async def _check_stored(self, event: Event, seq: int) -> bool:
         """A first publish the stream took for a duplicate: a re-announcement of an
