@@ -63,6 +63,8 @@ def test_restore_group_reports_each_figure_beside_its_baselines() -> None:
     for mode in MODES:  # every warm figure, beside the cold ones
         assert positive(cold["warm"][f"{mode}_s"]), mode
     assert cold["warm"]["ratio_to_read_sha256"] > 0
+    assert positive(cold["format_floor_s"])  # one SHA-256 pass of the file, same run
+    assert cold["ratio_to_format_floor"] > 0 and 0 < cold["format_floor_over_baseline"] < 1
     resident = cold["resident_before_clock"]
     if resident["cold"] != "mincore unavailable":
         assert resident["cold"][1] < 0.5 and resident["warm"][0] > 0.5  # evicted / read in
