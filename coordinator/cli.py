@@ -271,7 +271,7 @@ def _verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _verify_store(path: Path, out: TextIO, err: TextIO) -> int:
-    from .store import SyncStore
+    from .store import SPARE_PREFIX, SyncStore
 
     with SyncStore(path, read_only=True, create=False) as store:
         report = store.verify()
@@ -280,8 +280,12 @@ def _verify_store(path: Path, out: TextIO, err: TextIO) -> int:
     for failure in report.failures:
         print(f"CORRUPT  {failure.checkpoint_id} [{failure.code}] {failure.check}", file=err)
         print(f"  {failure}", file=err)
+    spares = [name for name in report.temporaries if name.startswith(SPARE_PREFIX)]
     for name in report.temporaries:
-        print(f"temporary (not a checkpoint): {name}", file=out)
+        if not name.startswith(SPARE_PREFIX):
+            print(f"temporary (not a checkpoint): {name}", file=out)
+    if spares:  # (a live writer's: rotated-out files the next small ones are written over)
+        print(f"spares (rotated out, to be written over): {len(spares)}", file=out)
     for name in report.unreferenced:
         print(f"unreferenced (not listed, never restored): {name}", file=out)
     verdict = "ok" if report.ok else "FAILED"

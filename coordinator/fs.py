@@ -2,7 +2,8 @@
 
 Every file-system call the store makes goes through a ``FileSystem``: create,
 open, write, fsync, close, rename, fsync_dir, unlink, list, chmod, the lock (and
-whether it still holds) and the read-only map. Tests wrap it to record the
+whether it still holds), the read-only map, and a generation's shared flock and
+the reuse of a rotated-out file it guards. Tests wrap it to record the
 operation trace (for the crash model) and to inject faults; production code has
 no other test hook.
 
@@ -55,7 +56,7 @@ class FileSystem:
         self.fsync_dir(os.path.dirname(os.path.abspath(path)))
 
     def create(self, path: str) -> int:
-        """A new file for writing, 0600; fails if ``path`` exists (never reuse an inode)."""
+        """A new file for writing, 0600; fails if ``path`` exists (a new inode)."""
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
 
     def open(self, path: str) -> int:
@@ -63,6 +64,52 @@ class FileSystem:
         refused (ELOOP / EINVAL) without blocking: a store holds only regular files."""
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         return _regular(os.open(path, flags), path)
+
+    def open_generation(self, path: str) -> int:
+        """``open`` a generation file, holding a shared flock on it for as long as a
+        descriptor or a map of it lives: the store writes over only files nobody
+        holds (``reuse``). One rotated out between the open and the lock (renamed
+        away, or being written over) is ``FileNotFoundError``, as if unlinked."""
+        fd = self.open(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            held = self.same_file(fd, path)
+        except BlockingIOError:  # the writer holds it: written over now
+            held = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if not held:
+            os.close(fd)
+            raise FileNotFoundError(errno.ENOENT, "rotated out while it was opened", path)
+        return fd
+
+    def reuse(self, spare: str, path: str) -> int | None:
+        """``spare`` (a file the store rotated out) renamed to ``path`` and opened to
+        be written over, if no reader holds it (an exclusive flock, not waiting)
+        and no other name links it (a hard-linked backup); else ``None``, and the
+        spare is unlinked (a reader keeps its bytes). The lock lasts until close."""
+        flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        fd = _regular(os.open(spare, flags), spare)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                free = os.fstat(fd).st_nlink == 1
+            except BlockingIOError:
+                free = False
+            if free:
+                self.rename(spare, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not free:
+            os.close(fd)
+            self.unlink(spare)
+            return None
+        return fd
+
+    def truncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
 
     def write(self, fd: int, data: memoryview) -> int:
         return os.write(fd, data)

@@ -63,6 +63,20 @@ class RecordingFS(FileSystem):
         self.ops.append(("create", os.path.basename(path), fd))
         return fd
 
+    def reuse(self, spare: str, path: str) -> int | None:
+        self._check("reuse", spare)
+        fd = super().reuse(spare, path)  # (its rename or unlink is recorded as such)
+        if fd is not None:
+            self.paths[fd] = path
+            self.positions[fd] = 0
+            self.ops.append(("reopen", fd, os.path.basename(path)))
+        return fd
+
+    def truncate(self, fd: int, length: int) -> None:
+        self._check("truncate", self.paths[fd])
+        super().truncate(fd, length)
+        self.ops.append(("truncate", fd, length))
+
     def write(self, fd: int, data: memoryview) -> int:
         self._check("write", self.paths[fd])
         count = super().write(fd, data)
@@ -169,6 +183,10 @@ def crash_states(
             fds[op[2]] = len(inodes) - 1
             current[op[1]] = len(inodes) - 1
             pending.append(("link", op[1], len(inodes) - 1))
+        elif kind == "reopen":  # a rotated-out file, renamed, to be written over
+            fds[op[1]] = current[op[2]]
+        elif kind == "truncate":
+            del inodes[fds[op[1]]].current[op[2] :]
         elif kind == "write":
             node = inodes[fds[op[1]]]
             end = op[2] + len(op[3])

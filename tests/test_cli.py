@@ -235,6 +235,22 @@ def test_verify_store_checks_every_generation(tmp_path: Path) -> None:
     assert "tmp-ckpt-9.flysess" in out and "ckpt-9.flysess" in out
 
 
+def test_verify_beside_a_live_writer_counts_its_spares_as_no_problem(tmp_path: Path) -> None:
+    """A live writer keeps rotated-out files as spares (tmp+spare+N): verify says how
+    many, once, not a 'temporary' line each, and the store verifies."""
+    from storekit import checkpoint
+
+    from coordinator.store import SyncStore
+
+    with SyncStore(tmp_path, keep=1) as writer:
+        for index in range(4):
+            writer.commit(*checkpoint(index))
+        code, out, _ = run("verify", str(tmp_path))
+    assert code == 0, out
+    assert "spares (rotated out, to be written over): 1" in out
+    assert "temporary" not in out
+
+
 def test_verify_store_with_invalid_manifest(tmp_path: Path) -> None:
     """A store whose manifest.json is invalid fails with its code."""
     (tmp_path / "manifest.json").write_bytes(b"{}")

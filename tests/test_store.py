@@ -99,24 +99,27 @@ def test_store_manifest_is_canonical_with_every_field(tmp_path: Path) -> None:
     assert record["envelopeDigest"] == receipt.record.envelope_digest
 
 
-def test_rotation_keeps_n_and_unlinks_after_the_commit_point(tmp_path: Path) -> None:
-    """With keep=3 the oldest go, and their files are unlinked only after the final
-    directory fsync of the commit that dropped them."""
+def test_rotation_keeps_n_and_rotates_out_after_the_commit_point(tmp_path: Path) -> None:
+    """With keep=3 the oldest go, and their files leave their names (renamed to a
+    spare the next small generation is written over, or unlinked) only after the
+    final directory fsync of the commit that dropped them. No spare outlives the
+    store's close."""
     fs = RecordingFS()
     with SyncStore(tmp_path, fs=fs) as store:
         for index in range(5):
             store.commit(*checkpoint(index))
         assert listed(store) == ["ckpt-2", "ckpt-3", "ckpt-4"]
         assert store.high_water == "ckpt-4"
-    kinds = fs.kinds()
     for dropped in ("ckpt-0.flysess", "ckpt-1.flysess"):
-        at = fs.ops.index(("unlink", dropped))
+        at = next(i for i, op in enumerate(fs.ops) if op[:2] in {("unlink", dropped), ("rename", dropped)})
         before = [op[0] for op in fs.ops[:at] if op[0] != "write"]
         assert before[-2:] == ["rename", "fsync_dir"]
-    assert kinds.count("unlink") == 2
-    assert sorted(p.name for p in tmp_path.glob("*.flysess")) == [
+    spare = next(op[2] for op in fs.ops if op[:2] == ("rename", "ckpt-0.flysess"))
+    assert ("rename", spare, "tmp+ckpt-4.flysess") in fs.ops  # written over by ckpt-4
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".flysess")) == [
         "ckpt-2.flysess", "ckpt-3.flysess", "ckpt-4.flysess",
     ]  # fmt: skip
+    assert not list(tmp_path.glob("tmp+*"))
 
 
 def test_recommit_replaces_the_record_without_touching_the_old_file_first(
@@ -137,9 +140,12 @@ def test_recommit_replaces_the_record_without_touching_the_old_file_first(
 
 
 def test_failed_unlink_is_recorded_not_ignored(tmp_path: Path) -> None:
-    """A dropped generation that cannot be unlinked shows up in statistics()."""
+    """A dropped generation that cannot be unlinked (nor renamed to a spare) shows
+    up in statistics()."""
     fs = RecordingFS(
-        lambda op, name: errno.EACCES if (op, name) == ("unlink", "ckpt-0.flysess") else None
+        lambda op, name: (
+            errno.EACCES if op in ("unlink", "rename") and name == "ckpt-0.flysess" else None
+        )
     )
     with SyncStore(tmp_path, keep=1, fs=fs) as store:
         store.commit(*checkpoint(0))
@@ -875,3 +881,90 @@ def test_two_readers_pinning_one_generation_each_keep_it(tmp_path: Path) -> None
         store.unpin("ckpt-1")  # and the second
         store.commit(*checkpoint(3))
         assert listed(store) == ["ckpt-3"]
+
+
+def test_a_reader_holding_a_rotated_out_generation_keeps_its_bytes(tmp_path: Path) -> None:
+    """Rotated-out small files are written over by later generations (spares), but
+    never one a reader holds: its shared lock makes the store unlink that one
+    instead, and the reader's bytes stay what it verified."""
+    fs = RecordingFS()
+    with SyncStore(tmp_path, keep=1, fs=fs) as store:
+        manifest, payloads = checkpoint(0)
+        store.commit(manifest, payloads)
+        held = store.read(store.lookup("ckpt-0"))  # (a map, locked until closed)
+        staged = store.open_staged(store.lookup("ckpt-0"))  # (a descriptor, locked)
+        for index in range(1, 70):
+            store.commit(*checkpoint(index))
+        assert [op for op in fs.ops if op[0] == "reopen"], "no spare was written over"
+        for name, data in payloads:
+            assert bytes(held.payload(name)) == data
+        restored = staged.read({})
+        for name, data in payloads:
+            assert bytes(restored.payload(name)) == data
+        restored.close()
+        staged.close()
+        held.close()
+        assert store.verify().ok
+
+
+def test_a_hard_linked_generation_is_never_written_over(tmp_path: Path) -> None:
+    """A generation with another name (a user's hard-linked backup of the store)
+    is unlinked when rotated out, never written over."""
+    store_dir, backup = tmp_path / "store", tmp_path / "backup.flysess"
+    with SyncStore(store_dir, keep=1) as store:
+        store.commit(*checkpoint(0))
+        os.link(store_dir / "ckpt-0.flysess", backup)
+        kept = backup.read_bytes()
+        for index in range(1, 10):
+            store.commit(*checkpoint(index))
+    assert backup.read_bytes() == kept
+
+
+def test_a_generation_rotated_out_as_it_is_opened_is_missing(tmp_path: Path) -> None:
+    """Between a reader's open and its lock, the writer may rename the file away (a
+    spare) or hold it to write over: the reader is told it is gone, as if it had
+    been unlinked, never handed other bytes."""
+    import fcntl
+
+    from coordinator.fs import FileSystem
+
+    path = tmp_path / "ckpt-0.flysess"
+    path.write_bytes(b"x" * 100)
+
+    class RenamedAsOpened(FileSystem):
+        def open(self, name: str) -> int:
+            fd = super().open(name)
+            os.rename(name, name + ".spare")
+            return fd
+
+    with pytest.raises(FileNotFoundError):
+        RenamedAsOpened().open_generation(str(path))
+    os.rename(str(path) + ".spare", path)
+    writer = os.open(path, os.O_WRONLY)
+    fcntl.flock(writer, fcntl.LOCK_EX)  # (what reuse holds while it writes over it)
+    try:
+        with pytest.raises(FileNotFoundError):
+            FileSystem().open_generation(str(path))
+    finally:
+        os.close(writer)
+    os.close(FileSystem().open_generation(str(path)))  # (free again: opened)
+
+
+def test_a_spare_whose_fsync_failed_is_unlinked_never_reused(tmp_path: Path) -> None:
+    """A spare written over whose fsync fails is closed and unlinked like a new
+    file (never fsynced again); the next commit writes another."""
+    fs = RecordingFS()
+    with SyncStore(tmp_path, keep=1, fs=fs) as store:
+        store.commit(*checkpoint(0))
+        store.commit(*checkpoint(1))  # ckpt-0 becomes a spare
+        fs.rule = fail_nth("fsync", 1, name="tmp+ckpt-2")
+        with pytest.raises(SyncError):
+            store.commit(*checkpoint(2))
+        fs.rule = None
+        assert any(op[0] == "reopen" and op[2] == "tmp+ckpt-2.flysess" for op in fs.ops)
+        assert ("unlink", "tmp+ckpt-2.flysess") in fs.ops and fs.fsync_after_failure == 0
+        store.commit(*checkpoint(3))
+        assert listed(store) == ["ckpt-3"] and store.verify().ok
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "LOCK") == [
+        "ckpt-3.flysess", "manifest.json",
+    ]  # fmt: skip

@@ -833,7 +833,7 @@ def _small_results(
                 "raw_recycled_is": "the same groups and the same sequence (an fsync a file), "
                 "the files rotation frees renamed to spare temporaries and written over "
                 "(truncated) instead of new files: no block allocated or freed. The store "
-                "does not do this yet: a reader in another process may hold a rotated file",
+                "does this too (spares, docs/store.md), with a lock readers hold",
                 "lean_rates": per_run("lean"),
                 "lean_over_sqlite": round(median(rates["lean"]) / sqlite, 3),
                 "lean_recycled_rates": per_run("lean_recycled"),

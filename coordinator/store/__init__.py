@@ -30,7 +30,14 @@ from ._commit import UnlinkFailure
 from ._export import export_payloads
 from ._facade import FileStore
 from ._lineage import established_in, on_timeline
-from ._manifest import EpochRecord, Fork, GenerationRecord, SessionRecord, StoreManifest
+from ._manifest import (
+    SPARE_PREFIX,
+    EpochRecord,
+    Fork,
+    GenerationRecord,
+    SessionRecord,
+    StoreManifest,
+)
 from ._modes import check_mode
 from ._staged import StagedRead
 from ._sync import DEFAULT_KEEP, CommitReceipt, StoreStatistics, SyncStore
@@ -39,6 +46,7 @@ from ._verify import StoredCheckpoint, VerifyReport, checked_generation, read_ge
 
 __all__ = [
     "DEFAULT_KEEP",
+    "SPARE_PREFIX",
     "CommitReceipt",
     "EpochRecord",
     "FileStore",

@@ -34,6 +34,7 @@ __all__ = [
     "LOCK",
     "MANIFEST",
     "MAX_STORE_MANIFEST_BYTES",
+    "SPARE_PREFIX",
     "SUFFIX",
     "TMP_MANIFEST",
     "TMP_PREFIX",
@@ -47,6 +48,7 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = "tmp+"
+SPARE_PREFIX = TMP_PREFIX + "spare+"  # a rotated-out file kept to be written over
 TMP_MANIFEST = TMP_PREFIX + MANIFEST
 # Earlier versions named temporaries "tmp-…"; an unlisted one is still cleaned up.
 LEGACY_TMP_PREFIX = "tmp-"

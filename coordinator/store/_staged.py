@@ -197,7 +197,7 @@ def open_staged(fs: FileSystem, path: str, record: GenerationRecord) -> StagedRe
     head that cannot be laid out is a corrupt file: it is read the ordinary
     way, which raises ``GenerationCorruptError`` naming the check."""
     try:
-        fd = fs.open(path)
+        fd = fs.open_generation(path)
     except PermissionError:
         raise  # unreadable here, not corrupt: the caller reports the OS's reason
     except OSError as error:

@@ -448,7 +448,7 @@ class SyncStore:
         self._check_open()
         path = self._join(record.file)
         try:
-            fd = self._fs.open(path)
+            fd = self._fs.open_generation(path)
             try:
                 head = self._fs.read(fd, HEADER_BYTES)
                 length = manifest_length(head)
@@ -669,7 +669,7 @@ class SyncStore:
                 envelope_plan.digest(os.cpu_count() or 1, thread_setup=setup)
                 timings["digest"] = round((time.perf_counter() - hashing) * 1000, 3)
             pieces = envelope_plan.stream(thread_setup=setup)
-            fd = self._io.write_unsynced(checkpoint_id, temporary, pieces, timings)
+            fd = self._io.write_unsynced(checkpoint_id, temporary, pieces, timings, reuse=True)
         sealed = envelope_plan.sealed
         if sealed is None:  # stream() always seals before its footer; never reached
             self._io.unlink(temporary)
@@ -758,11 +758,12 @@ class SyncStore:
             done.timings["rename_and_sync_dir"] += round((synced - clock) * 1000, 3)
             done.timings["manifest"] = round((time.perf_counter() - synced) * 1000, 3)
         # after the commit point: files nothing lists any more
-        unlisted = {r.file for done in written for r in done.dropped}
+        lengths = {r.file: int(r.byte_length) for done in written for r in done.dropped}
+        unlisted = set(lengths)
         unlisted |= {done.replaced for done in written if done.replaced is not None}
         unlisted -= {r.file for r in updated.generations}
         for file in sorted(unlisted):
-            self._io.unlink(self._join(file))
+            self._io.retire(self._join(file), lengths.get(file))
         return None
 
     def _receipt(self, done: _Written, group: Sequence[_Written]) -> CommitReceipt:
@@ -848,6 +849,7 @@ class SyncStore:
     def close(self) -> None:
         io = getattr(self, "_io", None)
         if io is not None and io.lock_fd is not None:
+            io.drop_spares()  # (while the lock still says whose the directory is)
             self._fs.close(io.lock_fd)
             io.lock_fd = None
         if getattr(self, "_dir_lock", None) is not None:

@@ -103,9 +103,10 @@ def read_generation(fs: FileSystem, path: str, record: GenerationRecord) -> Stor
 
 def map_generation(fs: FileSystem, path: str, record: GenerationRecord) -> mmap.mmap:
     """The file ``record`` lists at ``path``, mapped read-only, its length checked
-    (the map keeps the bytes even once a rotation unlinks the file)."""
+    (the map keeps the bytes, and its shared lock keeps a rotation from writing
+    over them, until it is closed)."""
     try:
-        fd = fs.open(path)
+        fd = fs.open_generation(path)
     except PermissionError:
         raise  # unreadable here, not corrupt: the caller reports the OS's reason
     except OSError as error:
