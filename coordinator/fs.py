@@ -72,7 +72,11 @@ class FileSystem:
         away, or being written over) is ``FileNotFoundError``, as if unlinked."""
         fd = self.open(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as error:
+                if error.errno not in _NO_FLOCK:  # (nor can the writer reuse a file there)
+                    raise
             held = self.same_file(fd, path)
         except BlockingIOError:  # the writer holds it: written over now
             held = False
@@ -250,6 +254,8 @@ class FileSystem:
 # them, and a flock or an open-file-description lock lasts while any copy is open:
 # the child closes its copies, so that the store is free once this process closes it.
 _HELD_LOCKS: set[int] = set()
+# What flock(2) raises where the file system has no locks (an NFS mount with nolock).
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
 
 # struct flock (Linux, 64-bit off_t): l_type, l_whence, l_start, l_len, l_pid.
 _FLOCK_STRUCT = struct.Struct("@hhqqi0q")

@@ -968,3 +968,27 @@ def test_a_spare_whose_fsync_failed_is_unlinked_never_reused(tmp_path: Path) -> 
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "LOCK") == [
         "ckpt-3.flysess", "manifest.json",
     ]  # fmt: skip
+
+
+def test_without_file_locks_nothing_is_written_over_and_reads_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a file system without flock (an NFS mount with nolock: ENOLCK), readers
+    read as before and the writer never writes over a spare (it cannot know who
+    holds it): rotated-out files are unlinked."""
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    fs = RecordingFS()
+    with SyncStore(tmp_path, keep=1, fs=fs) as store:
+        store.commit(*checkpoint(0))
+        monkeypatch.setattr(fcntl, "flock", no_locks)
+        for index in range(1, 6):
+            store.commit(*checkpoint(index))
+        assert store.verify().ok
+        store.read(store.lookup("ckpt-5")).close()
+    assert not [op for op in fs.ops if op[0] == "reopen"]
+    with SyncStore(tmp_path, read_only=True) as reader:
+        assert listed(reader) == ["ckpt-5"]
