@@ -259,10 +259,14 @@ def _variants(
 
 
 def no_space_creating(prefix: str, on: dict[str, bool]) -> RecordingFS:
-    """A disk that is full (ENOSPC) for files named ``prefix...`` while ``on["on"]``."""
+    """A disk that is full (ENOSPC) for files named ``prefix...`` while ``on["on"]``:
+    creating one fails, and so does writing one (a spare written over needs new
+    blocks too once the file grows past it)."""
     return RecordingFS(
         lambda op, name: (
-            errno.ENOSPC if on["on"] and op == "create" and name.startswith(prefix) else None
+            errno.ENOSPC
+            if on["on"] and op in ("create", "write") and name.startswith(prefix)
+            else None
         ),
         keep_data=False,
     )
