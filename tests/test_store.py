@@ -992,3 +992,55 @@ def test_without_file_locks_nothing_is_written_over_and_reads_go_on(
     assert not [op for op in fs.ops if op[0] == "reopen"]
     with SyncStore(tmp_path, read_only=True) as reader:
         assert listed(reader) == ["ckpt-5"]
+
+
+def test_a_reader_in_another_process_never_sees_held_bytes_change(tmp_path: Path) -> None:
+    """A writer process commits small checkpoints (keep=1: each file is rotated out
+    and soon written over as a spare) while this process reads every generation,
+    holds it for 5 ms and hashes its payloads again: what was verified stays so
+    (without the readers' lock, most reads here saw their bytes change)."""
+    import hashlib
+    import time
+
+    from coordinator.errors import GenerationCorruptError
+
+    root = Path(__file__).resolve().parent.parent
+    writer = f"""
+import sys, time
+sys.path[:0] = [{str(root / "tests")!r}, {str(root)!r}]
+from storekit import checkpoint
+from coordinator.store import SyncStore
+with SyncStore(sys.argv[1], keep=1) as store:
+    store.commit(*checkpoint(0, size=4096))
+    print("ready", flush=True)
+    index, end = 1, time.monotonic() + 3
+    while time.monotonic() < end:
+        store.commit(*checkpoint(index, size=4096))
+        index += 1
+"""
+    store_dir = tmp_path / "store"
+    child = subprocess.Popen(
+        [sys.executable, "-c", writer, str(store_dir)], stdout=subprocess.PIPE, text=True
+    )
+    reads = {"ok": 0, "missing": 0, "changed": 0}
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        with SyncStore(store_dir, read_only=True, create=False) as reader:
+            while child.poll() is None:
+                reader.refresh()
+                for record in reader.generations:
+                    try:
+                        held = reader.read(record)
+                    except GenerationCorruptError as error:
+                        assert error.check == "missing", error  # (rotated out as opened)
+                        reads["missing"] += 1
+                        continue
+                    time.sleep(0.005)
+                    for payload in held.manifest.payloads:
+                        digest = hashlib.sha256(held.payload(payload.name)).hexdigest()
+                        reads["changed" if digest != payload.digest else "ok"] += 1
+                    held.close()
+    finally:
+        child.kill()
+        child.wait()
+    assert reads["changed"] == 0 and reads["ok"] > 100, reads
