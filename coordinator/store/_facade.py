@@ -422,10 +422,11 @@ class FileStore:
         pin: bool = False,
     ) -> StoredCheckpoint:
         """Read and verify the named generation, or the session's high water. The
-        lock is held only to select and map it (a rotation can then unlink the
-        file, the map keeps it): the verification, a pass over every byte, never
-        holds a commit up. ``pin``: rotation keeps the generation listed from its
-        selection on, until the caller's ``unpin`` (a restore forks from it)."""
+        lock is held only to select and map it (a rotation can then rotate the
+        file out; the map, and its flock, keep its bytes): the verification, a
+        pass over every byte, never holds a commit up. ``pin``: rotation keeps the
+        generation listed from its selection on, until the caller's ``unpin`` (a
+        restore forks from it)."""
         async with self._lock:
             record = self.core.select(checkpoint_id, session_id=session_id)
             path, mapped = await self._run(self.core.map, record)
