@@ -40,6 +40,7 @@ from .errors import (
     NotAStoreError,
     UsageError,
 )
+from .fs import FileSystem
 from .ids import is_id
 from .manifest import manifest_from_builtins
 
@@ -174,7 +175,8 @@ def _open_envelope(path: Path) -> Iterator[Envelope]:
         raise IsADirectoryError(errno.EISDIR, why, str(path))
     if not path.is_file():  # a FIFO or device would block or mislead
         raise OSError(errno.EINVAL, "not a regular file", str(path))
-    with path.open("rb") as file:
+    # (a generation's shared flock: a live writer never writes over it meanwhile)
+    with os.fdopen(FileSystem().open_generation(os.path.realpath(path)), "rb") as file:
         if path.stat().st_size == 0:
             yield decode(b"")  # refused: too short
             return
@@ -284,8 +286,12 @@ def _verify_store(path: Path, out: TextIO, err: TextIO) -> int:
     for name in report.temporaries:
         if not name.startswith(SPARE_PREFIX):
             print(f"temporary (not a checkpoint): {name}", file=out)
-    if spares:  # (a live writer's: rotated-out files the next small ones are written over)
-        print(f"spares (rotated out, to be written over): {len(spares)}", file=out)
+    if spares:  # (no problem: temporaries of a kind, see docs/store.md "Spares")
+        print(
+            f"spares: {len(spares)} (rotated-out files a writer keeps to write over; "
+            "the next open for writing removes any left)",
+            file=out,
+        )
     for name in report.unreferenced:
         print(f"unreferenced (not listed, never restored): {name}", file=out)
     verdict = "ok" if report.ok else "FAILED"

@@ -72,12 +72,14 @@ class FileSystem:
         away, or being written over) is ``FileNotFoundError``, as if unlinked."""
         fd = self.open(path)
         try:
+            opened = _identity(os.fstat(fd))
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except OSError as error:
                 if error.errno not in _NO_FLOCK:  # (nor can the writer reuse a file there)
                     raise
-            held = self.same_file(fd, path)
+            # (written over and renamed back under this name meanwhile: changed)
+            held = self.same_file(fd, path) and _identity(os.fstat(fd)) == opened
         except BlockingIOError:  # the writer holds it: written over now
             held = False
         except BaseException:
@@ -87,6 +89,15 @@ class FileSystem:
             os.close(fd)
             raise FileNotFoundError(errno.ENOENT, "rotated out while it was opened", path)
         return fd
+
+    def flock_excludes_all(self, path: str) -> bool:
+        """Whether a flock on a file in the directory ``path`` keeps out every
+        process that may open it: a local file system of a kind known here. Over
+        NFS, FUSE (sshfs) and the like a lock may bind only the client taking it."""
+        buffer = ctypes.create_string_buffer(256)  # (struct statfs: f_type first)
+        if _statfs is None or _statfs(os.fsencode(path), buffer) != 0:
+            return False
+        return struct.unpack_from("@l", buffer)[0] in _LOCAL_FILE_SYSTEMS
 
     def reuse(self, spare: str, path: str) -> int | None:
         """``spare`` (a file the store rotated out) renamed to ``path`` and opened to
@@ -311,6 +322,16 @@ def _drop_inherited_locks() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+_statfs = getattr(ctypes.CDLL(None, use_errno=True), "statfs", None)
+# statfs(2) f_type of ext2/3/4, xfs, btrfs, tmpfs, f2fs: local, one lock table.
+_LOCAL_FILE_SYSTEMS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0xF2F52010})
+
+
+def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    """What a write over a file, or a rename of it, changes."""
+    return status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
+
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1

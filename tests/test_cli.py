@@ -247,7 +247,7 @@ def test_verify_beside_a_live_writer_counts_its_spares_as_no_problem(tmp_path: P
             writer.commit(*checkpoint(index))
         code, out, _ = run("verify", str(tmp_path))
     assert code == 0, out
-    assert "spares (rotated out, to be written over): 1" in out
+    assert "spares: 1 (rotated-out files a writer keeps to write over" in out
     assert "temporary" not in out
 
 

@@ -1044,3 +1044,94 @@ with SyncStore(sys.argv[1], keep=1) as store:
         child.kill()
         child.wait()
     assert reads["changed"] == 0 and reads["ok"] > 100, reads
+
+
+def test_only_files_this_writer_made_its_own_become_spares(tmp_path: Path) -> None:
+    """A file anyone else could read may be held open by them without a lock (a
+    user who opened it before the owner narrowed the store with chmod): written
+    over, it would show them a later, owner-only checkpoint. Such files are
+    unlinked when rotated out, never written over: those a store shared with
+    mode=0o644 writes, and those an earlier process made."""
+    fs = RecordingFS()
+    with SyncStore(tmp_path, keep=1, mode=0o644, fs=fs) as shared:
+        for index in range(4):
+            shared.commit(*checkpoint(index))
+    assert not [op for op in fs.ops if op[0] == "reopen"]
+    os.chmod(tmp_path, 0o700)
+    for file in tmp_path.iterdir():
+        os.chmod(file, 0o600)
+    fs = RecordingFS()
+    with SyncStore(tmp_path, keep=1, fs=fs) as narrowed:
+        for index in range(4, 8):
+            narrowed.commit(*checkpoint(index))
+    assert ("unlink", "ckpt-3.flysess") in fs.ops  # (the earlier process's file)
+    reused = [op for op in fs.ops if op[0] == "reopen"]
+    assert reused and all(op[2] != "tmp+ckpt-5.flysess" for op in reused)  # (no spare yet)
+
+
+def test_no_spares_where_a_lock_may_bind_one_client_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over NFS or FUSE a flock may exclude only the client that took it: a reader
+    elsewhere would not keep the writer out. Spares are only kept on local file
+    systems known here (statfs), and /proc is none of them."""
+    from coordinator.fs import FileSystem
+
+    assert FileSystem().flock_excludes_all("/proc") is False
+    monkeypatch.setattr(FileSystem, "flock_excludes_all", lambda self, path: False)
+    fs = RecordingFS()
+    with SyncStore(tmp_path, keep=1, fs=fs) as store:
+        for index in range(5):
+            store.commit(*checkpoint(index))
+    assert not [op for op in fs.ops if op[0] in ("reopen", "reuse")]
+    assert not [op for op in fs.ops if op[0] == "rename" and "spare" in op[2]]
+
+
+def test_spares_are_kept_for_the_next_group_only_and_go_when_the_disk_is_full(
+    tmp_path: Path,
+) -> None:
+    """A store reopened with a smaller keep rotates many files out at once: it keeps
+    as many spares as its group wrote and frees the rest (they held disk space
+    a full disk needed). A write that finds no space drops every spare."""
+    with SyncStore(tmp_path, keep=6) as store:
+        for index in range(6):
+            store.commit(*checkpoint(index))
+    fs = RecordingFS()
+    with SyncStore(tmp_path, keep=1, fs=fs) as store:
+        for index in range(6, 8):  # the first makes spares of its own files only
+            store.commit(*checkpoint(index))
+        store.commit(*checkpoint(8))
+        assert len(list(tmp_path.glob("tmp+spare+*"))) == 1
+        fs.rule = lambda op, name: errno.ENOSPC if (op, name) == ("write", "tmp+ckpt-9.flysess") else None
+        with pytest.raises(NoSpaceError):
+            store.commit(*checkpoint(9))
+        fs.rule = None
+        assert not list(tmp_path.glob("tmp+*"))
+        store.commit(*checkpoint(10))
+        assert listed(store) == ["ckpt-10"] and store.verify().ok
+
+
+def test_a_file_written_over_and_renamed_back_as_it_is_opened_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between a reader's open and its lock, the file may be rotated out, written
+    over for a new checkpoint of the same id and renamed back under its name:
+    the reader is told it is gone, not handed bytes its record does not hash."""
+    import fcntl
+    import time
+
+    from coordinator import fs as fs_module
+
+    path = tmp_path / "ckpt-0.flysess"
+    path.write_bytes(b"x" * 100)
+    time.sleep(0.02)  # (past the clock tick of that write: timestamps are coarse)
+    real = fcntl.flock
+
+    def written_over_first(fd: int, operation: int) -> None:
+        with open(path, "r+b") as writer:
+            writer.write(b"y" * 100)
+        real(fd, operation)
+
+    monkeypatch.setattr(fs_module.fcntl, "flock", written_over_first)
+    with pytest.raises(FileNotFoundError):
+        fs_module.FileSystem().open_generation(str(path))

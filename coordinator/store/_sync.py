@@ -762,8 +762,8 @@ class SyncStore:
         unlisted = set(lengths)
         unlisted |= {done.replaced for done in written if done.replaced is not None}
         unlisted -= {r.file for r in updated.generations}
-        for file in sorted(unlisted):
-            self._io.retire(self._join(file), lengths.get(file))
+        for file in sorted(unlisted):  # (spares for as many as this group wrote)
+            self._io.retire(self._join(file), lengths.get(file), room=len(written))
         return None
 
     def _receipt(self, done: _Written, group: Sequence[_Written]) -> CommitReceipt:
