@@ -1,9 +1,12 @@
 """JSON that others wrote: every refusal is a ``msgspec.DecodeError`` or a
 ``msgspec.ValidationError``, and what is read is what other readers read.
 
-msgspec refuses nesting past about 1,000 levels with ``RecursionError``, even
-inside a field the type skips; a reader that catches ``MsgspecError`` for what
-is no message would let such a message through as a crash. msgspec checks the
+msgspec refuses nesting with ``RecursionError``, even inside a field the type
+skips, and where depends on how deep the caller's own stack is (a reader inside
+a task stops sooner): a reader that catches ``MsgspecError`` for what is no
+message would let such a message through as a crash, and two readers would
+disagree on it. So nesting past ``MAX_NESTING`` levels is refused first, the
+same for every reader (the example monitors count it alike). msgspec checks the
 UTF-8 of the strings it reads only, so the whole message is checked first: a
 message other readers cannot read is read by none. A name given twice in one
 object is read as its last value, as Python's ``json`` and JavaScript's
@@ -12,7 +15,9 @@ object is read as its last value, as Python's ``json`` and JavaScript's
 
 from __future__ import annotations
 
-import json
+import itertools
+import operator
+import re
 from typing import Any, TypeVar
 
 import msgspec
@@ -20,6 +25,19 @@ import msgspec
 T = TypeVar("T")
 
 _ANY: msgspec.json.Decoder[Any] = msgspec.json.Decoder()
+
+MAX_NESTING = 512  # objects and arrays within each other; no event nests more than 3
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_STEPS = str.maketrans({"[": "\x02", "{": "\x02", "]": "\x00", "}": "\x00"})
+
+
+def _too_deep(text: str) -> bool:
+    """Whether JSON ``text`` (read by msgspec) nests objects and arrays past
+    ``MAX_NESTING`` (about 0.1 s for a megabyte of brackets)."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text)).translate(_STEPS).encode()
+    depths = itertools.accumulate(map(operator.sub, brackets, itertools.repeat(1)))
+    return max(depths, default=0) > MAX_NESTING
 
 
 def read_json(data: bytes | memoryview | str, decoder: msgspec.json.Decoder[T]) -> T:
@@ -31,40 +49,43 @@ def read_json(data: bytes | memoryview | str, decoder: msgspec.json.Decoder[T]) 
         raise msgspec.DecodeError(f"not UTF-8: {error.reason} at byte {error.start}") from None
     try:
         try:
-            return decoder.decode(text)
+            read = decoder.decode(text)
         except msgspec.ValidationError as refused:
             # (rare: only what the type refuses pays for the second reading)
-            if not _repeats_a_name(text):
-                raise refused from None
+            # (what no name repeats comes back the same, and is refused again)
             try:
-                plain = msgspec.json.encode(_ANY.decode(text))  # (the last values)
-            except (msgspec.MsgspecError, ValueError):  # (an integer too long to write)
+                read = decoder.decode(_last_values(text.encode()))
+            except msgspec.ValidationError:
                 raise refused from None
-            return decoder.decode(plain)
     except RecursionError:
         raise msgspec.DecodeError("JSON malformed: nested too deeply") from None
+    if text.count("[") + text.count("{") > MAX_NESTING and _too_deep(text):
+        raise msgspec.DecodeError(f"JSON nested deeper than {MAX_NESTING} levels")
+    return read
 
 
-class _RepeatedNameError(Exception):
-    pass
+_OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_ARRAY = msgspec.json.Decoder(list[msgspec.Raw])
+_READ_LEVELS = 4  # no reader here reads a field deeper than this
 
 
-def _no_name_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    names = {name for name, _ in pairs}
-    if len(names) < len(pairs):
-        raise _RepeatedNameError
-    return {}  # (the values are not needed)
-
-
-def _repeats_a_name(text: str) -> bool:
-    """Whether any object in ``text`` (JSON msgspec has read) gives a name twice."""
-    try:
-        json.loads(text, object_pairs_hook=_no_name_twice)
-    except _RepeatedNameError:
-        return True
-    except ValueError:  # (read by msgspec, so not expected)
-        return False
-    return False
+def _last_values(value: bytes, levels: int = _READ_LEVELS) -> bytes:
+    """``value`` (JSON msgspec has read) with each object's repeated names kept
+    once, at their last value, down to ``levels`` deep; every other byte of a
+    number or a string as written (no number is parsed: 1e400 stays 1e400)."""
+    first = value.lstrip()[:1]
+    if levels == 0 or first not in (b"{", b"["):
+        return value
+    if first == b"{":
+        fields = _OBJECT.decode(value)  # (a dict: the last value of a name wins)
+        return msgspec.json.encode(
+            {
+                name: msgspec.Raw(_last_values(bytes(raw), levels - 1))
+                for name, raw in fields.items()
+            }
+        )
+    items = _ARRAY.decode(value)
+    return msgspec.json.encode([msgspec.Raw(_last_values(bytes(raw), levels - 1)) for raw in items])
 
 
 def read_any_json(data: bytes | memoryview | str) -> Any:

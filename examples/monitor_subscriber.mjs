@@ -26,9 +26,10 @@ const MAX_EVENT_ID = 259; // four Ids and three ':' (rule 1), in code points
 const MAX_IN_FLIGHT = 1024; // a host has a few; beyond, captures are only counted (rule 6)
 // Messages are UTF-8: a bad byte or a BOM makes no event (rule 1), as in Python.
 const UTF8 = new TextDecoder("utf-8", { fatal: true, ignoreBOM: true });
-// JSON.parse takes what Python's readers refuse: nesting deeper than about 1,000
-// levels and lone surrogates. Such a message is no event and names no session.
-const MAX_DEPTH = 1000;
+// JSON.parse takes what Python's readers refuse: nesting deeper than 512 levels
+// (objects and arrays within each other) and lone surrogates. Such a message is no
+// event and names no session.
+const MAX_DEPTH = 512;
 const readable = (value, depth = 0) => {
   if (typeof value === "string") return value.isWellFormed();
   if (value === null || typeof value !== "object") return true;

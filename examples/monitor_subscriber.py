@@ -34,6 +34,7 @@ KINDS = ("captured", "queued", "superseded", "committed", "failed", "restored", 
 FOLDED_IDS, MAX_MISSING, MAX_SEQ = 1024, 4096, 2**53 - 1
 MAX_EVENT_ID = 259  # four Ids and three ':' (rule 1)
 MAX_IN_FLIGHT = 1024  # a host has a few; beyond, captures are only counted (rule 6)
+MAX_NESTING = 512  # objects and arrays within each other (rule 1); no event nests 4
 MAX_JUMP, RESYNC = 4096, 16  # rule 3: no gap the bus leaves is longer; a run that re-bases
 
 
@@ -256,13 +257,25 @@ def number(digits: str) -> int | float:
 
 def parse(data: bytes) -> object:
     """The JSON value of a message, or None: it must be UTF-8 (no BOM) and JSON
-    (no NaN, no lone surrogate, nested as deep as Python goes); rule 1 skips the rest."""
+    (no NaN, no lone surrogate, nested at most 512 deep); rule 1 skips the rest."""
     try:
         value = json.loads(data.decode("utf-8"), parse_constant=refuse, parse_int=number)
         json.dumps(value, ensure_ascii=False).encode("utf-8")  # a lone surrogate fails
     except (ValueError, RecursionError):
         return None
-    return value
+    return value if nesting(value) <= MAX_NESTING else None
+
+
+def nesting(value: object) -> int:
+    """How many objects and arrays deep ``value`` goes (an object of numbers: 1)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def is_seq(value: object) -> bool:

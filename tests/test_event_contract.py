@@ -337,7 +337,7 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
     counted on the session it names (`invalid`); a seq the session's own events
     carried, and one far from its sequence, contradict it (counted, not folded);
     16 agreeing strays in a row re-base it, and the last of them is folded. What one
-    reader cannot read no reader takes: NaN, nesting past 1,000, UTF-16, a BOM, bad
+    reader cannot read no reader takes: NaN, nesting past 512, UTF-16, a BOM, bad
     UTF-8, a lone surrogate; an eventId's length counts code points, not UTF-16 units."""
     async with EmbeddedServer(tmp_path / "nats") as server:
         _, high_water, history, _ = await checkpoints_on_nats(server.url, tmp_path / "store")
@@ -357,6 +357,7 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
             # Read by no reader: they name no session (rule 1).
             captured(last.seq + 1, "c-nan", worldTime=float("nan")),  # NaN is no JSON
             captured(last.seq + 1, "c-deep").replace(b"}", b', "x": ' + deep + b"}"),
+            captured(last.seq + 1, "c-600").replace(b"}", b', "x": ' + b"[" * 599 + b"]" * 599 + b"}"),
             captured(last.seq + 1, "c-utf16").decode().encode("utf-16"),
             b"\xef\xbb\xbf" + captured(last.seq + 1, "c-bom"),
             captured(last.seq + 1, "c-surrogate", reason="\ud800"),  # (a lone one)
@@ -397,7 +398,7 @@ async def test_the_three_folds_agree_on_what_others_publish(tmp_path: Path, node
     library = state.sessions["session-1"]
     folded = python["sessions"]["session-1"]
     assert set(python["sessions"]) == set(state.sessions) == {"session-1"}
-    assert python["skipped"] == state.skipped == 2 + 6
+    assert python["skipped"] == state.skipped == 2 + 7
     assert folded["invalid"] == library.invalid == 1
     assert folded["contradicting"] == library.contradicting == 2 + 15
     assert folded["rebased"] == library.rebased == 1

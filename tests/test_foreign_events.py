@@ -178,6 +178,44 @@ def test_a_message_nested_too_deeply_is_no_event_not_a_crash() -> None:
         parse_pointer(b'{"a":' + b"[" * 1200 + b"]" * 1200 + b"}", "s")
 
 
+def test_every_reader_refuses_the_same_nesting_whatever_its_own_stack() -> None:
+    """msgspec's nesting limit counts the caller's stack too: the dashboard, folding
+    inside a task, refused at about 980 levels what watch read at 990, and a
+    repeated name's second reading stopped sooner still. Past MAX_NESTING (512)
+    every reader refuses a message; at 512 every one reads it."""
+    from coordinator.dashboard._web import _Live
+
+    max_nesting = 512  # (coordinator.wire.MAX_NESTING; docs/events.md rule 1)
+
+    def message(depth: int, seq: int, repeat: bool) -> bytes:
+        text = json.dumps(wire("committed", "s", seq, f"e1-{seq}", extra="@"))
+        text = text.replace('"@"', "[" * (depth - 1) + "]" * (depth - 1))  # (+ the event)
+        return (text.replace(f'"seq": {seq}', f'"seq": "x", "seq": {seq}') if repeat else text).encode()
+
+    messages = genuine("s", 1)  # seq 1..3
+    depths = [max_nesting, max_nesting + 1, 700, 980, 990]
+    for index, depth in enumerate(depths):
+        messages += [message(depth, 4 + 2 * index, False), message(depth, 5 + 2 * index, True)]
+    folds = Folds()
+    live = _Live(folds.board)
+    live.held = None  # (history replayed: each message is folded as it comes)
+
+    async def deep(levels: int) -> None:  # the dashboard's live path, from a deep stack
+        if levels:
+            await deep(levels - 1)
+            return
+        for data in messages:
+            await live.receive(data)
+
+    for data in messages:
+        folds.library = folds.library.apply_message(data)
+        folds.fleet.receive(data)
+    anyio.run(deep, 150)
+    state = folds.agree("s")
+    assert state.committed == 1 + 2  # (512 levels, with the name repeated and without)
+    assert folds.library.skipped == folds.fleet.skipped == folds.board.skipped == 8
+
+
 def test_fields_the_fold_does_not_read_never_crash_it_nor_make_rule_4() -> None:
     """A totalMs of 310 digits (float() overflowed), an envelopeBytes of "²" (isdigit,
     then int() refused it) or of 4301 digits crashed all three folds; a time or
