@@ -286,3 +286,80 @@ async def test_a_stream_made_again_while_a_retry_is_handed_over_keeps_the_order(
         await wait_until(lambda: bus.statistics().published >= count + 1, timeout=20)
         await client.close()
         assert await stored_ids(plain.url, "s") == [f"c{i}" for i in range(1, count + 1)]
+
+
+@pytest.mark.asyncio
+async def test_a_stream_made_again_for_other_subjects_with_a_live_subscriber_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeout's question was 'is there a stream named CKPT': made again by hand
+    for other subjects, it was, and with a watcher subscribed the host's events
+    timed out and were dropped. The question now is whether our stream takes
+    our subjects; until it does, the events wait."""
+    import nats
+
+    from coordinator.bus import _nats as bus_nats
+
+    monkeypatch.setattr(bus_nats, "NO_STREAM_WARN_S", 0.5)
+    async with EmbeddedServer(tmp_path / "plain") as plain:
+        async with NatsBus(plain.url) as watcher, NatsBus(
+            plain.url, publish_timeout=0.3, max_attempts=2
+        ) as bus:
+            subscription = await watcher.subscribe()
+            await bus.publish(captured_event("s", 0))
+            await wait_until(lambda: bus.statistics().published >= 1)
+            client = await nats.connect(plain.url)
+            js = client.jetstream()
+            await js.delete_stream(bus.stream)
+            await js.add_stream(name=bus.stream, subjects=[f"{bus.prefix}.other.>"])
+            for index in (1, 2, 3):
+                await bus.publish(captured_event("s", index))
+            await anyio.sleep(2.5)  # past max_attempts timeouts, several times over
+            assert bus.counts().get("undeliverable", 0) == 0, bus.counts()
+            await js.delete_stream(bus.stream)
+            await client.close()
+            await bus._ensure_stream()  # what `coordinator setup` does for the stream
+            await wait_until(lambda: bus.statistics().published >= 4, timeout=10)
+            await subscription.aclose()
+        assert await stored_ids(plain.url, "s") == ["c1", "c2", "c3"]
+
+
+@pytest.mark.asyncio
+async def test_a_stream_made_again_mid_window_is_said_when_it_stores_out_of_order(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first window after a stream went is handed over whole (before any
+    answer says it went): one made again meanwhile stores its tail before its
+    head. That cannot be undone; it is counted and logged, naming the seqs."""
+    import nats
+    import nats.js.errors
+
+    async with EmbeddedServer(tmp_path / "plain") as plain, NatsBus(plain.url) as bus:
+        await bus.publish(captured_event("s", 0))
+        await wait_until(lambda: bus.statistics().published >= 1)
+        client = await nats.connect(plain.url)
+        js = client.jetstream()
+        await js.delete_stream(bus.stream)
+        handed = [0]
+        real = bus._js.publish_async  # type: ignore[union-attr]
+
+        async def made_again_mid_window(*args: object, **kwargs: object) -> object:
+            handed[0] += 1
+            if handed[0] == 2:  # (the first of the window handed over already)
+                await bus.client.flush()
+                await js.add_stream(name=bus.stream, subjects=[f"{bus.prefix}.>"])
+                while True:
+                    with contextlib.suppress(nats.js.errors.NoStreamResponseError):
+                        await js.publish(f"{bus.prefix}.other.captured", b"{}")
+                        break
+            return await real(*args, **kwargs)
+
+        bus._js.publish_async = made_again_mid_window  # type: ignore[method-assign,union-attr]
+        with caplog.at_level(logging.WARNING, logger="coordinator.bus"):
+            for index in range(1, 11):
+                bus.publish_nowait(captured_event("s", index))
+            await wait_until(lambda: bus.statistics().published >= 11, timeout=20)
+        await client.close()
+        assert bus.counts()["out_of_order"] == 9
+        assert "stored out of order" in caplog.text and "seq 3-11" in caplog.text
+        assert await stored_ids(plain.url, "s") == [*(f"c{i}" for i in range(2, 11)), "c1"]

@@ -695,6 +695,8 @@ class NatsBus:
                         newest = event if newest is None or event.seq > newest.seq else newest
             lane.window = unsent + lane.window[len(batch) :]
             failure = next((o for o in outcomes if isinstance(o, TRANSIENT)), None)
+            if failure is not None:
+                self._note_out_of_order(batch, outcomes)
             if isinstance(failure, TimeoutError) and await self._stream_missing():
                 failure = NoStreamResponseError()  # (a subscriber got it: no ack ever)
             probing = isinstance(failure, NoStreamResponseError)
@@ -712,19 +714,39 @@ class NatsBus:
                 newest = event if newest is None or event.seq > newest.seq else newest
         return newest
 
+    def _note_out_of_order(self, batch: list[Event], outcomes: list[Any]) -> None:
+        """Says so if events of one window were stored after an earlier one failed:
+        a stream that came back while the window was handed over (the first window
+        after it went is handed over whole). Readers count the earlier ones as
+        contradicting."""
+        failed = next(i for i, o in enumerate(outcomes) if isinstance(o, TRANSIENT))
+        later = [e.seq for e, o in zip(batch[failed:], outcomes[failed:], strict=True)
+                 if not isinstance(o, BaseException)]  # fmt: skip
+        if not later:
+            return
+        first = batch[failed]
+        self._counts["out_of_order"] += len(later)
+        _log.warning(
+            "session %s: the stream took events (seq %d-%d) after refusing seq %d, which "
+            "goes again now: stored out of order (a stream made again while a window was "
+            "sent); readers count the earlier ones as contradicting",
+            first.session_id, min(later), max(later), first.seq,
+        )  # fmt: skip
+
     async def _stream_missing(self) -> bool:
-        """Whether the server says the event stream is not there: with anyone
-        subscribed to the event subjects, a publish to a deleted stream times out
-        instead of getting 'no responders'. ``False`` when it cannot tell now."""
+        """Whether the server says no stream of ours takes the events: with anyone
+        subscribed to the event subjects, a publish to a deleted stream (or to one
+        made again for other subjects) times out instead of getting 'no
+        responders'. ``False`` when it cannot tell now."""
         assert self._js is not None
         try:
             with anyio.fail_after(self.publish_timeout):
-                await self._js.stream_info(self.stream)
+                info = await self._js.stream_info(self.stream)
         except NotFoundError:
             return True
         except Exception:  # (the timeout stands)
             return False
-        return False
+        return f"{self.prefix}.>" not in (info.config.subjects or [])
 
     async def _check_stored(self, event: Event, seq: int) -> bool:
         """A first publish the stream took for a duplicate: a re-announcement of an
