@@ -67,6 +67,7 @@ def read_json(data: bytes | memoryview | str, decoder: msgspec.json.Decoder[T]) 
 _OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ARRAY = msgspec.json.Decoder(list[msgspec.Raw])
 _READ_LEVELS = 4  # no reader here reads a field deeper than this
+_READ_ITEMS = 64  # nor an array longer (an envelope's payloads, at most)
 
 
 def _last_values(value: bytes, levels: int = _READ_LEVELS) -> bytes:
@@ -85,6 +86,8 @@ def _last_values(value: bytes, levels: int = _READ_LEVELS) -> bytes:
             }
         )
     items = _ARRAY.decode(value)
+    if len(items) > _READ_ITEMS:  # (no reader reads one: a flood of objects is left as is)
+        return value
     return msgspec.json.encode([msgspec.Raw(_last_values(bytes(raw), levels - 1)) for raw in items])
 
 
