@@ -284,7 +284,7 @@ def _verify_store(path: Path, out: TextIO, err: TextIO) -> int:
         print(f"  {failure}", file=err)
     spares = [name for name in report.temporaries if name.startswith(SPARE_PREFIX)]
     for name in report.temporaries:
-        if not name.startswith(SPARE_PREFIX):
+        if name not in spares:
             print(f"temporary (not a checkpoint): {name}", file=out)
     if spares:  # (no problem: temporaries of a kind, see docs/store.md "Spares")
         print(

@@ -5,7 +5,7 @@ msgspec refuses nesting with ``RecursionError``, even inside a field the type
 skips, and where depends on how deep the caller's own stack is (a reader inside
 a task stops sooner): a reader that catches ``MsgspecError`` for what is no
 message would let such a message through as a crash, and two readers would
-disagree on it. So nesting past ``MAX_NESTING`` levels is refused first, the
+disagree on it. So nesting past ``MAX_NESTING`` levels is refused as well, the
 same for every reader (the example monitors count it alike). msgspec checks the
 UTF-8 of the strings it reads only, so the whole message is checked first: a
 message other readers cannot read is read by none. A name given twice in one

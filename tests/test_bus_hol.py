@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -210,6 +211,31 @@ async def stored_ids(url: str, session: str) -> list[str]:
         return [event.checkpoint_id for event in await reader.history(session)]
 
 
+async def made_again_at(bus: NatsBus, js: Any, nth: int, counting: Callable[[], bool]) -> list[int]:
+    """Hook the bus's publishes: at the ``nth`` handed over while ``counting()``, the
+    ones before it reach the server (no stream then), the stream is made again and
+    takes publishes, and only then is the ``nth`` handed over. What was counted."""
+    import nats.js.errors
+
+    handed = [0]
+    real = bus._js.publish_async  # type: ignore[union-attr]
+
+    async def hooked(*args: object, **kwargs: object) -> object:
+        if counting():
+            handed[0] += 1
+            if handed[0] == nth:
+                await bus.client.flush()
+                await js.add_stream(name=bus.stream, subjects=[f"{bus.prefix}.>"])
+                while True:  # until the stream takes what is published
+                    with contextlib.suppress(nats.js.errors.NoStreamResponseError):
+                        await js.publish(f"{bus.prefix}.other.captured", b"{}")
+                        break
+        return await real(*args, **kwargs)
+
+    bus._js.publish_async = hooked  # type: ignore[method-assign,union-attr]
+    return handed
+
+
 @pytest.mark.asyncio
 async def test_a_deleted_stream_with_a_live_subscriber_loses_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
@@ -255,7 +281,6 @@ async def test_a_stream_made_again_while_a_retry_is_handed_over_keeps_the_order(
     its head ('no responders') was sent again after it, out of order. After 'no
     responders' the lane now sends one event until the stream answers."""
     import nats
-    import nats.js.errors
 
     count = 2000
     async with EmbeddedServer(tmp_path / "plain") as plain, NatsBus(plain.url) as bus:
@@ -264,22 +289,8 @@ async def test_a_stream_made_again_while_a_retry_is_handed_over_keeps_the_order(
         client = await nats.connect(plain.url)
         js = client.jetstream()
         await js.delete_stream(bus.stream)
-        handed_in_retries = [0]
-        real = bus._js.publish_async  # type: ignore[union-attr]
-
-        async def made_again_in_a_retry(*args: object, **kwargs: object) -> object:
-            if bus.counts().get("retries", 0) >= 2:
-                handed_in_retries[0] += 1
-                if handed_in_retries[0] == 2:  # (one event of the retry handed over already)
-                    await bus.client.flush()  # (it reached the server: no stream then)
-                    await js.add_stream(name=bus.stream, subjects=[f"{bus.prefix}.>"])
-                    while True:  # until the stream takes what is published
-                        with contextlib.suppress(nats.js.errors.NoStreamResponseError):
-                            await js.publish(f"{bus.prefix}.other.captured", b"{}")
-                            break
-            return await real(*args, **kwargs)
-
-        bus._js.publish_async = made_again_in_a_retry  # type: ignore[method-assign,union-attr]
+        retrying = lambda: bus.counts().get("retries", 0) >= 2  # noqa: E731
+        handed_in_retries = await made_again_at(bus, js, 2, retrying)  # (one handed over)
         for index in range(1, count + 1):
             bus.publish_nowait(captured_event("s", index))
         await wait_until(lambda: handed_in_retries[0] >= 2, timeout=20)
@@ -332,7 +343,6 @@ async def test_a_stream_made_again_mid_window_is_said_when_it_stores_out_of_orde
     answer says it went): one made again meanwhile stores its tail before its
     head. That cannot be undone; it is counted and logged, naming the seqs."""
     import nats
-    import nats.js.errors
 
     async with EmbeddedServer(tmp_path / "plain") as plain, NatsBus(plain.url) as bus:
         await bus.publish(captured_event("s", 0))
@@ -340,21 +350,7 @@ async def test_a_stream_made_again_mid_window_is_said_when_it_stores_out_of_orde
         client = await nats.connect(plain.url)
         js = client.jetstream()
         await js.delete_stream(bus.stream)
-        handed = [0]
-        real = bus._js.publish_async  # type: ignore[union-attr]
-
-        async def made_again_mid_window(*args: object, **kwargs: object) -> object:
-            handed[0] += 1
-            if handed[0] == 2:  # (the first of the window handed over already)
-                await bus.client.flush()
-                await js.add_stream(name=bus.stream, subjects=[f"{bus.prefix}.>"])
-                while True:
-                    with contextlib.suppress(nats.js.errors.NoStreamResponseError):
-                        await js.publish(f"{bus.prefix}.other.captured", b"{}")
-                        break
-            return await real(*args, **kwargs)
-
-        bus._js.publish_async = made_again_mid_window  # type: ignore[method-assign,union-attr]
+        await made_again_at(bus, js, 2, lambda: True)  # (the first of the window handed over)
         with caplog.at_level(logging.WARNING, logger="coordinator.bus"):
             for index in range(1, 11):
                 bus.publish_nowait(captured_event("s", index))

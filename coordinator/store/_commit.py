@@ -107,6 +107,10 @@ class CommitSequence:
         self._private: set[str] = set()
         self._recycles = fs.flock_excludes_all(path)  # (else readers' locks may not bind)
 
+    @property
+    def _file_mode(self) -> int:
+        return FILE_MODE if self.mode is None else self.mode
+
     def join(self, name: str) -> str:
         return os.path.join(self.path, name)
 
@@ -180,7 +184,7 @@ class CommitSequence:
                     self.drop_spares()
                 raise commit_error(checkpoint_id, "write", path, error) from None
             raise
-        if reuse and ((FILE_MODE if self.mode is None else self.mode) & 0o077) == 0:
+        if reuse and self._file_mode & 0o077 == 0:
             self._private.add(path)
         if timings is not None:
             timings["write"] = round((time.perf_counter() - started) * 1000, 3)
@@ -291,7 +295,7 @@ class CommitSequence:
                 continue
             if fd is None:
                 continue
-            self._given_mode(checkpoint_id, path, fd, FILE_MODE if self.mode is None else self.mode)
+            self._given_mode(checkpoint_id, path, fd, self._file_mode)
             return fd
         return None
 
@@ -318,7 +322,7 @@ class CommitSequence:
         return True
 
     def drop_spares(self) -> None:
-        """Unlink every spare (the store is closing)."""
+        """Unlink every spare (the store is closing, or the disk is full)."""
         while self._spares:
             self.unlink(self._spares.pop())
 
