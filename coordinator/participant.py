@@ -13,6 +13,11 @@ reference's STATE-01 order): another id or step is ``IdentityMismatchError``,
 another digest ``IncompatibleCaptureError``; either fails the capture and
 fences the epoch. Bare bytes state nothing beyond the call they answer.
 
+``capture`` may be a plain method: it then runs inline, in the task that asked
+for the checkpoint, with no task of its own (``captures_inline``). For state
+already in memory that is the cheapest capture; an ``async def`` capture gets a
+task of its own, so it can wait beside the others.
+
 A participant may provide the memory its payload is restored into
 (``StagesInPlace``): the bytes are then read once, straight into that memory,
 and verified there before ``stage_restore`` is handed a view of it.
@@ -21,6 +26,8 @@ and verified there before ``stage_restore`` is handed a view of it.
 from __future__ import annotations
 
 import ctypes
+import inspect
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,6 +45,7 @@ __all__ = [
     "RestoreScope",
     "StagesInPlace",
     "address_range",
+    "captures_inline",
     "check_reply",
     "staging_view",
 ]
@@ -101,13 +109,29 @@ class Participant(Protocol):
 
     name: str
 
-    async def capture(self, scope: CaptureScope) -> BytesLike | CaptureReply: ...
+    def capture(
+        self, scope: CaptureScope
+    ) -> BytesLike | CaptureReply | Awaitable[BytesLike | CaptureReply]: ...
 
     async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Any: ...
 
     async def activate_restore(self, token: Any) -> None: ...
 
     async def abort_restore(self, token: Any) -> None: ...
+
+
+def captures_inline(participant: Participant) -> bool:
+    """Whether ``participant.capture`` is a plain function, run in the caller's
+    task (what it returns is awaited there if it is awaitable)."""
+    return not inspect.iscoroutinefunction(participant.capture)
+
+
+async def answer_of(participant: Participant, scope: CaptureScope) -> BytesLike | CaptureReply:
+    """What ``participant.capture(scope)`` answers, plain or async."""
+    answer = participant.capture(scope)
+    if inspect.isawaitable(answer):
+        return await answer
+    return answer
 
 
 @runtime_checkable

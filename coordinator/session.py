@@ -46,7 +46,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self
 
@@ -101,6 +101,8 @@ from .participant import (
     Participant,
     RestoreScope,
     address_range,
+    answer_of,
+    captures_inline,
     check_reply,
     staging_view,
 )
@@ -555,7 +557,7 @@ class Coordinator:
                 if source is not None:  # (a runtime Protocol check costs more than the rest)
                     handle = await source(scope, self.ledger)
                 else:
-                    data = await participant.capture(scope)
+                    data = await answer_of(participant, scope)
                     if isinstance(data, CaptureReply):
                         check_reply(
                             participant.name, scope, data.checkpoint_id, data.step,
@@ -595,9 +597,7 @@ class Coordinator:
 
         try:
             with anyio.fail_after(self.capture_timeout):
-                async with anyio.create_task_group() as group:
-                    for participant in self.participants:
-                        group.start_soon(one, participant)
+                await _ask_all(self.participants, one)
             missed = _not_captured(self.participants, captured)
             if missed is not None:  # (a task someone else cancelled)
                 failure.append(missed)
@@ -1110,6 +1110,33 @@ def _not_captured(
             reason = "its capture was cancelled, and not by the coordinator"
             return CaptureFailedError(participant.name, reason)
     return None
+
+
+async def _ask_all(
+    participants: Sequence[Participant], one: Callable[[Participant], Coroutine[Any, Any, None]]
+) -> None:
+    """``one`` of every participant at once: an async capture in a task of its
+    own, a plain one meanwhile in this task. This task yields once in any case
+    (the writer runs at each capture, as it does while tasks run)."""
+    inline = [p for p in participants if not _tasked(p)]
+    tasked = [p for p in participants if _tasked(p)]
+    if not tasked:
+        await anyio.lowlevel.checkpoint()
+        for participant in inline:
+            await one(participant)
+        return
+    async with anyio.create_task_group() as group:
+        for participant in tasked:
+            group.start_soon(one, participant)
+        for participant in inline:
+            await one(participant)
+
+
+def _tasked(participant: Participant) -> bool:
+    """Whether a participant's capture gets a task of its own: an async one
+    does (it may wait beside the others); a plain one runs in the caller's."""
+    source = getattr(participant, "capture_artifact", None)
+    return source is not None or not captures_inline(participant)
 
 
 def _record_of(handle: ArtifactHandle, name: str) -> PayloadRecord:

@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 import pytest
-from hostkit import GateFS, coordinator, parts
+from hostkit import GateFS, Part, coordinator, parts
 from test_writer import wait_until
 
 from coordinator import (
@@ -20,6 +20,7 @@ from coordinator import (
     SaveFailedError,
     StaleEpochError,
     UsageError,
+    WriterBusyError,
 )
 from coordinator.sample import sample_body
 from coordinator.bus import MemoryBus
@@ -27,6 +28,7 @@ from coordinator.artifacts import MemoryArtifact, release_off_loop
 from coordinator.events import Committed
 from coordinator.session import CaptureScope, Coordinator, RestoreScope
 from coordinator.store import FileStore
+from coordinator.writer import WriterLimits
 
 
 @pytest.mark.asyncio
@@ -651,3 +653,91 @@ async def test_a_participant_cancelled_by_someone_else_fails_the_capture_naming_
         assert c.ledger.statistics().live == 0
         with pytest.raises(EpochFencedError):
             await c.capture(2)
+
+
+class Plain(Part):
+    """A participant whose capture is a plain method: it runs in the host's task."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.tasks: list[asyncio.Task[Any] | None] = []
+
+    def capture(self, scope: CaptureScope) -> Any:  # type: ignore[override]
+        self.tasks.append(asyncio.current_task())
+        if self.fail_capture:
+            raise RuntimeError("sensor offline")
+        return self.state
+
+
+@pytest.mark.asyncio
+async def test_a_plain_capture_runs_in_the_hosts_task_beside_async_ones(tmp_path: Path) -> None:
+    """Plain captures run inline, in the caller's task, while an async one that
+    waits has a task of its own; the checkpoint holds every payload."""
+    participants: list[Any] = [Plain(p.name) for p in parts()]
+    waiting = parts()[1]
+    participants[1] = waiting
+    gate = waiting.gate = anyio.Event()
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        async with anyio.create_task_group() as group:
+            tickets: list[Any] = []
+
+            async def host() -> None:
+                tickets.append(asyncio.current_task())
+                tickets.append(await c.capture(1))
+
+            group.start_soon(host)
+            with anyio.fail_after(5):
+                await waiting.started.wait()
+            assert all(p.tasks == [tickets[0]] for p in participants if isinstance(p, Plain))
+            gate.set()
+        assert isinstance(await tickets[1].wait(), Committed)
+        with await store.read("epoch-1-1") as stored:
+            for p in participants:
+                assert bytes(stored.payload(p.name)) == p.state
+
+
+@pytest.mark.asyncio
+async def test_a_plain_capture_that_raises_fences_the_epoch_and_leaks_nothing(
+    tmp_path: Path,
+) -> None:
+    participants: list[Any] = [Plain(p.name) for p in parts()]
+    participants[3] = parts()[3]  # an async one, captured (and released) meanwhile
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        participants[2].fail_capture = True
+        with pytest.raises(CaptureFailedError, match="sensor offline") as caught:
+            await c.capture(1)
+        assert caught.value.participant == participants[2].name
+        assert c.ledger.statistics().live == 0
+        with pytest.raises(EpochFencedError):
+            await c.capture(2)
+
+
+@pytest.mark.asyncio
+async def test_plain_captures_still_let_the_writer_take_the_queue(tmp_path: Path) -> None:
+    """Every capture plain: a capture still yields once (as it does while the
+    tasks of async captures run), so the writer takes the first checkpoint
+    while the host captures the second, with no other await of the host's."""
+    participants: list[Any] = [Plain(p.name) for p in parts()]
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        first = await c.capture(1)
+        assert c.writer.statistics().queued == 1
+        second = await c.capture(2)
+        assert c.writer.statistics().queued == 1  # the first is being written
+        for ticket in (first, second):
+            assert isinstance(await ticket.wait(), Committed)
+
+
+@pytest.mark.asyncio
+async def test_a_plain_capture_may_return_an_awaitable(tmp_path: Path) -> None:
+    """A plain method returning a coroutine (a wrapper): awaited, in the host's task."""
+    participants: list[Any] = parts()
+
+    class Wrapped(Part):
+        def capture(self, scope: CaptureScope) -> Any:  # type: ignore[override]
+            return Part.capture(self, scope)
+
+    participants[0] = Wrapped(participants[0].name)
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        assert isinstance(await (await c.capture(1)).wait(), Committed)
+        with await store.read("epoch-1-1") as stored:
+            assert bytes(stored.payload(participants[0].name)) == participants[0].state

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -465,9 +466,19 @@ def _floor_detail(
     return found
 
 
-def small_parts() -> list[_Bytes]:
-    """The small checkpoint's participants: the sample's payloads, 4 KiB each."""
-    return [_Bytes(name, os.urandom(4096)) for name in sample_payload_names(["fly-a"])]
+class _HeldBytes(_Bytes):
+    """State held in memory, captured by a plain method: it runs inline, in the
+    host's task (docs/host.md), the cheapest capture."""
+
+    def capture(self, scope: CaptureScope) -> Any:
+        return self.data
+
+
+def small_parts(*, inline: bool = True) -> list[_Bytes]:
+    """The small checkpoint's participants: the sample's payloads, 4 KiB each,
+    captured by a plain method (``inline``) or an async one."""
+    kind = _HeldBytes if inline else _Bytes
+    return [kind(name, os.urandom(4096)) for name in sample_payload_names(["fly-a"])]
 
 
 def small_describe(scope: CaptureScope) -> ManifestBody:
@@ -486,12 +497,15 @@ def _small(folder: Path, runs: int, progress: Progress = NO_PROGRESS) -> list[Re
     SQLite in WAL mode and the raw 4-fsync loop, all measured in the same runs
     (the order of the five alternates from run to run)."""
     parts = small_parts()
+    async_parts = [_Bytes(part.name, part.data) for part in parts]  # async def capture
     count = SMALL_ONE_SESSION
 
-    async def one_session(run: int, steps: int = count) -> float:
-        async with FileStore(folder / f"pipe-{run}") as store:
+    async def one_session(run: int, steps: int = count, *, inline: bool = True) -> float:
+        folder_name = f"pipe-{run}" if inline else f"pipe-async-{run}"
+        async with FileStore(folder / folder_name) as store:
             coordinator = Coordinator(
-                store, MemoryBus(), parts, session_id="bench", epoch="e1",
+                store, MemoryBus(), parts if inline else async_parts,
+                session_id="bench", epoch="e1",
                 describe=small_describe,
             )  # fmt: skip
             async with coordinator:
@@ -538,6 +552,7 @@ def _small(folder: Path, runs: int, progress: Progress = NO_PROGRESS) -> list[Re
     counts = {"sessions16": SMALL_SESSIONS * SMALL_PER_SESSION}
     measures: dict[str, Callable[[int], float]] = {
         "ours": lambda run: anyio.run(one_session, run),
+        "ours_async": lambda run: anyio.run(partial(one_session, run, inline=False)),
         "sessions16": lambda run: anyio.run(many_sessions, run),
         "store": lambda run: anyio.run(store_only, run),
         "sqlite": lambda run: _sqlite_rate(folder / f"sqlite-{run}.db", parts, count),
@@ -816,6 +831,12 @@ def _small_results(
                 "counts once its ticket says committed",
                 "ours_rates": per_run("ours"), "sqlite_rates": per_run("sqlite"),
                 "pair_ratios": pairs("ours", "sqlite"),
+                "participants": "five holding their state in memory, each captured by a "
+                "plain method (inline, in the host's task: docs/host.md)",
+                "async_capture_rates": per_run("ours_async"),
+                "async_capture_over_sqlite": round(median(rates["ours_async"]) / sqlite, 3),
+                "async_capture_is": "the same participants with an async def capture: a "
+                "task of its own each, as a participant that may wait needs",
                 "ratio_to_raw_4fsync_loop": round(ours / raw, 3),
                 "raw_4fsync_rates": per_run("raw"),
                 "raw_group_rates": per_run("raw_group"),

@@ -86,7 +86,14 @@ from ..bus import NatsBus, checked_stream_config, connect, created
 from ..errors import BusConfigError, CoordinatorError, RemoteWorkerError, UsageError
 from ..events import subject_token
 from ..ids import U64_MAX, check_id, is_digest, is_id
-from ..participant import CaptureReply, CaptureScope, Participant, RestoreScope, check_reply
+from ..participant import (
+    CaptureReply,
+    CaptureScope,
+    Participant,
+    RestoreScope,
+    answer_of,
+    check_reply,
+)
 from ..wire import read_any_json, read_json
 from ._companion import DEFAULT_OBJECT_TTL, remote_objects, unmap
 from ._objects import DEFAULT_OBJECT_BUCKET, ObjectArtifact, ObjectBucket
@@ -802,7 +809,7 @@ class _Worker:
     async def _do(self, op: str, request: Request) -> Reply:
         key = (request.epoch, request.checkpoint_id)
         if op == "capture":
-            answer = await self.participant.capture(request.scope(CaptureScope))
+            answer = await answer_of(self.participant, request.scope(CaptureScope))
             if not isinstance(answer, CaptureReply):  # it answers the scope it was handed
                 answer = CaptureReply(
                     data=answer, checkpoint_id=request.checkpoint_id, step=request.step
