@@ -1118,8 +1118,10 @@ async def _ask_all(
     """``one`` of every participant at once: an async capture in a task of its
     own, a plain one meanwhile in this task. This task yields once in any case
     (the writer runs at each capture, as it does while tasks run)."""
-    inline = [p for p in participants if not _tasked(p)]
-    tasked = [p for p in participants if _tasked(p)]
+    tasked: list[Participant] = []
+    inline: list[Participant] = []
+    for participant in participants:
+        (tasked if _tasked(participant) else inline).append(participant)
     if not tasked:
         await anyio.lowlevel.checkpoint()
         for participant in inline:
