@@ -675,3 +675,33 @@ async def test_a_frozen_worker_that_lost_its_lease_neither_answers_nor_gets_requ
         first.end()
         if second is not None:
             second.end()
+
+
+class PlainWorkerPart(Part):
+    """A worker's participant whose capture is a plain method."""
+
+    def capture(self, scope: Any) -> bytes:  # type: ignore[override]
+        return self.state
+
+
+@pytest.mark.asyncio
+async def test_a_worker_serves_a_participant_with_a_plain_capture(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The worker takes a plain capture's bytes as it takes an async one's: the
+    checkpoint commits and holds them."""
+    part = PlainWorkerPart("agent-fly-a")
+    async with anyio.create_task_group() as group:
+        await group.start(
+            lambda task_status: serve_participant(
+                server.url, part, session_id=SESSION, task_status=task_status
+            )
+        )
+        async with NatsBus(server.url) as bus, FileStore(tmp_path / "store") as store:
+            remote = RemoteParticipant(bus, "agent-fly-a", timeout=30)
+            async with coordinator(store, bus, remote) as host:
+                outcome = await host.checkpoint(3)
+                assert isinstance(outcome, Committed)
+                with await store.read(outcome.checkpoint_id) as stored:
+                    assert bytes(stored.payload("agent-fly-a")) == part.state
+        group.cancel_scope.cancel()
