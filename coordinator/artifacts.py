@@ -58,6 +58,7 @@ __all__ = [
     "BaseHandle",
     "MemoryArtifact",
     "capture",
+    "capture_small",
     "handle_size",
     "hashing_limiter",
     "is_verified",
@@ -399,6 +400,32 @@ def _maps_a_file(data: object) -> bool:
     return isinstance(owner, mmap.mmap) and not is_owned(owner)
 
 
+def capture_small(name: str, data: object, *, ledger: ArtifactLedger) -> ArtifactHandle | None:
+    """``capture`` of bytes small enough to take on the loop, at once (copied if
+    not owned, hashed inline); ``None`` for any other buffer, which ``capture``
+    takes with a thread. ``UsageError`` for a bad name or no buffer."""
+    check_id(name)
+    try:
+        with memoryview(data) as view:  # type: ignore[arg-type]
+            length = view.nbytes
+    except TypeError:
+        raise UsageError(
+            f"capture {name!r} is a {type(data).__name__}: return bytes or a buffer"
+        ) from None
+    buffer: BytesLike = data  # type: ignore[assignment]
+    # Small captures are faster inline than a thread hop, except maps: a map of a
+    # file someone truncates would fault (SIGBUS) under a Python copy, while the
+    # kernel's copy (``seal_copy``) fails cleanly.
+    if length >= HASH_IN_THREAD_BYTES or _maps_a_file(buffer):
+        return None
+    with memoryview(buffer) as view:
+        if not (is_owned(view) and view.c_contiguous):
+            buffer = view.tobytes()
+    small = MemoryArtifact(name, buffer, sha256_hex(buffer), ledger)
+    mark_verified(small)
+    return small
+
+
 async def capture(
     name: str,
     data: object,
@@ -417,27 +444,12 @@ async def capture(
     file in ``spool_dir`` (when given) so they leave memory. A capture cancelled
     while it copies releases what it made: it leaks nothing.
     """
-    check_id(name)
-    try:
-        with memoryview(data) as view:  # type: ignore[arg-type]
-            length = view.nbytes
-    except TypeError:
-        raise UsageError(
-            f"capture {name!r} is a {type(data).__name__}: return bytes or a buffer"
-        ) from None
-    buffer: BytesLike = data  # type: ignore[assignment]
-    # Small captures are faster inline than a thread hop, except maps: a map of a
-    # file someone truncates would fault (SIGBUS) under a Python copy, while the
-    # kernel's copy (``seal_copy``) fails cleanly.
-    if length < HASH_IN_THREAD_BYTES and not _maps_a_file(buffer):
-        with memoryview(buffer) as view:
-            if not (is_owned(view) and view.c_contiguous):
-                buffer = view.tobytes()
-        small = MemoryArtifact(name, buffer, sha256_hex(buffer), ledger)
-        mark_verified(small)
+    small = capture_small(name, data, ledger=ledger)
+    if small is not None:
         return small
-    spooled = spool_dir is not None and length >= max(1, spool_threshold)
+    buffer: BytesLike = data  # type: ignore[assignment]
     with memoryview(buffer) as view:
+        spooled = spool_dir is not None and view.nbytes >= max(1, spool_threshold)
         kept = is_owned(view) and view.c_contiguous and not spooled
     if kept:  # owned already: nothing to copy, nothing to wait for
         return MemoryArtifact(name, buffer, None, ledger)

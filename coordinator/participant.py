@@ -14,9 +14,9 @@ another digest ``IncompatibleCaptureError``; either fails the capture and
 fences the epoch. Bare bytes state nothing beyond the call they answer.
 
 ``capture`` may be a plain method: it then runs inline, in the task that asked
-for the checkpoint, with no task of its own (``captures_inline``). For state
-already in memory that is the cheapest capture; an ``async def`` capture gets a
-task of its own, so it can wait beside the others.
+for the checkpoint (``captures_inline``); an awaitable it returns is awaited in
+a task of its own. For state already in memory that is the cheapest capture; an
+``async def`` capture gets a task of its own, so it can wait beside the others.
 
 A participant may provide the memory its payload is restored into
 (``StagesInPlace``): the bytes are then read once, straight into that memory,
@@ -122,7 +122,7 @@ class Participant(Protocol):
 
 def captures_inline(participant: Participant) -> bool:
     """Whether ``participant.capture`` is a plain function, run in the caller's
-    task (what it returns is awaited there if it is awaitable)."""
+    task (an awaitable it returns is awaited in a task of its own)."""
     return not inspect.iscoroutinefunction(participant.capture)
 
 

@@ -42,13 +42,14 @@ it, and a lost reply, from the store manifest, and never saves again.
 
 from __future__ import annotations
 
+import inspect
 import os
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, Protocol, Self
+from typing import Any, Final, Literal, Protocol, Self
 
 import anyio
 import anyio.lowlevel
@@ -60,6 +61,7 @@ from .artifacts import (
     ArtifactLedger,
     MemoryArtifact,
     capture,
+    capture_small,
     hashing_limiter,
     release_off_loop,
 )
@@ -101,7 +103,6 @@ from .participant import (
     Participant,
     RestoreScope,
     address_range,
-    answer_of,
     captures_inline,
     check_reply,
     staging_view,
@@ -551,31 +552,34 @@ class Coordinator:
         failure: list[CaptureFailedError] = []
         refusals: list[UsageError] = []  # a value of a type no capture takes: not fenced
 
-        async def one(participant: Participant) -> None:
+        async def one(
+            participant: Participant, answer: object = _ASK, *, inline: bool = False
+        ) -> object:
+            """A participant's capture, all of it (in a task of its own), or
+            ``inline``: in this task as far as it goes without waiting, returning
+            what a task of its own goes on with (``_ASK``: an async capture or an
+            artifact source, still to ask; an awaitable answer; bytes to copy in a
+            thread), or ``None`` once captured."""
             try:
                 source = getattr(participant, "capture_artifact", None)  # an ArtifactSource
                 if source is not None:  # (a runtime Protocol check costs more than the rest)
+                    if inline:
+                        return _ASK
                     handle = await source(scope, self.ledger)
                 else:
-                    data = await answer_of(participant, scope)
-                    if isinstance(data, CaptureReply):
-                        check_reply(
-                            participant.name, scope, data.checkpoint_id, data.step,
-                            data.compatibility_digest,
-                        )  # fmt: skip
-                        data = data.data
-                    if not _is_buffer(data):
-                        refusals.append(
-                            UsageError(
-                                f"participant {participant.name!r} returned a "
-                                f"{type(data).__name__} that is no buffer a capture can "
-                                "take: return bytes or a buffer (a numpy array, bytearray, "
-                                f"memoryview...); nothing was queued and epoch {scope.epoch} "
-                                "goes on"
-                            )
-                        )
-                        raise refusals[-1]
-                    handle = await capture(
+                    if answer is _ASK:
+                        if inline and not captures_inline(participant):
+                            return _ASK
+                        answer = participant.capture(scope)
+                    if inspect.isawaitable(answer):
+                        if inline:  # its own task awaits it: it may wait, or cancel its task
+                            return answer
+                        answer = await answer
+                    data = _data_of(participant, scope, answer, refusals)
+                    small = capture_small(participant.name, data, ledger=self.ledger)
+                    if small is None and inline:
+                        return data
+                    handle = small or await capture(
                         participant.name,
                         data,
                         ledger=self.ledger,
@@ -584,6 +588,7 @@ class Coordinator:
                     )
                 handles.append(handle)
                 captured[participant.name] = (handle, _record_of(handle, participant.name))
+                return None
             except BaseException as error:  # its own failure, or bytes we cannot take
                 if not isinstance(error, Exception) and not await raised_on_its_own(error):
                     raise  # we are cancelled
@@ -1098,6 +1103,7 @@ def _check_epoch(epoch: str) -> str:
 # What the record of a payload whose digest the writer computes holds until then:
 # the manifest validates at capture, and the writer replaces it before any write.
 PENDING_DIGEST = "0" * 64
+_ASK: Final = object()  # a participant's capture still to ask (in a task of its own)
 
 
 def _not_captured(
@@ -1112,33 +1118,55 @@ def _not_captured(
     return None
 
 
-async def _ask_all(
-    participants: Sequence[Participant], one: Callable[[Participant], Coroutine[Any, Any, None]]
-) -> None:
-    """``one`` of every participant at once: an async capture in a task of its
-    own, a plain one meanwhile in this task. This task yields once in any case
-    (the writer runs at each capture, as it does while tasks run)."""
-    tasked: list[Participant] = []
-    inline: list[Participant] = []
-    for participant in participants:
-        (tasked if _tasked(participant) else inline).append(participant)
-    if not tasked:
+async def _ask_all(participants: Sequence[Participant], one: Callable[..., Any]) -> None:
+    """Every participant's capture at once. Plain captures run first, in this
+    task, as far as each goes without waiting; an async capture, an artifact
+    source and whatever a plain one left (an awaitable, bytes to copy in a
+    thread) then go on in tasks of their own, together. This task yields once in
+    any case: the writer runs at each capture, as it does while tasks run."""
+    later: list[tuple[Participant, object]] = []
+    try:
+        for participant in participants:
+            rest = await one(participant, inline=True)
+            if rest is not None:
+                later.append((participant, rest))
+    except BaseException:
+        for _, rest in later:
+            if inspect.iscoroutine(rest):
+                rest.close()  # a task would have run it: it never will
+        raise
+    if not later:
         await anyio.lowlevel.checkpoint()
-        for participant in inline:
-            await one(participant)
         return
     async with anyio.create_task_group() as group:
-        for participant in tasked:
-            group.start_soon(one, participant)
-        for participant in inline:
-            await one(participant)
+        for participant, rest in later:
+            group.start_soon(one, participant, rest)
 
 
-def _tasked(participant: Participant) -> bool:
-    """Whether a participant's capture gets a task of its own: an async one
-    does (it may wait beside the others); a plain one runs in the caller's."""
-    source = getattr(participant, "capture_artifact", None)
-    return source is not None or not captures_inline(participant)
+def _data_of(
+    participant: Participant, scope: CaptureScope, answer: object, refusals: list[UsageError]
+) -> object:
+    """A capture's answer as the buffer to take: a reply checked against the
+    scope asked; anything that is no buffer refused (noted in ``refusals``: a
+    refusal fences nothing)."""
+    if isinstance(answer, CaptureReply):
+        check_reply(
+            participant.name, scope, answer.checkpoint_id, answer.step,
+            answer.compatibility_digest,
+        )  # fmt: skip
+        answer = answer.data
+    if not _is_buffer(answer):
+        refusals.append(
+            UsageError(
+                f"participant {participant.name!r} returned a "
+                f"{type(answer).__name__} that is no buffer a capture can "
+                "take: return bytes or a buffer (a numpy array, bytearray, "
+                f"memoryview...); nothing was queued and epoch {scope.epoch} "
+                "goes on"
+            )
+        )
+        raise refusals[-1]
+    return answer
 
 
 def _record_of(handle: ArtifactHandle, name: str) -> PayloadRecord:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,26 @@ from coordinator.events import Committed
 from coordinator.session import CaptureScope, Coordinator, RestoreScope
 from coordinator.store import FileStore
 from coordinator.writer import WriterLimits
+
+
+async def fails_fenced(c: Coordinator, name: str, match: str) -> None:
+    """Capture 1 fails naming ``name``, nothing leaks, and capture 2 is fenced."""
+    with pytest.raises(CaptureFailedError, match=match) as caught:
+        await c.capture(1)
+    assert caught.value.participant == name
+    assert c.ledger.statistics().live == 0
+    with pytest.raises(EpochFencedError):
+        await c.capture(2)
+
+
+def sync_wrapped(capture: Any) -> Any:
+    """An async capture behind a plain decorator: the method is plain, and what it
+    returns is a coroutine."""
+
+    def plain(scope: CaptureScope) -> Any:
+        return capture(scope)
+
+    return plain
 
 
 @pytest.mark.asyncio
@@ -630,12 +651,15 @@ async def test_a_cleanup_failing_under_the_hosts_cancellation_fences_nothing(
             assert c.ledger.statistics().live == 0
 
 
+@pytest.mark.parametrize("decorated", [False, True])
 @pytest.mark.asyncio
 async def test_a_participant_cancelled_by_someone_else_fails_the_capture_naming_it(
-    tmp_path: Path,
+    tmp_path: Path, decorated: bool
 ) -> None:
     """Its own watchdog cancelled its task: a bare KeyError out of capture, 4 handles
-    live, nothing fenced (the task group did the same)."""
+    live, nothing fenced (the task group did the same). Behind a plain decorator
+    too: the coroutine it returns has a task of its own, so the host's task is
+    not the one cancelled."""
     participants = parts()
 
     async def watchdogged(scope: CaptureScope) -> bytes:
@@ -645,14 +669,12 @@ async def test_a_participant_cancelled_by_someone_else_fails_the_capture_naming_
         await asyncio.sleep(1)
         return b"never"
 
-    participants[2].capture = watchdogged  # type: ignore[method-assign]
+    capture = sync_wrapped(watchdogged) if decorated else watchdogged
+    participants[2].capture = capture  # type: ignore[method-assign]
     async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
-        with pytest.raises(CaptureFailedError, match="not by the coordinator") as caught:
-            await c.capture(1)
-        assert caught.value.participant == participants[2].name
-        assert c.ledger.statistics().live == 0
-        with pytest.raises(EpochFencedError):
-            await c.capture(2)
+        await fails_fenced(c, participants[2].name, "not by the coordinator")
+        host = asyncio.current_task()
+        assert host is not None and host.cancelling() == 0
 
 
 class Plain(Part):
@@ -704,12 +726,7 @@ async def test_a_plain_capture_that_raises_fences_the_epoch_and_leaks_nothing(
     participants[3] = parts()[3]  # an async one, captured (and released) meanwhile
     async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
         participants[2].fail_capture = True
-        with pytest.raises(CaptureFailedError, match="sensor offline") as caught:
-            await c.capture(1)
-        assert caught.value.participant == participants[2].name
-        assert c.ledger.statistics().live == 0
-        with pytest.raises(EpochFencedError):
-            await c.capture(2)
+        await fails_fenced(c, participants[2].name, "sensor offline")
 
 
 @pytest.mark.asyncio
@@ -729,7 +746,7 @@ async def test_plain_captures_still_let_the_writer_take_the_queue(tmp_path: Path
 
 @pytest.mark.asyncio
 async def test_a_plain_capture_may_return_an_awaitable(tmp_path: Path) -> None:
-    """A plain method returning a coroutine (a wrapper): awaited, in the host's task."""
+    """A plain method returning a coroutine (a wrapper): awaited (in a task of its own)."""
     participants: list[Any] = parts()
 
     class Wrapped(Part):
@@ -741,3 +758,94 @@ async def test_a_plain_capture_may_return_an_awaitable(tmp_path: Path) -> None:
         assert isinstance(await (await c.capture(1)).wait(), Committed)
         with await store.read("epoch-1-1") as stored:
             assert bytes(stored.payload(participants[0].name)) == participants[0].state
+
+
+@pytest.mark.asyncio
+async def test_awaitables_that_plain_captures_return_are_awaited_together(
+    tmp_path: Path,
+) -> None:
+    """Five captures behind a plain decorator that wait for each other (a coherent
+    snapshot): each awaitable runs in a task of its own, so all of them start
+    before any ends. Awaited one after another in the host's task, they would
+    wait for each other until the deadline."""
+    participants = parts()
+    arrived, everyone = [0], anyio.Event()
+
+    def rendezvous(part: Part) -> Any:
+        async def capture(scope: CaptureScope) -> bytes:
+            arrived[0] += 1
+            if arrived[0] == len(participants):
+                everyone.set()
+            await everyone.wait()
+            return part.state
+
+        return sync_wrapped(capture)
+
+    for part in participants:
+        part.capture = rendezvous(part)  # type: ignore[method-assign]
+    async with (
+        FileStore(tmp_path) as store,
+        coordinator(store, participants, capture_timeout=5) as c,
+    ):
+        assert isinstance(await (await c.capture(1)).wait(), Committed)
+
+
+@pytest.mark.asyncio
+async def test_a_capture_attribute_that_raises_fails_its_participant(tmp_path: Path) -> None:
+    """Reading ``capture`` (a proxy whose backend is gone) is the participant's
+    failure: CaptureFailedError naming it, the epoch fenced, nothing leaked."""
+
+    class Gone(Part):
+        @property
+        def capture(self) -> Any:  # type: ignore[override]
+            raise ConnectionError("backend gone")
+
+    participants: list[Any] = parts()
+    participants[2] = Gone(participants[2].name)
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        await fails_fenced(c, participants[2].name, "backend gone")
+
+
+@pytest.mark.asyncio
+async def test_the_hosts_cancellation_is_not_lost_in_a_plain_captures_awaitable(
+    tmp_path: Path,
+) -> None:
+    """An awaitable a plain capture returned swallows the cancellation (it gives
+    its last state when interrupted): the host's cancel scope still ends the
+    capture, and nothing is queued."""
+    participants = parts()
+
+    def last_state(part: Part) -> Any:
+        async def capture(scope: CaptureScope) -> bytes:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(5)
+            return part.state
+
+        return sync_wrapped(capture)
+
+    participants[1].capture = last_state(participants[1])  # type: ignore[method-assign]
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        tickets = []
+        with anyio.move_on_after(0.2) as scope:
+            tickets.append(await c.capture(1))
+        assert scope.cancelled_caught and tickets == []
+        assert c.ledger.statistics().live == 0
+        assert store.lookup("epoch-1-1") is None
+
+
+@pytest.mark.asyncio
+async def test_a_large_buffer_from_a_plain_capture_is_copied_before_capture_returns(
+    tmp_path: Path,
+) -> None:
+    """1 MiB of a plain capture's bytearray goes to a thread to be copied (in a
+    task of its own): the host changes it as soon as capture() is back, and the
+    checkpoint holds the bytes as they were."""
+    participants: list[Any] = [Plain(p.name) for p in parts()]
+    grid = bytearray(b"\x07" * (1 << 20))
+    participants[0].state = grid
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        ticket = await c.capture(1)
+        grid[:] = b"\x09" * len(grid)
+        assert isinstance(await ticket.wait(), Committed)
+        with await store.read("epoch-1-1") as stored:
+            assert bytes(stored.payload(participants[0].name)) == b"\x07" * (1 << 20)
