@@ -571,7 +571,7 @@ class Coordinator:
                         if inline and not captures_inline(participant):
                             return _ASK
                         answer = participant.capture(scope)
-                    if inspect.isawaitable(answer):
+                    if type(answer) is not bytes and inspect.isawaitable(answer):
                         if inline:  # its own task awaits it: it may wait, or cancel its task
                             return answer
                         answer = await answer
@@ -601,8 +601,7 @@ class Coordinator:
                 raise failure[-1] from None
 
         try:
-            with anyio.fail_after(self.capture_timeout):
-                await _ask_all(self.participants, one)
+            await _ask_all(self.participants, one, self.capture_timeout)
             missed = _not_captured(self.participants, captured)
             if missed is not None:  # (a task someone else cancelled)
                 failure.append(missed)
@@ -1118,12 +1117,24 @@ def _not_captured(
     return None
 
 
-async def _ask_all(participants: Sequence[Participant], one: Callable[..., Any]) -> None:
-    """Every participant's capture at once. Plain captures run first, in this
-    task, as far as each goes without waiting; an async capture, an artifact
-    source and whatever a plain one left (an awaitable, bytes to copy in a
-    thread) then go on in tasks of their own, together. This task yields once in
-    any case: the writer runs at each capture, as it does while tasks run."""
+async def _ask_all(
+    participants: Sequence[Participant], one: Callable[..., Any], timeout: float
+) -> None:
+    """Every participant's capture at once (``_ask_each``), within ``timeout``:
+    else ``TimeoutError``. (A scope of our own: fail_after's two generator
+    context managers cost more than a small capture's own wait.)"""
+    with anyio.CancelScope(deadline=anyio.current_time() + timeout) as deadline:
+        await _ask_each(participants, one)
+    if deadline.cancelled_caught:
+        raise TimeoutError
+
+
+async def _ask_each(participants: Sequence[Participant], one: Callable[..., Any]) -> None:
+    """Plain captures run first, in this task, as far as each goes without
+    waiting; an async capture, an artifact source and whatever a plain one left
+    (an awaitable, bytes to copy in a thread) then go on in tasks of their own,
+    together. This task yields once in any case: the writer runs at each
+    capture, as it does while tasks run."""
     later: list[tuple[Participant, object]] = []
     try:
         for participant in participants:
