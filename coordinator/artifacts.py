@@ -30,6 +30,7 @@ milliseconds the event loop should not wait.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import mmap
 import os
@@ -380,7 +381,7 @@ async def owned_bytes(data: object) -> BytesLike:
         with memoryview(data) as view:  # type: ignore[arg-type]
             if is_owned(view) and view.c_contiguous:
                 return data  # type: ignore[return-value]
-            if view.nbytes < HASH_IN_THREAD_BYTES:
+            if view.nbytes < HASH_IN_THREAD_BYTES and not _maps_a_file(data):
                 return view.tobytes()
     except TypeError:
         kind = type(data).__name__
@@ -394,10 +395,27 @@ def _sealed_copy(data: object) -> BytesLike:
 
 
 def _maps_a_file(data: object) -> bool:
+    """Whether ``data`` may be memory mapped from a file, so that a copy in user
+    space could fault (SIGBUS) once the file shrinks: a map, or a view or array
+    over one (a memoryview's ``obj``, a numpy array's ``base``), or a ctypes
+    object over memory it does not own (``from_buffer``: its owner is not told)."""
     owner = data
-    while isinstance(owner, memoryview):
-        owner = owner.obj
+    for _ in range(_MAX_VIEW_CHAIN):
+        if isinstance(owner, memoryview):
+            owner = owner.obj
+        elif (
+            type(owner).__module__.startswith("numpy") and getattr(owner, "base", None) is not None
+        ):
+            owner = owner.base  # type: ignore[attr-defined]
+        else:
+            break
+    if isinstance(owner, _CDATA):
+        return not owner._b_needsfree_  # type: ignore[attr-defined]
     return isinstance(owner, mmap.mmap) and not is_owned(owner)
+
+
+_MAX_VIEW_CHAIN = 64
+_CDATA = ctypes.c_char.__mro__[-2]  # ctypes' _CData: every ctypes object
 
 
 def capture_small(name: str, data: object, *, ledger: ArtifactLedger) -> ArtifactHandle | None:

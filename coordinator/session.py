@@ -42,6 +42,7 @@ it, and a lost reply, from the store manifest, and never saves again.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import secrets
@@ -1142,9 +1143,12 @@ async def _ask_each(participants: Sequence[Participant], one: Callable[..., Any]
             if rest is not None:
                 later.append((participant, rest))
     except BaseException:
-        for _, rest in later:
+        for _, rest in later:  # a task would have awaited each: none will
             if inspect.iscoroutine(rest):
-                rest.close()  # a task would have run it: it never will
+                rest.close()
+            elif asyncio.isfuture(rest):  # (work of its own, under way: stopped)
+                rest.cancel()
+                rest.add_done_callback(_outcome_dropped)
         raise
     if not later:
         await anyio.lowlevel.checkpoint()
@@ -1152,6 +1156,13 @@ async def _ask_each(participants: Sequence[Participant], one: Callable[..., Any]
     async with anyio.create_task_group() as group:
         for participant, rest in later:
             group.start_soon(one, participant, rest)
+
+
+def _outcome_dropped(future: asyncio.Future[Any]) -> None:
+    """Read the outcome of a future nobody will await, so that its exception is
+    not reported as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _data_of(

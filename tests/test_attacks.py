@@ -1348,26 +1348,59 @@ async def test_capture_digests_share_one_limit_across_coordinators(tmp_path: Pat
             assert first._hashing is second._hashing is hashing_limiter()
 
 
-def test_a_file_backed_map_that_shrinks_fails_cleanly(tmp_path: Path) -> None:
-    """A participant's map of a file another process truncated killed the host with
-    SIGBUS (the inline copy and the spool copy read it in user space)."""
+@pytest.mark.parametrize(
+    ("size", "mode", "over"),
+    [
+        (16 << 10, "memory", "map"),
+        (64 << 20, "spool", "map"),
+        (16 << 10, "memory", "ndarray"),  # numpy's .base, not memoryview's .obj
+        (16 << 10, "memory", "memmap"),
+        (16 << 10, "memory", "ctypes"),  # from_buffer: memory it does not own
+        (16 << 10, "plain", "ndarray"),  # a plain capture: taken on the loop when small
+        (16 << 10, "worker", "ndarray"),  # a remote worker's owned_bytes
+    ],
+)
+def test_a_file_backed_map_that_shrinks_fails_cleanly(
+    tmp_path: Path, size: int, mode: str, over: str
+) -> None:
+    """A capture of a file map (or an array over one) whose file shrank: a clean
+    refusal, never SIGBUS (a copy in user space faults on the missing pages; the
+    kernel's copy fails with EFAULT)."""
     child = f"""
-import anyio, mmap, os, sys
+import anyio, ctypes, mmap, os, sys
+import numpy as np
 sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT)!r}]
 from hostkit import coordinator, parts
+from coordinator.artifacts import owned_bytes
 from coordinator.store import FileStore
-size, spool = int(sys.argv[1]), sys.argv[2] == "spool"
-d = sys.argv[3]; state = os.path.join(d, "state.bin")
+size, mode, over, d = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+state = os.path.join(d, "state.bin")
 open(state, "wb").write(b"s" * size)
-fd = os.open(state, os.O_RDONLY); m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+fd = os.open(state, os.O_RDWR); m = mmap.mmap(fd, size)
+value = {{
+    "map": lambda: m,
+    "ndarray": lambda: np.frombuffer(m, dtype=np.uint8),
+    "memmap": lambda: np.memmap(state, dtype=np.uint8, mode="r"),
+    "ctypes": lambda: (ctypes.c_char * size).from_buffer(m),
+}}[over]()
 async def main():
+    if mode == "worker":
+        os.truncate(state, 0)
+        try:
+            await owned_bytes(value)
+        except Exception as error:
+            print("capture refused:", type(error).__name__, flush=True)
+        return
     ps = parts()
     async def cap(scope):
         os.truncate(state, 0)
-        return m
-    ps[0].capture = cap
+        return value
+    def plain(scope):
+        os.truncate(state, 0)
+        return value
+    ps[0].capture = plain if mode == "plain" else cap
     os.makedirs(os.path.join(d, "spool"))
-    options = {{"spool_dir": os.path.join(d, "spool")}} if spool else {{}}
+    options = {{"spool_dir": os.path.join(d, "spool")}} if mode == "spool" else {{}}
     async with FileStore(os.path.join(d, "store")) as store, coordinator(store, ps, **options) as c:
         try:
             await c.capture(1)
@@ -1376,15 +1409,12 @@ async def main():
 anyio.run(main)
 print("host survived")
 """
-    for index, (size, mode) in enumerate([(16 << 10, "memory"), (64 << 20, "spool")]):
-        folder = tmp_path / f"run-{index}"
-        folder.mkdir()
-        result = subprocess.run(
-            [sys.executable, "-c", child, str(size), mode, str(folder)],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
-        assert result.returncode == 0, (mode, result.returncode, result.stderr[-400:])
-        assert "host survived" in result.stdout
+    result = subprocess.run(
+        [sys.executable, "-c", child, str(size), mode, over, str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, (mode, over, result.returncode, result.stderr[-400:])
+    assert "capture refused" in result.stdout and "host survived" in result.stdout
 
 
 # --- the third review's breaks -----------------------------------------------------------

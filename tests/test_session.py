@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -849,3 +850,39 @@ async def test_a_large_buffer_from_a_plain_capture_is_copied_before_capture_retu
         assert isinstance(await ticket.wait(), Committed)
         with await store.read("epoch-1-1") as stored:
             assert bytes(stored.payload(participants[0].name)) == b"\x07" * (1 << 20)
+
+
+@pytest.mark.parametrize("fails", ["raises", "refused"])
+@pytest.mark.asyncio
+async def test_work_a_plain_capture_started_stops_when_a_later_one_fails(
+    tmp_path: Path, fails: str
+) -> None:
+    """A plain capture returns a task it started; a later participant fails (or
+    returns no buffer) before any task is awaited: the task is cancelled, not
+    left running past the failed capture, and nothing is reported unretrieved."""
+    participants: list[Any] = [Plain(p.name) for p in parts()]
+    ran_after: list[bool] = []
+    reported: list[Any] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context))
+
+    def started_work(scope: CaptureScope) -> Any:
+        async def snapshot() -> bytes:
+            await asyncio.sleep(0.1)
+            ran_after.append(True)
+            raise RuntimeError("snapshot failed late")
+
+        return asyncio.ensure_future(snapshot())
+
+    participants[0].capture = started_work
+    if fails == "raises":
+        participants[3].fail_capture = True
+    else:
+        participants[3].state = "no buffer"
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        with pytest.raises(CaptureFailedError if fails == "raises" else UsageError):
+            await c.capture(1)
+        await anyio.sleep(0.3)
+        assert ran_after == [] and c.ledger.statistics().live == 0
+    gc.collect()
+    await anyio.sleep(0)
+    assert reported == []
