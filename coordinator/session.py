@@ -629,6 +629,9 @@ class Coordinator:
         if isinstance(error, cancelled):
             return error
         if await being_cancelled():  # the host's: what failed on the way fences nothing
+            # The scope's own cancellation, which its scope recognizes and catches
+            # (a new CancelledError would escape it); else, asyncio's, new.
+            await anyio.lowlevel.checkpoint_if_cancelled()
             return cancelled()
         current = scope.epoch == self.epoch  # a straggler never fences a newer epoch
         if isinstance(error, TimeoutError):

@@ -886,3 +886,31 @@ async def test_work_a_plain_capture_started_stops_when_a_later_one_fails(
     gc.collect()
     await anyio.sleep(0)
     assert reported == []
+
+
+@pytest.mark.parametrize("kind", ["async", "plain"])
+@pytest.mark.asyncio
+async def test_the_hosts_cancel_scope_takes_back_a_cancel_a_participant_turned_into_an_error(
+    tmp_path: Path, kind: str
+) -> None:
+    """A participant's client turns the host's cancellation into its own error
+    (a request aborted): the capture ends as the host's cancellation, which the
+    host's own scope catches (a fresh CancelledError escaped it), and nothing is
+    fenced."""
+    participants: list[Any] = parts()
+
+    async def aborted(scope: CaptureScope) -> bytes:
+        try:
+            await anyio.sleep(5)
+        except anyio.get_cancelled_exc_class():
+            raise ConnectionError("request aborted") from None
+        return b"never"
+
+    participants[1].capture = aborted if kind == "async" else sync_wrapped(aborted)
+    async with FileStore(tmp_path) as store, coordinator(store, participants) as c:
+        with anyio.move_on_after(0.1) as scope:
+            await c.capture(1)
+        assert scope.cancelled_caught
+        assert c.ledger.statistics().live == 0
+        del participants[1].capture
+        assert isinstance(await (await c.capture(2)).wait(), Committed)
