@@ -1129,7 +1129,8 @@ async def _ask_all(
     context managers cost more than a small capture's own wait.)"""
     with anyio.CancelScope(deadline=anyio.current_time() + timeout) as deadline:
         await _ask_each(participants, one)
-    if deadline.cancelled_caught:
+    # (a plain capture that blocked past it cannot be interrupted: it is late all the same)
+    if deadline.cancelled_caught or anyio.current_time() > deadline.deadline:
         raise TimeoutError
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import time
 from pathlib import Path
 from typing import Any
 
@@ -914,3 +915,29 @@ async def test_the_hosts_cancel_scope_takes_back_a_cancel_a_participant_turned_i
         assert c.ledger.statistics().live == 0
         del participants[1].capture
         assert isinstance(await (await c.capture(2)).wait(), Committed)
+
+
+@pytest.mark.parametrize("others", ["plain", "async"])
+@pytest.mark.asyncio
+async def test_a_plain_capture_that_blocks_past_the_deadline_is_late_whatever_the_others(
+    tmp_path: Path, others: str
+) -> None:
+    """A plain capture cannot be interrupted; one that blocks past
+    ``capture_timeout`` is a DeadlineExpiredError all the same, whether the
+    others are plain (it committed) or async (it expired)."""
+    participants: list[Any] = [Plain(p.name) if others == "plain" else p for p in parts()]
+
+    def blocks(scope: CaptureScope) -> bytes:
+        time.sleep(0.3)
+        return b"late"
+
+    participants[0] = Plain(participants[0].name)
+    participants[0].capture = blocks
+    async with (
+        FileStore(tmp_path) as store,
+        coordinator(store, participants, capture_timeout=0.1) as c,
+    ):
+        with pytest.raises(DeadlineExpiredError):
+            await c.capture(1)
+        assert c.ledger.statistics().live == 0
+        assert store.lookup("epoch-1-1") is None
