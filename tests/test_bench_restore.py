@@ -65,6 +65,10 @@ def test_restore_group_reports_each_figure_beside_its_baselines() -> None:
     assert cold["warm"]["ratio_to_read_sha256"] > 0
     assert positive(cold["format_floor_s"])  # one SHA-256 pass of the file, same run
     assert cold["ratio_to_format_floor"] > 0 and 0 < cold["format_floor_over_baseline"] < 1
+    # two passes and the raw read's own CPU over the cores: never below one pass
+    assert positive(cold["cpu_floor_s"]) and cold["ratio_to_cpu_floor"] > 0
+    assert all(c >= f for c, f in zip(cold["cpu_floor_s"], cold["format_floor_s"], strict=True))
+    assert cold["cpu_floor_over_baseline"] >= cold["format_floor_over_baseline"]
     resident = cold["resident_before_clock"]
     if resident["cold"] != "mincore unavailable":
         assert resident["cold"][1] < 0.5 and resident["warm"][0] > 0.5  # evicted / read in
