@@ -363,11 +363,11 @@ async def _measure(mode: str, cache: str, plan: dict[str, Any]) -> dict[str, Any
         resident = _set_cache(plan["path"], cache)
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS, from here on
         start_kib = status_kib("VmRSS")
-        start, used = time.perf_counter(), _cpu_seconds()
+        start, used = time.perf_counter(), time.process_time()
         arrays, adopted = await work()
         _touch(list(arrays.values()))
         seconds = time.perf_counter() - start
-        cpu = _cpu_seconds() - used
+        cpu = time.process_time() - used  # every thread's, user and system
         peak_kib = status_kib("VmHWM")
         restored = sum(memoryview(a).nbytes for a in arrays.values())
         anon, file_backed = _kib("RssAnon"), _kib("RssFile")
@@ -384,12 +384,6 @@ async def _measure(mode: str, cache: str, plan: dict[str, Any]) -> dict[str, Any
         "resident": resident,
         "adopted": adopted,
     }
-
-
-def _cpu_seconds() -> float:
-    """CPU time of this whole process so far, every thread's, user and system."""
-    times = os.times()
-    return times.user + times.system
 
 
 def probe() -> None:
