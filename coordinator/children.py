@@ -1,4 +1,5 @@
 """Children that die with their parent: the embedded ``nats-server``, the demo's worker.
+And Python children that run the very ``coordinator`` their parent runs.
 
 On Linux the kernel sends a child a signal when its parent dies
 (``PR_SET_PDEATHSIG``). That call must run in the child before the exec, and
@@ -15,7 +16,7 @@ import os
 import signal
 import sys
 
-__all__ = ["with_parent_death_signal"]
+__all__ = ["python_command", "with_parent_death_signal"]
 
 # argv: the signal, the parent's pid, then the command. PR_SET_PDEATHSIG is 1; the
 # setting survives the exec (of a program that is not set-uid).
@@ -43,3 +44,18 @@ def with_parent_death_signal(
         return command
     shim = [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM]
     return [*shim, str(int(signum)), str(os.getpid()), *command]
+
+
+# The directory this package was imported from.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python_command(*arguments: str) -> list[str]:
+    """``python *arguments`` (``-c CODE ...``, ``-m MODULE ...``) that imports the
+    ``coordinator`` this process runs. Python puts the working directory first on
+    such a child's path, so a package of that name there (a checkout of another
+    version) was imported instead: ``-P`` keeps it off, unless this process found
+    the package only there (a checkout run without installing it)."""
+    started_at = sys.path if sys.flags.safe_path else sys.path[1:]  # [0]: our own start
+    elsewhere = any(entry and os.path.abspath(entry) == _ROOT for entry in started_at)
+    return [sys.executable, *(["-P"] if elsewhere else []), *arguments]

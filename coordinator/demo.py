@@ -21,7 +21,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,7 +32,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from .children import with_parent_death_signal
+from .children import python_command, with_parent_death_signal
 from .connection import ENVIRONMENT
 from .errors import RemoteWorkerError, SaveFailedError, UsageError, WriterBusyError
 from .events import Committed, Event, Failed, Replicated, Restored, Superseded, event_name
@@ -324,7 +323,7 @@ async def remote_agent(
     connection's ``NATS_*`` variables (``Connection.environment()``), which the
     worker reads instead of ours: a secret goes to it there, never in its argv."""
     options = {"--session": session, "--name": name, "--size": size, "--seed": seed}
-    command = [sys.executable, "-m", "coordinator", "demo-agent"]
+    command = python_command("-m", "coordinator", "demo-agent")
     command += [str(item) for pair in options.items() for item in pair]
     process = await anyio.open_process(
         # Killed with the demo, at once: a worker whose host died has nobody to

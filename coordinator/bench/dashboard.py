@@ -52,7 +52,7 @@ from typing import Any
 import anyio
 import anyio.streams.buffered
 
-from ..children import with_parent_death_signal
+from ..children import python_command, with_parent_death_signal
 from ..events import Captured, Committed, Event, Failed, Queued, Timings, decode_event, encode_event
 from ..stats import percentile
 from ._results import Result, median, result, status_kib
@@ -276,7 +276,7 @@ def state_rss(sessions: int, per: int) -> dict[str, Any]:
 def _state_rss_fresh(sessions: int, per: int) -> dict[str, Any]:
     done = subprocess.run(
         with_parent_death_signal(
-            [sys.executable, "-m", __name__, "rss", str(sessions), str(per)], signal.SIGKILL
+            python_command("-m", __name__, "rss", str(sessions), str(per)), signal.SIGKILL
         ),
         check=True, capture_output=True, text=True, env=_env(),
     )  # fmt: skip
@@ -480,7 +480,7 @@ async def _fleet_run(url: str, bus: Any, plan: Plan, live: list[int]) -> dict[st
     """One server process: the floor, the history's fold and live events under
     requests, then requests at rest. What each phase measured."""
     port = _free_port()
-    command = [sys.executable, "-m", __name__, "serve", url, str(port), str(plan.idle_s)]
+    command = python_command("-m", __name__, "serve", url, str(port), str(plan.idle_s))
     asked: list[tuple[float, str, float, int]] = []
     stop = threading.Event()
     launched = with_parent_death_signal(command, signal.SIGKILL)  # dies with the bench

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .. import envelope
 from ..canonical import canonical_bytes, count_values
-from ..children import with_parent_death_signal
+from ..children import python_command, with_parent_death_signal
 from ..errors import CorruptEnvelopeError
 from ..manifest import build_manifest, manifest_to_builtins
 from ..sample import sample_body, sample_payload_names
@@ -347,7 +347,7 @@ def _refuse_hostile(runs: int, progress: Progress = NO_PROGRESS) -> Result:
 def _decode_rss(path: Path) -> float:
     """Peak RSS that decoding ``path`` through mmap adds, in a fresh interpreter."""
     code = "from coordinator.bench.envelope import rss_probe; rss_probe()"
-    command = with_parent_death_signal([sys.executable, "-c", code, str(path)], signal.SIGKILL)
+    command = with_parent_death_signal(python_command("-c", code, str(path)), signal.SIGKILL)
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return float(json.loads(output)["added_mib"])
 

@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from functools import partial
@@ -32,7 +31,7 @@ from typing import Any
 import anyio
 
 from ..bus import NatsBus
-from ..children import with_parent_death_signal
+from ..children import python_command, with_parent_death_signal
 from ..manifest import build_manifest
 from ..participant import CaptureScope
 from ..replicate import CONTENT_BUCKET, POINTERS_BUCKET, Replicas, Replicator
@@ -271,7 +270,7 @@ def _describe_host(scope: CaptureScope) -> Any:
 
 
 def _probe(script: str, *argv: str) -> dict[str, Any]:
-    command = with_parent_death_signal([sys.executable, "-c", script, *argv], signal.SIGKILL)
+    command = with_parent_death_signal(python_command("-c", script, *argv), signal.SIGKILL)
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
     figures: dict[str, Any] = json.loads(done.stdout)
     return figures

@@ -50,7 +50,7 @@ from typing import Any
 import anyio
 
 from ..bus import MemoryBus
-from ..children import with_parent_death_signal
+from ..children import python_command, with_parent_death_signal
 from ..events import Committed
 from ..manifest import ManifestBody
 from ..participant import CaptureScope, RestoreScope
@@ -397,7 +397,7 @@ def probe() -> None:
 def _child(mode: str, cache: str, plan: dict[str, Any]) -> dict[str, Any]:
     spec = json.dumps({"mode": mode, "cache": cache, "plan": plan})
     code = "from coordinator.bench.restore import probe; probe()"
-    command = with_parent_death_signal([sys.executable, "-c", code, spec], signal.SIGKILL)
+    command = with_parent_death_signal(python_command("-c", code, spec), signal.SIGKILL)
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(

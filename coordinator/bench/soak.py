@@ -29,7 +29,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -42,7 +41,7 @@ import anyio.abc
 import msgspec
 
 from ..bus import NatsBus
-from ..children import with_parent_death_signal
+from ..children import python_command, with_parent_death_signal
 from ..monitor import SessionState, fold_message, read_message
 from ..server import EmbeddedServer
 from ._results import Result, result
@@ -150,7 +149,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
 
 async def _soak(folder: Path, plan: Plan, progress: Progress) -> dict[str, Any]:
     checkpoints, every = plan.checkpoints, plan.every
-    module = [sys.executable, "-m", "coordinator.bench._soak_host"]
+    module = python_command("-m", "coordinator.bench._soak_host")
     live: list[SessionState | None] = [None]
     samples: list[dict[str, Any]] = []
     restarts = 0
