@@ -82,7 +82,13 @@ def _size(text: str) -> int:
     match = _SIZE.fullmatch(text.strip())
     if match is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1GiB or 256MiB)")
-    return int(match[1]) * _UNITS[(match[2] or "b").lower()]
+    size = int(match[1]) * _UNITS[(match[2] or "b").lower()]
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if size > memory:  # every bench holds its state in memory
+        raise argparse.ArgumentTypeError(
+            f"{text}: more than this machine's memory ({memory >> 20} MiB)"
+        )
+    return size
 
 
 def _path(text: str) -> Path:

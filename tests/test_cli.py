@@ -405,3 +405,14 @@ def test_every_command_has_help_with_an_example(
     out = capsys.readouterr().out
     assert code == 0
     assert f"coordinator {command}" in out and "Example" in out
+
+
+@pytest.mark.parametrize("size", ["1000000GiB", "99999999999999999999GiB"])
+def test_a_bench_size_beyond_this_machines_memory_is_a_usage_error(
+    size: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every bench holds its state in memory: a size past it was a MemoryError or an
+    OverflowError traceback (helper-15)."""
+    code, _, _ = run("bench", "restore", "--size", size, "--runs", "1")
+    assert code == 2
+    assert "more than this machine's memory" in capsys.readouterr().err  # (argparse's)
