@@ -22,12 +22,13 @@ import pytest
 from conftest import VECTORS
 from storekit import checkpoint
 
+from coordinator.children import python_command
 from coordinator.cli import _parser
 from coordinator.server import EmbeddedServer
 from coordinator.store import SyncStore
 
 COORDINATOR = [sys.executable, "-m", "coordinator"]
-WORKER = [*COORDINATOR, "demo-agent"]  # the demo's remote agent
+WORKER = python_command("-m", "coordinator", "demo-agent")  # the demo's remote agent
 # Output into a pipe is block-buffered, as a user's is: unbuffered, the last flush
 # at exit (where "Exception ignored ... BrokenPipeError" came from) has nothing to do.
 ENV = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
@@ -227,7 +228,7 @@ def test_a_killed_demo_takes_its_children_with_it(tmp_path: Path, dashboard: boo
             assert line, "the demo ended"
             commits += b"committed" in line
         started = {pid: command_line(pid) for pid in children(demo.pid)}
-        [worker] = [pid for pid, argv in started.items() if argv[:4] == WORKER]
+        [worker] = [pid for pid, argv in started.items() if argv[: len(WORKER)] == WORKER]
         os.kill(worker, signal.SIGSTOP)
         while state(worker) in ("R", "S", "D"):  # (until it is stopped)
             time.sleep(0.01)
