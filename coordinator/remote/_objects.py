@@ -37,7 +37,7 @@ import math
 import mmap
 import os
 import re
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -511,21 +511,24 @@ class ObjectBucket:
         fd, base = file
         name = info.name
         received = handed = allocated = 0
+        # Closed here, not by the garbage collector: a cancelled read has deleted its
+        # consumer by the time it returns (else that waited for a task of its own).
         try:
-            async for data in self._chunks(info, len(view)):
-                if received + len(data) > len(view):
-                    raise ArtifactCorruptError(f"object {name!r} is longer than declared")
-                if received + len(data) > allocated:
-                    upto = min(len(view), max(received + len(data), allocated + _GROW_STEP))
-                    await anyio.to_thread.run_sync(
-                        _allocate, view.obj, fd, base + allocated, upto - allocated
-                    )
-                    allocated = upto
-                view[received : received + len(data)] = data
-                received += len(data)
-                if received - handed >= _HASH_STEP or received == len(view):
-                    await progress.send(received)
-                    handed = received
+            async with contextlib.aclosing(self._chunks(info, len(view))) as chunks:
+                async for data in chunks:
+                    if received + len(data) > len(view):
+                        raise ArtifactCorruptError(f"object {name!r} is longer than declared")
+                    if received + len(data) > allocated:
+                        upto = min(len(view), max(received + len(data), allocated + _GROW_STEP))
+                        await anyio.to_thread.run_sync(
+                            _allocate, view.obj, fd, base + allocated, upto - allocated
+                        )
+                        allocated = upto
+                    view[received : received + len(data)] = data
+                    received += len(data)
+                    if received - handed >= _HASH_STEP or received == len(view):
+                        await progress.send(received)
+                        handed = received
         except _StalledError:
             raise ArtifactUnavailableError(
                 f"object {name!r} stopped arriving after {received} bytes"
@@ -535,7 +538,7 @@ class ObjectBucket:
                 f"cannot read object {name!r} ({type(error).__name__}: {error})"
             ) from None
 
-    async def _chunks(self, info: api.ObjectInfo, size: int) -> AsyncIterator[bytes]:
+    async def _chunks(self, info: api.ObjectInfo, size: int) -> AsyncGenerator[bytes, None]:
         """The object's chunks in order, ``size`` bytes of them (or one more, that
         the caller refuses), through a pull consumer of its own (ephemeral, no
         acks, gone soon after we are): ``_BATCH`` chunks asked for at a time, the
