@@ -868,6 +868,78 @@ def test_retiring_epochs_never_changes_a_timeline() -> None:
             assert len(msgspec.json.encode(ours)) <= len(msgspec.json.encode(model))
 
 
+def test_rotation_drops_what_its_rule_says_with_pins_forks_and_two_sessions() -> None:
+    """Random commits (some re-committing a listed id), reopens and restores
+    (forks) of two sessions, with random pins, as a commit group pins its members:
+    what ``with_generation`` drops is exactly what the rule says. Per session,
+    beyond ``keep``: generations off the current timeline first, then the oldest,
+    never a pinned one or the commit just made; the other session is untouched,
+    and the store's lastSequence is the commit's."""
+    import random
+
+    from coordinator.store import _lineage
+    from coordinator.store._manifest import GenerationRecord, StoreManifest
+
+    def record(session: str, checkpoint_id: str, epoch: str, sequence: int) -> GenerationRecord:
+        return GenerationRecord(
+            checkpoint_id=checkpoint_id, file=f"{checkpoint_id}.flysess", session_id=session,
+            epoch=epoch, episode_id="ep", boundary=str(sequence % 7), compatibility_digest="0" * 64,
+            envelope_digest="0" * 64, byte_length="100", sequence=str(sequence),
+        )  # fmt: skip
+
+    dropped_any = forked_off = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        keep = rng.randint(1, 4)
+        manifest, epochs = StoreManifest.of(), 0
+        for _ in range(rng.randint(10, 60)):
+            name = rng.choice(["s1", "s2"])
+            session = manifest.session(name)
+            mine = [g for g in manifest.generations if g.session_id == name]
+            op = rng.choice(["commit"] * 6 + ["open", "fork"])
+            if session is None or (op == "fork" and not mine):
+                op = "open"
+            if op != "commit":
+                epoch, epochs = f"e{epochs}", epochs + 1
+                if op == "open":
+                    manifest = _lineage.with_opened_epoch(manifest, name, epoch)
+                else:
+                    manifest = _lineage.with_forked_epoch(
+                        manifest, name, epoch, rng.choice(mine), last_step=None, reason="rollback"
+                    )
+                continue
+            assert session is not None
+            sequence = int(manifest.last_sequence) + 1
+            again = [g for g in mine if g.epoch == session.current]
+            checkpoint_id = (
+                rng.choice(again).checkpoint_id
+                if again and rng.random() < 0.2
+                else f"{name}-c{sequence}"
+            )
+            new = record(name, checkpoint_id, session.current, sequence)
+            pinned = frozenset(g.checkpoint_id for g in mine if rng.random() < 0.3)
+            on = _lineage.timeline(session)
+            listed = [g for g in mine if g.checkpoint_id != checkpoint_id] + [new]
+            may_go = [g for g in listed if g.checkpoint_id not in pinned and g is not new]
+            ordered = [g for g in may_go if not on(g)] + [g for g in may_go if on(g)]
+            expected = ordered[: max(0, len(listed) - keep)]
+
+            after, dropped = _lineage.with_generation(manifest, new, keep, pinned)
+
+            assert dropped == expected, seed
+            others = [g for g in manifest.generations if g.session_id != name]
+            assert [g for g in after.generations if g.session_id != name] == others, seed
+            assert [g for g in after.generations if g.session_id == name] == [
+                g for g in listed if g not in expected
+            ], seed
+            assert after.last_sequence == str(sequence), seed
+            assert _lineage.check_consistent(after) is None, seed
+            dropped_any += bool(dropped)
+            forked_off += any(not on(g) for g in dropped)
+            manifest = after
+    assert dropped_any > 1000 and forked_off > 50, (dropped_any, forked_off)  # each path taken
+
+
 def test_two_readers_pinning_one_generation_each_keep_it(tmp_path: Path) -> None:
     """keep=1: two restores read the only generation at once (each pins it). The
     first one done unpins it; rotation keeps it for the second until it is done."""

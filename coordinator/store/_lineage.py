@@ -105,10 +105,13 @@ def established_in(session: SessionRecord, record: GenerationRecord) -> EpochRec
 
 
 def _with_session(
-    manifest: StoreManifest, session: SessionRecord, generations: Sequence[GenerationRecord]
+    manifest: StoreManifest,
+    session: SessionRecord,
+    generations: Sequence[GenerationRecord],
+    last: int | None = None,
 ) -> StoreManifest:
     """``manifest`` with ``session`` (its high water recomputed, its unneeded epochs
-    retired) and ``generations``."""
+    retired) and ``generations``; ``last``: the sequence now, when the caller knows."""
     newest = high_water_of(session, generations)
     session = _retired(
         msgspec.structs.replace(
@@ -117,7 +120,8 @@ def _with_session(
         generations,
     )
     others = [s for s in manifest.sessions if s.session_id != session.session_id]
-    last = max([int(manifest.last_sequence), *(int(g.sequence) for g in generations)])
+    if last is None:
+        last = max([int(manifest.last_sequence), *(int(g.sequence) for g in generations)])
     return StoreManifest.of(generations, [*others, session], last_sequence=last)
 
 
@@ -276,29 +280,38 @@ def with_generation(
 ) -> tuple[StoreManifest, list[GenerationRecord]]:
     """``record`` committed (replacing a listed record of the same id), and the
     session's generations rotated to ``keep`` (never dropping one of ``pinned``):
-    the new manifest, and what it drops."""
+    the new manifest, and what it drops.
+
+    This runs for every member of a commit group, whose members are all pinned
+    until it commits: the timeline is asked only about the generations rotation
+    may drop, so a member costs little more than copying the list."""
     check_commit(manifest, record.session_id, record.epoch, record.checkpoint_id)
-    if int(record.sequence) != int(manifest.last_sequence) + 1:
+    sequence = int(record.sequence)
+    if sequence != int(manifest.last_sequence) + 1:
         raise ValueError(f"sequence {record.sequence} does not follow {manifest.last_sequence}")
     session = manifest.session(record.session_id)
     if session is None or session.epoch(record.epoch) is None:
         manifest = with_opened_epoch(manifest, record.session_id, record.epoch)
         session = manifest.session(record.session_id)
         assert session is not None
-    generations = [g for g in manifest.generations if g.checkpoint_id != record.checkpoint_id]
+    committed = record.checkpoint_id
+    generations = [g for g in manifest.generations if g.checkpoint_id != committed]
     generations.append(record)
     mine = [g for g in generations if g.session_id == record.session_id]
     dropped: list[GenerationRecord] = []
-    if len(mine) > keep:
+    if len(mine) > keep:  # off the timeline first, then the oldest; never the commit just made
+        candidates = [
+            g for g in mine if g.checkpoint_id not in pinned and g.checkpoint_id != committed
+        ]
         on_it = timeline(session)
-        off = [g for g in mine if not on_it(g)]
-        on = [g for g in mine if on_it(g)]
-        keep_now = pinned | {record.checkpoint_id}  # never the commit just made
-        candidates = [g for g in off + on if g.checkpoint_id not in keep_now]
-        dropped = candidates[: len(mine) - keep]
-        generations = [g for g in generations if g not in dropped]
+        off = [g for g in candidates if not on_it(g)]
+        dropped = [*off, *(g for g in candidates if on_it(g))][: len(mine) - keep]
+    if dropped:
+        gone = {g.checkpoint_id for g in dropped}  # (ids are listed once)
+        generations = [g for g in generations if g.checkpoint_id not in gone]
         session = _squatted_retired(manifest, session, dropped)
-    return _with_session(manifest, session, generations), dropped
+    # A listed sequence is never past lastSequence (check_consistent): this one is the newest.
+    return _with_session(manifest, session, generations, last=sequence), dropped
 
 
 def _squatted_retired(
