@@ -26,6 +26,7 @@ import bisect
 import contextlib
 import hashlib
 import mmap
+import re
 import struct
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -141,7 +142,10 @@ TRANSIENT_KEYS = frozenset(
     }
 )
 
-_TRANSIENT_PATTERNS = tuple(f'"{key}":'.encode() for key in sorted(TRANSIENT_KEYS))
+# One search for all of them (ten ``in`` tests over a 2 KB manifest take half as long again).
+_TRANSIENT_KEY_BYTES = re.compile(
+    b"|".join(re.escape(f'"{key}":'.encode()) for key in sorted(TRANSIENT_KEYS))
+)
 
 # Below this many bytes a second thread costs more than it saves.
 _PARALLEL_MIN = 1 << 20
@@ -277,7 +281,7 @@ def _manifest_problem(
         wanted = {"name": entry.name, "byteLength": str(entry.byte_length), "digest": entry.digest}
         if record != wanted:
             return "manifest-payloads", f"payloads[{index}] disagrees with table entry {index}"
-    if not any(pattern in manifest_json for pattern in _TRANSIENT_PATTERNS):
+    if _TRANSIENT_KEY_BYTES.search(manifest_json) is None:
         return None
     # The coordinator's inline values are the host's own data, not bus identities.
     scanned = dict(manifest)

@@ -218,6 +218,22 @@ def test_encode_refuses_what_decode_would(
         envelope.encode(manifest, payloads)
 
 
+@pytest.mark.parametrize("key", sorted(envelope.TRANSIENT_KEYS))
+def test_every_transient_key_is_refused_at_any_depth(key: str) -> None:
+    """Each transient bus identity, nested two levels down, is refused by encode
+    and, in an envelope written without that check, by decode (check 7)."""
+    payloads = [("a", b"x")]
+    manifest = {**minimal_manifest(payloads), "agents": [{"deep": {key: "t"}}]}
+    with pytest.raises(EnvelopeInputError, match="transient"):
+        envelope.encode(manifest, payloads)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(envelope, "_manifest_problem", lambda *_: None)
+        data = envelope.encode(manifest, payloads)
+    with pytest.raises(CorruptEnvelopeError) as caught:
+        envelope.decode(data)
+    assert caught.value.check == "manifest-transient"
+
+
 def test_encode_refuses_a_digest_that_does_not_match() -> None:
     """A manifest record whose digest is not the payload's is refused at seal time."""
     manifest = minimal_manifest([("a", b"other bytes")])
