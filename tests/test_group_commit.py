@@ -480,3 +480,32 @@ def test_a_lock_check_that_cannot_tell_fails_the_group_typed(tmp_path: Path) -> 
         assert listed(store) == []
     with SyncStore(tmp_path, read_only=True) as reopened:
         assert reopened.verify().ok
+
+
+def test_a_lock_taken_away_while_a_group_is_written_fails_the_whole_group(
+    tmp_path: Path,
+) -> None:
+    """The store's lock is checked once a group, not before each member: when it
+    is replaced after the first member's file is made, the check right before
+    the commit point still refuses the group. Every member gets a typed error,
+    nothing is listed, and no file of the group is left behind."""
+    from coordinator import StoreLockedError
+
+    class LockTakenAfterOneFile(RecordingFS):
+        taken = False
+
+        def create(self, path: str) -> int:
+            fd = super().create(path)
+            self.taken = self.taken or os.path.basename(path).startswith("tmp+ckpt")
+            return fd
+
+        def same_file(self, fd: int, path: str) -> bool:
+            return not self.taken and super().same_file(fd, path)
+
+    fs = LockTakenAfterOneFile(keep_data=False)
+    with SyncStore(tmp_path, fs=fs) as store:
+        outcomes = store.commit_group([member(1, 1), member(2, 2), member(3, 1)])
+        assert fs.taken
+        assert all(isinstance(o, StoreLockedError) for o in outcomes), outcomes
+        assert listed(store) == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("tmp+")) == []

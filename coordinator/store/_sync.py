@@ -586,9 +586,15 @@ class SyncStore:
     ) -> StoreManifest:
         """Step 1 for each member in turn, checked against ``working`` as the
         members before it leave it; returns the manifest with all of them
-        (rotation keeping ``pins``: the store's pins and the group's members)."""
+        (rotation keeping ``pins``: the store's pins and the group's members).
+        Whether the store is writable is asked until a member finds it so, not
+        for every member: publishing asks again, right before the commit point."""
+        writable = False
         for index, member in enumerate(members):
             try:
+                if not writable:
+                    self._writable(member.manifest.checkpoint_id)
+                    writable = True
                 self._check_member(member, working)
             except Exception as error:  # refused: nothing was attempted on the disk
                 outcomes[index] = error
@@ -615,7 +621,6 @@ class SyncStore:
         ``working`` (the manifest as the members before it in the group leave it)."""
         manifest, payloads = member.manifest, member.payloads
         checkpoint_id = manifest.checkpoint_id
-        self._writable(checkpoint_id)
         # Ids become file names and lineage keys here: checked again, because
         # msgspec constructors and structs.replace skip pattern checks.
         scope = manifest.source_scope
