@@ -307,7 +307,7 @@ def _find_transient_key(value: Any) -> str | None:
                 children: Any = item.values()
             else:
                 children = item
-            containers.extend(c for c in children if isinstance(c, (dict, list)))
+            containers.extend(c for c in children if isinstance(c, (dict, list, tuple)))
         level = containers
     return None
 

@@ -234,6 +234,22 @@ def test_every_transient_key_is_refused_at_any_depth(key: str) -> None:
     assert caught.value.check == "manifest-transient"
 
 
+@pytest.mark.parametrize(
+    "agents",
+    [({"storeId": "t"},), [({"bucket": "b"},)], ([{"deep": ({"pointer": 1},)}],)],
+    ids=["tuple", "tuple-in-list", "tuples-and-lists"],
+)
+def test_a_transient_key_inside_a_tuple_is_refused_by_the_writer(agents: Any) -> None:
+    """A tuple is written as a JSON array: the writer looks inside it as the reader
+    does, rather than sealing an envelope its own reader refuses (helper-16)."""
+    payloads = [("a", b"x")]
+    manifest = {**minimal_manifest(payloads), "agents": agents}
+    with pytest.raises(EnvelopeInputError, match="transient"):
+        envelope.encode(manifest, payloads)
+    with pytest.raises(EnvelopeInputError, match="transient"):
+        envelope.plan(manifest, payloads)
+
+
 def test_encode_refuses_a_digest_that_does_not_match() -> None:
     """A manifest record whose digest is not the payload's is refused at seal time."""
     manifest = minimal_manifest([("a", b"other bytes")])
