@@ -75,8 +75,10 @@ def test_the_placed_file_is_the_streamed_file(tmp_path: Path) -> None:
 
 def test_the_placed_write_keeps_the_commit_sequence(tmp_path: Path) -> None:
     """create, the writes, fsync, close, rename, fsync(dir), then the manifest's
-    own: the same steps in the same order as the streamed path."""
-    kinds = []
+    own: the same steps in the same order as the streamed path, with one more
+    fsync: the payloads', once they are all written and before the prefix and
+    the footer are (the disk works while the footer's pass runs)."""
+    kinds, recorded = [], []
     for name, pending_names in (("placed", True), ("streamed", False)):
         manifest, payloads = large_checkpoint(1)
         names = {payloads[0][0]} if pending_names else set()
@@ -85,8 +87,38 @@ def test_the_placed_write_keeps_the_commit_sequence(tmp_path: Path) -> None:
             fs.ops.clear()
             store.commit(pending(manifest, names), payloads, digests_pending=names)
         kinds.append(fs.kinds())
-    assert kinds[0] == kinds[1]
-    assert kinds[0][:5] == ["create", "fsync", "close", "rename", "fsync_dir"]
+        recorded.append(list(fs.ops))
+    placed, streamed = kinds
+    assert streamed[:5] == ["create", "fsync", "close", "rename", "fsync_dir"]
+    assert placed == ["create", "fsync", *streamed[1:]]
+    ops = recorded[0]
+    first_sync = next(i for i, op in enumerate(ops) if op[0] == "fsync")
+    before = [op[2] for op in ops[:first_sync] if op[0] == "write"]
+    second_sync = next(i for i, op in enumerate(ops) if op[0] == "fsync" and i > first_sync)
+    after = [op[2] for op in ops[first_sync:second_sync] if op[0] == "write"]
+    assert before and min(before) > 0  # every payload byte, none of the prefix
+    assert sorted(after)[0] == 0 and len(after) == 2  # then the prefix and the footer
+
+
+def test_a_failed_fsync_of_the_payloads_leaves_nothing(tmp_path: Path) -> None:
+    """The payloads' own fsync fails: a typed SyncError, the file is gone and
+    never synced again, the store verifies, and the next commit goes through."""
+    from coordinator import SyncError
+
+    manifest, payloads = large_checkpoint(1)
+    names = {payloads[0][0], payloads[2][0]}
+    fs = RecordingFS(fail_nth("fsync", 1, errno.EIO, "tmp+"), keep_data=False)
+    with SyncStore(tmp_path / "s", fs=fs) as store:
+        fs.ops.clear()
+        with pytest.raises(SyncError) as caught:
+            store.commit(pending(manifest, names), payloads, digests_pending=names)
+        assert caught.value.operation == "fsync"
+        assert "fsync" not in fs.kinds()  # the failed one is not recorded: none came after it
+        assert not [n for n in os.listdir(tmp_path / "s") if n.startswith("tmp+")]
+        second, more = large_checkpoint(2)
+        store.commit(pending(second, names), more, digests_pending=names)
+        assert store.verify().failures == ()
+        assert [r.checkpoint_id for r in store.generations] == ["ckpt-2"]
 
 
 @pytest.mark.parametrize("nth", [1, 2, 5])

@@ -200,9 +200,10 @@ class CommitSequence:
         thread_setup: Callable[[], None] | None = None,
     ) -> int:
         """Create ``path`` afresh and write ``envelope`` while it is hashed: every
-        payload byte goes to its offset at once, on a thread of its own, while this
-        one seals (the payloads' digests on every core, then the footer's pass);
-        the prefix and the footer, known only then, go last. Returns the open
+        payload byte goes to its offset at once, on a thread of its own, and is
+        fsynced there once written, while this one seals (the payloads' digests
+        on every core, then the footer's pass); the prefix and the footer, known
+        only then, go last. Returns the open
         descriptor for ``sync_file``; on any failure the file is closed and
         unlinked. ``envelope.sealed`` holds the seal."""
         fd = self._create(checkpoint_id, path)
@@ -222,6 +223,16 @@ class CommitSequence:
                     if end - flushed >= _WRITEBACK_EVERY:
                         self.fs.start_writeback(fd, flushed, end - flushed)
                         flushed = end
+                if stop.is_set():
+                    return
+                # Synced once written, while the footer's pass still runs: the disk
+                # works under the hashing, and the file's own fsync (``sync_file``)
+                # has only the prefix and the footer left. A failure here discards
+                # the file: it is never synced again.
+                try:
+                    self.fs.fsync(fd)
+                except OSError as error:
+                    raise SyncError(checkpoint_id, "fsync", path, error) from None
             except BaseException as error:  # raised below, in the sealing thread
                 failure.append(error)
             finally:
