@@ -423,22 +423,26 @@ def capture_small(name: str, data: object, *, ledger: ArtifactLedger) -> Artifac
     not owned, hashed inline); ``None`` for any other buffer, which ``capture``
     takes with a thread. ``UsageError`` for a bad name or no buffer."""
     check_id(name)
-    try:
-        with memoryview(data) as view:  # type: ignore[arg-type]
-            length = view.nbytes
-    except TypeError:
-        raise UsageError(
-            f"capture {name!r} is a {type(data).__name__}: return bytes or a buffer"
-        ) from None
     buffer: BytesLike = data  # type: ignore[assignment]
-    # Small captures are faster inline than a thread hop, except maps: a map of a
-    # file someone truncates would fault (SIGBUS) under a Python copy, while the
-    # kernel's copy (``seal_copy``) fails cleanly.
-    if length >= HASH_IN_THREAD_BYTES or _maps_a_file(buffer):
-        return None
-    with memoryview(buffer) as view:
-        if not (is_owned(view) and view.c_contiguous):
-            buffer = view.tobytes()
+    if type(data) is bytes:  # owned and contiguous, no file behind it: most small captures
+        if len(data) >= HASH_IN_THREAD_BYTES:
+            return None
+    else:
+        try:
+            with memoryview(data) as view:  # type: ignore[arg-type]
+                length = view.nbytes
+        except TypeError:
+            raise UsageError(
+                f"capture {name!r} is a {type(data).__name__}: return bytes or a buffer"
+            ) from None
+        # Small captures are faster inline than a thread hop, except maps: a map of a
+        # file someone truncates would fault (SIGBUS) under a Python copy, while the
+        # kernel's copy (``seal_copy``) fails cleanly.
+        if length >= HASH_IN_THREAD_BYTES or _maps_a_file(buffer):
+            return None
+        with memoryview(buffer) as view:
+            if not (is_owned(view) and view.c_contiguous):
+                buffer = view.tobytes()
     small = MemoryArtifact(name, buffer, sha256_hex(buffer), ledger)
     mark_verified(small)
     return small
