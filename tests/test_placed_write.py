@@ -100,6 +100,30 @@ def test_the_placed_write_keeps_the_commit_sequence(tmp_path: Path) -> None:
     assert sorted(after)[0] == 0 and len(after) == 2  # then the prefix and the footer
 
 
+def test_a_full_disk_under_a_placed_write_drops_the_spares(tmp_path: Path) -> None:
+    """Rotated-out small files kept to be written over (spares) hold disk space: a
+    large save whose payload write finds the disk full drops them all, as the
+    streamed path does, so that the next attempt has their room (helper-17: the
+    same save failed for good while 64 spares held 55 MiB)."""
+    from coordinator import NoSpaceError
+
+    fs = RecordingFS(keep_data=False)
+    with SyncStore(tmp_path, keep=1, fs=fs) as store:
+        for index in range(3):
+            store.commit(*checkpoint(index))
+        assert list(tmp_path.glob("tmp+spare+*"))
+        manifest, payloads = large_checkpoint(3)
+        names = {payloads[0][0], payloads[2][0]}
+        fs.rule = lambda op, name: errno.ENOSPC if (op, name) == ("write", "tmp+ckpt-3.flysess") else None
+        with pytest.raises(NoSpaceError):
+            store.commit(pending(manifest, names), payloads, digests_pending=names)
+        fs.rule = None
+        assert not list(tmp_path.glob("tmp+*"))
+        store.commit(pending(manifest, names), payloads, digests_pending=names)
+        assert [r.checkpoint_id for r in store.generations] == ["ckpt-3"]
+        assert store.verify().ok
+
+
 def test_a_failed_fsync_of_the_payloads_leaves_nothing(tmp_path: Path) -> None:
     """The payloads' own fsync fails: a typed SyncError, the file is gone and
     never synced again, the store verifies, and the next commit goes through."""

@@ -179,11 +179,10 @@ class CommitSequence:
             if isinstance(pieces, Generator):
                 pieces.close()  # stop the encoder (and join its hashing threads)
             self.discard(fd, path)
-            if isinstance(error, OSError):
-                if error.errno == errno.ENOSPC:  # (the next file may have their room)
-                    self.drop_spares()
-                raise commit_error(checkpoint_id, "write", path, error) from None
-            raise
+            typed = self._write_failure(checkpoint_id, path, error)
+            if typed is error:
+                raise
+            raise typed from None
         if reuse and self._file_mode & 0o077 == 0:
             self._private.add(path)
         if timings is not None:
@@ -256,12 +255,23 @@ class CommitSequence:
             if payloads.ident is not None:  # started: it writes to ``fd``, closed after it
                 _wait_through_interrupts(finished)
             self.discard(fd, path)
-            if isinstance(error, OSError):
-                raise commit_error(checkpoint_id, "write", path, error) from None
-            raise
+            typed = self._write_failure(checkpoint_id, path, error)
+            if typed is error:
+                raise
+            raise typed from None
         if timings is not None:
             timings["write"] = round((time.perf_counter() - started) * 1000, 3)
         return fd
+
+    def _write_failure(self, checkpoint_id: str, path: str, error: BaseException) -> BaseException:
+        """What a failed write of ``path`` raises: ``error``, or a typed one for an
+        ``OSError``. A full disk drops the spares first: the next file may have
+        the room they held."""
+        if not isinstance(error, OSError):
+            return error
+        if error.errno == errno.ENOSPC:
+            self.drop_spares()
+        return commit_error(checkpoint_id, "write", path, error)
 
     def _create(self, checkpoint_id: str, path: str) -> int:
         """``path`` created afresh (``O_EXCL``: always a new inode), given the
