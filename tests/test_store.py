@@ -1183,6 +1183,42 @@ def test_spares_are_kept_for_the_next_group_only_and_go_when_the_disk_is_full(
         assert listed(store) == ["ckpt-10"] and store.verify().ok
 
 
+@pytest.mark.parametrize(
+    ("op", "prefix"),
+    [
+        ("fsync", "tmp+ckpt-"),  # the generations' fsyncs (on the group's threads)
+        ("fsync", "tmp+manifest.json"),  # the store manifest's
+        ("write", "tmp+manifest.json"),
+    ],
+)
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_anywhere_in_a_commit_drops_the_spares(
+    tmp_path: Path, op: str, prefix: str, code: int
+) -> None:
+    """A file system may say it is full (or the quota spent) at an fsync, not only
+    at a write (delayed allocation), and at the store manifest as well as at a
+    generation: each drops every spare, so the next commit has their room."""
+    from coordinator.store._sync import GroupMember
+
+    def group(first: int, count: int) -> list[Any]:
+        return store.commit_group(
+            [GroupMember(*checkpoint(i)) for i in range(first, first + count)]
+        )
+
+    fs = RecordingFS()
+    with SyncStore(tmp_path, keep=1, fs=fs) as store:
+        group(0, 4)
+        group(4, 4)  # rotates ckpt-0..3 out: four spares
+        assert len(list(tmp_path.glob("tmp+spare+*"))) == 4
+        fs.rule = lambda call, name: code if call == op and name.startswith(prefix) else None
+        outcomes = group(8, 2)  # takes two spares, and fails whole
+        assert all(isinstance(o, CommitError) for o in outcomes), outcomes
+        fs.rule = None
+        assert not list(tmp_path.glob("tmp+*"))  # the two left are gone too
+        store.commit(*checkpoint(10))
+        assert listed(store) == ["ckpt-10"] and store.verify().ok
+
+
 def test_a_file_written_over_and_renamed_back_as_it_is_opened_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -141,7 +141,12 @@ class CommitSequence:
         """Create ``path`` afresh, write ``pieces``, fsync, close. On any failure
         the file is closed and unlinked; a failed fd is never fsynced again."""
         fd = self.write_unsynced(checkpoint_id, path, pieces, timings)
-        self.sync_file(checkpoint_id, path, fd, timings)
+        try:
+            self.sync_file(checkpoint_id, path, fd, timings)
+        except CommitError as error:
+            if _disk_full(error):
+                self.drop_spares()
+            raise
 
     def write_unsynced(
         self,
@@ -267,10 +272,10 @@ class CommitSequence:
         """What a failed write of ``path`` raises: ``error``, or a typed one for an
         ``OSError``. A full disk drops the spares first: the next file may have
         the room they held."""
+        if _disk_full(error):
+            self.drop_spares()
         if not isinstance(error, OSError):
             return error
-        if error.errno == errno.ENOSPC:
-            self.drop_spares()
         return commit_error(checkpoint_id, "write", path, error)
 
     def _create(self, checkpoint_id: str, path: str) -> int:
@@ -283,7 +288,7 @@ class CommitSequence:
                 self.unlink(path)
                 fd = self.fs.create(path)
             except OSError as error:
-                if error.errno != errno.ENOSPC or not self._spares:
+                if error.errno not in _FULL or not self._spares:
                     raise
                 self.drop_spares()  # they hold the room a new file needs
                 fd = self.fs.create(path)
@@ -409,28 +414,30 @@ class CommitSequence:
 
         if len(files) < 2:
             sync()
-            return errors
-        # Waited for with events, not Thread.join: a join an interrupt cut short
-        # marks a running thread as stopped (CPython 3.11), so the next one returns.
-        finished: list[threading.Event] = []
-        try:
-            for _ in range(min(_SYNC_THREADS, len(files))):
-                done = threading.Event()
-                threading.Thread(target=sync, args=(done,), name="coordinator-fsync").start()
-                finished.append(done)
-            for done in finished:
-                done.wait()
-        except BaseException:
-            with taking:  # no thread takes another file from here on
-                stopped = True
-                untaken = range(taken, len(files))
-            for done in finished:
-                done.wait()
-            for index in untaken:  # never synced: still open
-                self.discard(files[index].fd, files[index].path)
-            for file in files:  # synced or not, none of them was renamed
-                self.unlink(file.path)
-            raise
+        else:
+            # Waited for with events, not Thread.join: a join an interrupt cut short
+            # marks a running thread as stopped (CPython 3.11), so the next one returns.
+            finished: list[threading.Event] = []
+            try:
+                for _ in range(min(_SYNC_THREADS, len(files))):
+                    done = threading.Event()
+                    threading.Thread(target=sync, args=(done,), name="coordinator-fsync").start()
+                    finished.append(done)
+                for done in finished:
+                    done.wait()
+            except BaseException:
+                with taking:  # no thread takes another file from here on
+                    stopped = True
+                    untaken = range(taken, len(files))
+                for done in finished:
+                    done.wait()
+                for index in untaken:  # never synced: still open
+                    self.discard(files[index].fd, files[index].path)
+                for file in files:  # synced or not, none of them was renamed
+                    self.unlink(file.path)
+                raise
+        if any(error is not None and _disk_full(error) for error in errors):
+            self.drop_spares()  # (once every thread is done: the spares are this one's)
         return errors
 
     def discard(self, fd: int, path: str) -> None:
@@ -522,7 +529,16 @@ def _wait_through_interrupts(event: threading.Event) -> None:
             continue
 
 
+def _disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (an ``OSError``, or a store error made of one) says the
+    file system is full or the quota spent: the spares hold room to give back."""
+    return isinstance(error, (OSError, CommitError)) and error.errno in _FULL
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 def commit_error(checkpoint_id: str, operation: str, path: str, error: OSError) -> CommitError:
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+    if error.errno in _FULL:
         return NoSpaceError(checkpoint_id, operation, path, error)
     return CommitError(checkpoint_id, operation, path, error)
