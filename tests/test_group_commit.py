@@ -509,3 +509,29 @@ def test_a_lock_taken_away_while_a_group_is_written_fails_the_whole_group(
         assert all(isinstance(o, StoreLockedError) for o in outcomes), outcomes
         assert listed(store) == []
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("tmp+")) == []
+
+
+def test_groups_reuse_their_stores_fsync_threads_and_close_ends_them(tmp_path: Path) -> None:
+    """A store's group fsyncs run on at most eight threads of its own, started once
+    and kept between groups (starting them for every group cost a tenth of the
+    store thread's time), and closing the store lets them end."""
+
+    def fsync_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "coordinator-fsync"}
+
+    before = fsync_threads()
+    with SyncStore(tmp_path) as store:
+        store.commit_group([member(i, i) for i in range(1, 4)])
+        first = fsync_threads() - before
+        assert 1 <= len(first) <= 3
+        for group in range(10):
+            base = 10 + 20 * group
+            outcomes = store.commit_group([member(base + i, i) for i in range(1, 13)])
+            assert all(type(o).__name__ == "CommitReceipt" for o in outcomes), outcomes
+        mine = fsync_threads() - before
+        assert first <= mine and len(mine) == 8  # (three, then five more: never more)
+        assert store.verify().ok
+    deadline = time.monotonic() + 10
+    while any(t.is_alive() for t in mine) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.is_alive() for t in mine)

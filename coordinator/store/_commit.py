@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import os
 import threading
@@ -54,6 +55,7 @@ from ._manifest import (
     StoreManifest,
 )
 from ._manifest_file import store_manifest_bytes
+from ._threads import Workers
 
 __all__ = ["CommitSequence", "UnlinkFailure", "UnsyncedFile"]
 
@@ -106,6 +108,7 @@ class CommitSequence:
         # spares (whoever could read another may hold a descriptor of it, lock or not).
         self._private: set[str] = set()
         self._recycles = fs.flock_excludes_all(path)  # (else readers' locks may not bind)
+        self._sync_workers = Workers(_SYNC_THREADS, "coordinator-fsync")
 
     @property
     def _file_mode(self) -> int:
@@ -347,6 +350,10 @@ class CommitSequence:
         self._spares.append(spare)
         return True
 
+    def close(self) -> None:
+        """The store is closing: its fsync threads end (once done with what they have)."""
+        self._sync_workers.close()
+
     def drop_spares(self) -> None:
         """Unlink every spare (the store is closing, or the disk is full)."""
         while self._spares:
@@ -421,7 +428,7 @@ class CommitSequence:
             try:
                 for _ in range(min(_SYNC_THREADS, len(files))):
                     done = threading.Event()
-                    threading.Thread(target=sync, args=(done,), name="coordinator-fsync").start()
+                    self._sync_workers.run(functools.partial(sync, done))
                     finished.append(done)
                 for done in finished:
                     done.wait()

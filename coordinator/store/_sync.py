@@ -853,6 +853,8 @@ class SyncStore:
 
     def close(self) -> None:
         io = getattr(self, "_io", None)
+        if io is not None:
+            io.close()
         if io is not None and io.lock_fd is not None:
             io.drop_spares()  # (while the lock still says whose the directory is)
             self._fs.close(io.lock_fd)
