@@ -162,7 +162,10 @@ class StoreManifest(_Record, frozen=True, kw_only=True):
         return next((s for s in self.sessions if s.session_id == session_id), None)
 
     def lookup(self, checkpoint_id: str) -> GenerationRecord | None:
-        return next((g for g in self.generations if g.checkpoint_id == checkpoint_id), None)
+        for record in self.generations:  # (every member of a group asks, more than once)
+            if record.checkpoint_id == checkpoint_id:
+                return record
+        return None
 
     def epoch_owner(self, epoch: str) -> str | None:
         """The session that opened ``epoch`` in this store, if any."""
@@ -174,7 +177,7 @@ class StoreManifest(_Record, frozen=True, kw_only=True):
     def epoch_kept(self, epoch: str) -> bool:
         """Whether a session keeps ``epoch``'s record (not only its retired name):
         an epoch whose default ids an explicit id may not take."""
-        return any(session.epoch(epoch) is not None for session in self.sessions)
+        return any(record.epoch == epoch for session in self.sessions for record in session.epochs)
 
 
 def file_name_ok(record: GenerationRecord) -> bool:
