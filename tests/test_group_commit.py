@@ -431,6 +431,83 @@ def test_an_interrupt_while_a_groups_files_sync_leaves_no_file_behind(tmp_path: 
         assert listed(store) == ["ckpt-4", "ckpt-5"]
 
 
+def test_a_second_interrupt_while_a_groups_files_sync_still_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C twice while the group's fsyncs run (the second lands while the first
+    is being handled): commit_group returns only once no thread has a file of the
+    group in hand, and every file is gone then, not later (helper-18: the second
+    interrupt cut the wait short, and the threads went on with the group's fds)."""
+
+    class SlowAndWatched(RecordingFS):
+        returned = False
+        late: list[str] = []
+
+        def fsync(self, fd: int) -> None:
+            if self.paths.get(fd, "").endswith(".flysess"):
+                time.sleep(1.5)  # a slow disk: both interrupts land while it syncs
+            super().fsync(fd)
+            if self.returned:
+                self.late.append("fsync")
+
+    fs = SlowAndWatched(keep_data=False)
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def interrupt_twice() -> None:
+        time.sleep(0.2)
+        signal.pthread_kill(main, signal.SIGINT)
+        time.sleep(0.15)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    with SyncStore(tmp_path, fs=fs) as store:
+        before = len(os.listdir("/proc/self/fd"))
+        threading.Thread(target=interrupt_twice, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            store.commit_group([member(i, i) for i in (1, 2, 3)])
+        fs.returned = True
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("tmp+")]
+        assert len(os.listdir("/proc/self/fd")) == before
+        time.sleep(2.0)
+        assert fs.late == []
+        fs.returned = False
+        store.commit_group([member(i, i) for i in (4, 5)])
+        assert listed(store) == ["ckpt-4", "ckpt-5"]
+
+
+def test_a_store_whose_fsync_threads_cannot_start_fails_the_group_and_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No thread can be started (the process is out of them): the group fails,
+    leaving nothing, and once threads can start again the next group commits
+    (helper-18: the threads that never started were still counted, and every
+    later group waited for them for ever)."""
+    real_start = threading.Thread.start
+
+    def cannot_start(self: threading.Thread) -> None:
+        if self.name == "coordinator-fsync":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    with SyncStore(tmp_path) as store:
+        monkeypatch.setattr(threading.Thread, "start", cannot_start)
+        for first in (1, 3, 5, 7, 9, 11, 13, 15, 17):  # more failures than threads allowed
+            with pytest.raises(RuntimeError):
+                store.commit_group([member(first, 1), member(first + 1, 2)])
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("tmp+")]
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        done: list[Any] = []
+        worker = threading.Thread(
+            target=lambda: done.append(store.commit_group([member(20, 1), member(21, 2)])),
+            daemon=True,
+        )
+        real_start(worker)
+        worker.join(15)
+        assert done, "the next group never finished: the store waits for threads it lacks"
+        assert [type(o).__name__ for o in done[0]] == ["CommitReceipt"] * 2
+        assert listed(store) == ["ckpt-20", "ckpt-21"]
+
+
 def test_a_hung_disk_under_one_store_does_not_hold_another_stores_group(tmp_path: Path) -> None:
     """Store A's fsyncs hang; store B, on another thread, still commits a group."""
 

@@ -1219,6 +1219,34 @@ def test_a_full_disk_anywhere_in_a_commit_drops_the_spares(
         assert listed(store) == ["ckpt-10"] and store.verify().ok
 
 
+@pytest.mark.parametrize("op", ["write", "fsync"])
+def test_a_commit_that_finds_the_disk_full_keeps_no_spares(tmp_path: Path, op: str) -> None:
+    """One member of a group finds the disk full and fails; the others commit and
+    rotate files out. Those go too, not to spares: the disk was just found full
+    (helper-18: the spares were dropped, then made again from the rotated files)."""
+    from coordinator.store._sync import GroupMember
+
+    def group(first: int, count: int) -> list[Any]:
+        return store.commit_group(
+            [GroupMember(*checkpoint(i)) for i in range(first, first + count)]
+        )
+
+    fs = RecordingFS()
+    with SyncStore(tmp_path, keep=1, fs=fs) as store:
+        group(0, 4)
+        group(4, 4)
+        assert len(list(tmp_path.glob("tmp+spare+*"))) == 4
+        fs.rule = lambda call, name: errno.ENOSPC if (call, name) == (op, "tmp+ckpt-9.flysess") else None
+        outcomes = group(8, 4)
+        fs.rule = None
+        assert [type(o).__name__ for o in outcomes][0] == "CommitReceipt"
+        assert isinstance(outcomes[1], CommitError)
+        assert not list(tmp_path.glob("tmp+*"))
+        group(12, 4)  # the next commit keeps spares again
+        assert list(tmp_path.glob("tmp+spare+*"))
+        assert store.verify().ok
+
+
 def test_a_file_written_over_and_renamed_back_as_it_is_opened_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

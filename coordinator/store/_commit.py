@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import itertools
 import os
 import threading
@@ -109,6 +108,7 @@ class CommitSequence:
         self._private: set[str] = set()
         self._recycles = fs.flock_excludes_all(path)  # (else readers' locks may not bind)
         self._sync_workers = Workers(_SYNC_THREADS, "coordinator-fsync")
+        self._full = False  # this commit found the disk full: it keeps no spares
 
     @property
     def _file_mode(self) -> int:
@@ -148,7 +148,7 @@ class CommitSequence:
             self.sync_file(checkpoint_id, path, fd, timings)
         except CommitError as error:
             if _disk_full(error):
-                self.drop_spares()
+                self.gave_back_room()
             raise
 
     def write_unsynced(
@@ -276,7 +276,7 @@ class CommitSequence:
         ``OSError``. A full disk drops the spares first: the next file may have
         the room they held."""
         if _disk_full(error):
-            self.drop_spares()
+            self.gave_back_room()
         if not isinstance(error, OSError):
             return error
         return commit_error(checkpoint_id, "write", path, error)
@@ -293,7 +293,7 @@ class CommitSequence:
             except OSError as error:
                 if error.errno not in _FULL or not self._spares:
                     raise
-                self.drop_spares()  # they hold the room a new file needs
+                self.gave_back_room()  # they hold the room a new file needs
                 fd = self.fs.create(path)
         except OSError as error:
             raise commit_error(checkpoint_id, "create", path, error) from None
@@ -337,7 +337,7 @@ class CommitSequence:
         after a crash removes it. Whether the name is gone."""
         ours = self._recycles and path in self._private
         small = byte_length is not None and byte_length <= _SPARE_MAX_BYTES
-        if not (ours and small) or len(self._spares) >= min(room, _SPARES):
+        if self._full or not (ours and small) or len(self._spares) >= min(room, _SPARES):
             return self.unlink(path)
         self._private.discard(path)
         spare = self.join(f"{SPARE_PREFIX}{next(self._spare_names)}")
@@ -353,6 +353,16 @@ class CommitSequence:
     def close(self) -> None:
         """The store is closing: its fsync threads end (once done with what they have)."""
         self._sync_workers.close()
+
+    def begin(self) -> None:
+        """A commit begins: the files it rotates out may become spares again."""
+        self._full = False
+
+    def gave_back_room(self) -> None:
+        """The disk (or the quota) was found full: every spare goes, and so does
+        every file this commit rotates out (``retire``), until the next begins."""
+        self._full = True
+        self.drop_spares()
 
     def drop_spares(self) -> None:
         """Unlink every spare (the store is closing, or the disk is full)."""
@@ -394,57 +404,57 @@ class CommitSequence:
         the file system's journal commits (here 0.1 ms a file with 8 at once,
         against 0.29 ms one after another). Each file's error, or ``None``.
 
-        The threads are the group's own (a hung disk under one store never holds
-        another's fsyncs). An interrupt meanwhile (Ctrl-C in the calling thread)
-        waits for the fsyncs under way, then closes and unlinks every file."""
+        The threads are the store's own (a hung disk under one store never holds
+        another's fsyncs). It returns only once no thread has a file of this
+        group in hand: an interrupt meanwhile (Ctrl-C in the calling thread, once
+        or more) stops the taking of files, waits for the fsyncs under way, then
+        closes and unlinks every file; a job that starts later takes none."""
         errors: list[Exception | None] = [None] * len(files)
         taking = threading.Lock()
         taken = 0  # files are taken in order, each by one thread
+        in_hand = 0  # taken and not yet synced (or failed)
         stopped = False
+        settled = threading.Event()  # no file in hand, and none left to take
 
-        def sync(finished: threading.Event | None = None) -> None:
-            nonlocal taken
-            try:
-                while True:
+        def sync() -> None:
+            nonlocal taken, in_hand
+            while True:
+                with taking:
+                    if stopped or taken == len(files):
+                        return
+                    index, taken, in_hand = taken, taken + 1, in_hand + 1
+                file = files[index]
+                try:
+                    self.sync_file(file.checkpoint_id, file.path, file.fd, file.timings)
+                except Exception as error:
+                    errors[index] = error
+                finally:
                     with taking:
-                        if stopped or taken == len(files):
-                            return
-                        index, taken = taken, taken + 1
-                    file = files[index]
-                    try:
-                        self.sync_file(file.checkpoint_id, file.path, file.fd, file.timings)
-                    except Exception as error:
-                        errors[index] = error
-            finally:
-                if finished is not None:
-                    finished.set()
+                        in_hand -= 1
+                        if in_hand == 0 and (stopped or taken == len(files)):
+                            settled.set()
 
         if len(files) < 2:
             sync()
         else:
-            # Waited for with events, not Thread.join: a join an interrupt cut short
-            # marks a running thread as stopped (CPython 3.11), so the next one returns.
-            finished: list[threading.Event] = []
             try:
                 for _ in range(min(_SYNC_THREADS, len(files))):
-                    done = threading.Event()
-                    self._sync_workers.run(functools.partial(sync, done))
-                    finished.append(done)
-                for done in finished:
-                    done.wait()
+                    self._sync_workers.run(sync)
+                settled.wait()
             except BaseException:
                 with taking:  # no thread takes another file from here on
                     stopped = True
                     untaken = range(taken, len(files))
-                for done in finished:
-                    done.wait()
+                    if in_hand == 0:
+                        settled.set()
+                _wait_through_interrupts(settled)
                 for index in untaken:  # never synced: still open
                     self.discard(files[index].fd, files[index].path)
                 for file in files:  # synced or not, none of them was renamed
                     self.unlink(file.path)
                 raise
         if any(error is not None and _disk_full(error) for error in errors):
-            self.drop_spares()  # (once every thread is done: the spares are this one's)
+            self.gave_back_room()
         return errors
 
     def discard(self, fd: int, path: str) -> None:

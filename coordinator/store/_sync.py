@@ -543,6 +543,7 @@ class SyncStore:
         gone) and the others go on; from step 4 on, the group succeeds or fails
         whole. Returns each member's receipt or error, in order."""
         outcomes: list[CommitReceipt | Exception | None] = [None] * len(members)
+        self._io.begin()
         checkpoint_ids = [m.manifest.checkpoint_id for m in members]
         if len(set(checkpoint_ids)) != len(checkpoint_ids):  # two files, one name
             raise UsageError(f"a commit group holds each checkpoint id once: {checkpoint_ids}")

@@ -95,13 +95,21 @@ class Workers:
 
     def run(self, job: Callable[[], None]) -> None:
         """Hand ``job`` to a thread: a new one for each job until there are
-        ``limit``, then the first that is free. A job reports its own outcome."""
+        ``limit``, then the first that is free. A job reports its own outcome.
+        If no thread can be started, this raises and ``job`` stays queued: it
+        must find nothing left to do by the time a later thread runs it."""
         if self._pid != os.getpid():  # a forked child: none of these threads is here
             self._start()
         self._jobs.put(job)
         if self._threads < self._limit:
+            thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
             self._threads += 1
-            threading.Thread(target=self._serve, name=self._name, daemon=True).start()
+            try:
+                thread.start()
+            except BaseException:  # (no thread: a later call starts one again)
+                if thread.ident is None:
+                    self._threads -= 1
+                raise
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
