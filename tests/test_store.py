@@ -1183,6 +1183,13 @@ def test_spares_are_kept_for_the_next_group_only_and_go_when_the_disk_is_full(
         assert listed(store) == ["ckpt-10"] and store.verify().ok
 
 
+def _commit_group_of(store: SyncStore, first: int, count: int) -> list[Any]:
+    """One commit group of the checkpoints ``first`` .. ``first + count - 1``."""
+    from coordinator.store._sync import GroupMember
+
+    return store.commit_group([GroupMember(*checkpoint(i)) for i in range(first, first + count)])
+
+
 @pytest.mark.parametrize(
     ("op", "prefix"),
     [
@@ -1198,15 +1205,9 @@ def test_a_full_disk_anywhere_in_a_commit_drops_the_spares(
     """A file system may say it is full (or the quota spent) at an fsync, not only
     at a write (delayed allocation), and at the store manifest as well as at a
     generation: each drops every spare, so the next commit has their room."""
-    from coordinator.store._sync import GroupMember
-
-    def group(first: int, count: int) -> list[Any]:
-        return store.commit_group(
-            [GroupMember(*checkpoint(i)) for i in range(first, first + count)]
-        )
-
     fs = RecordingFS()
     with SyncStore(tmp_path, keep=1, fs=fs) as store:
+        group = partial(_commit_group_of, store)
         group(0, 4)
         group(4, 4)  # rotates ckpt-0..3 out: four spares
         assert len(list(tmp_path.glob("tmp+spare+*"))) == 4
@@ -1224,15 +1225,9 @@ def test_a_commit_that_finds_the_disk_full_keeps_no_spares(tmp_path: Path, op: s
     """One member of a group finds the disk full and fails; the others commit and
     rotate files out. Those go too, not to spares: the disk was just found full
     (helper-18: the spares were dropped, then made again from the rotated files)."""
-    from coordinator.store._sync import GroupMember
-
-    def group(first: int, count: int) -> list[Any]:
-        return store.commit_group(
-            [GroupMember(*checkpoint(i)) for i in range(first, first + count)]
-        )
-
     fs = RecordingFS()
     with SyncStore(tmp_path, keep=1, fs=fs) as store:
+        group = partial(_commit_group_of, store)
         group(0, 4)
         group(4, 4)
         assert len(list(tmp_path.glob("tmp+spare+*"))) == 4
