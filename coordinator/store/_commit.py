@@ -210,9 +210,8 @@ class CommitSequence:
         payload byte goes to its offset at once, on a thread of its own, and is
         fsynced there once written, while this one seals (the payloads' digests
         on every core, then the footer's pass); the prefix and the footer, known
-        only then, go last. Returns the open
-        descriptor for ``sync_file``; on any failure the file is closed and
-        unlinked. ``envelope.sealed`` holds the seal."""
+        only then, go last. Returns the open descriptor for ``sync_file``; on any
+        failure the file is closed and unlinked. ``envelope.sealed`` holds the seal."""
         fd = self._create(checkpoint_id, path)
         started = time.perf_counter()
         stop = threading.Event()

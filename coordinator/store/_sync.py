@@ -856,10 +856,10 @@ class SyncStore:
         io = getattr(self, "_io", None)
         if io is not None:
             io.close()
-        if io is not None and io.lock_fd is not None:
-            io.drop_spares()  # (while the lock still says whose the directory is)
-            self._fs.close(io.lock_fd)
-            io.lock_fd = None
+            if io.lock_fd is not None:
+                io.drop_spares()  # (while the lock still says whose the directory is)
+                self._fs.close(io.lock_fd)
+                io.lock_fd = None
         if getattr(self, "_dir_lock", None) is not None:
             assert self._dir_lock is not None
             self._fs.close(self._dir_lock)
