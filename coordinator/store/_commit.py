@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Sequence
+from functools import partial
 
 import msgspec
 
@@ -447,10 +448,11 @@ class CommitSequence:
                     if in_hand == 0:
                         settled.set()
                 _wait_through_interrupts(settled)
-                for index in untaken:  # never synced: still open
-                    self.discard(files[index].fd, files[index].path)
-                for file in files:  # synced or not, none of them was renamed
-                    self.unlink(file.path)
+                cleanup: list[Callable[[], object]] = [
+                    partial(self.discard, files[i].fd, files[i].path) for i in untaken
+                ]
+                cleanup += [partial(self.unlink, file.path) for file in files]  # none renamed
+                _each_through_interrupts(cleanup)
                 raise
         if any(error is not None and _disk_full(error) for error in errors):
             self.gave_back_room()
@@ -543,6 +545,14 @@ def _wait_through_interrupts(event: threading.Event) -> None:
             return
         except BaseException:  # (a further interrupt: the first one is being raised)
             continue
+
+
+def _each_through_interrupts(steps: Sequence[Callable[[], object]]) -> None:
+    """Each step once, in order, even if the caller is interrupted meanwhile (a
+    further Ctrl-C goes to the next step: none is tried twice, a close above all)."""
+    for step in steps:
+        with contextlib.suppress(BaseException):  # (the first interrupt is being raised)
+            step()
 
 
 def _disk_full(error: BaseException) -> bool:
