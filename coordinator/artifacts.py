@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import mmap
 import os
 import threading
@@ -45,7 +44,7 @@ import anyio.to_thread
 import msgspec
 from anyio.lowlevel import RunVar
 
-from .buffers import BytesLike
+from .buffers import BytesLike, sha256_of
 from .errors import ArtifactReleasedError, UsageError
 from .ids import check_id
 from .sealed import OwnedMap, is_owned, seal_copy, spool_copy
@@ -345,8 +344,8 @@ def handle_size(handle: ArtifactHandle) -> int:
 
 
 def sha256_hex(data: BytesLike) -> str:
-    with memoryview(data) as view:
-        return hashlib.sha256(view).hexdigest()
+    hex_digest: str = sha256_of(data).hexdigest()
+    return hex_digest
 
 
 _HASHING: RunVar[anyio.CapacityLimiter] = RunVar("coordinator.hashing")

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from .buffers import BytesLike
+from .buffers import BytesLike, feed, sha256_of
 from .canonical import ESCAPES_PER_VALUE, canonical_bytes, count_values, parse_canonical
 from .errors import (
     CorruptEnvelopeError,
@@ -456,7 +456,7 @@ class EnvelopePlan:
             self.digest(threads, thread_setup=thread_setup)
             body_hash = hashlib.sha256()
             for piece in self.pieces():
-                body_hash.update(piece)
+                feed(body_hash, piece)
         assert self._digests is not None
         footer = footer_bytes(self.layout, body_hash.copy().digest())
         body_hash.update(footer)
@@ -522,7 +522,7 @@ def _digest_views(
     them: one payload is one thread's sequential pass, different payloads run at
     once (hashlib releases the GIL). Longest first, each onto the least loaded."""
     if threads < 2 or len(views) < 2 or sum(len(v) for v in views) < _PARALLEL_MIN:
-        return [hashlib.sha256(view).digest() for view in views]
+        return [sha256_of(view).digest() for view in views]
     shares: list[list[int]] = [[] for _ in range(min(threads, len(views)))]
     loads = [0] * len(shares)
     for index in sorted(range(len(views)), key=lambda i: -len(views[i])):

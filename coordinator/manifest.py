@@ -11,14 +11,13 @@ Values an Id, U64 or Digest must be are constrained by the ``ids`` patterns.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from .buffers import BytesLike
+from .buffers import BytesLike, sha256_of
 from .canonical import MAX_SAFE_INTEGER
 from .errors import ManifestError
 from .ids import U64, Digest, Id
@@ -185,7 +184,7 @@ def payload_records(payloads: Sequence[tuple[str, BytesLike]]) -> list[PayloadRe
     records = []
     for name, data in payloads:
         with memoryview(data) as view:
-            digest = hashlib.sha256(view).hexdigest()
+            digest = sha256_of(view).hexdigest()
             length = view.nbytes
         records.append(PayloadRecord(name=name, byte_length=str(length), digest=digest))
     return records
