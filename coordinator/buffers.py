@@ -24,13 +24,15 @@ def feed(hasher: Any, data: BytesLike) -> None:
     """``hasher.update(data)``, keeping the GIL for data under 64 KiB (a small
     checkpoint's hashes on the loop and the store's thread: 7-10% of its CPU
     went to taking the GIL back); larger data lets it go, for other threads."""
-    with memoryview(data) as view:
-        if not _PIECE <= view.nbytes < KEEP_GIL_BELOW or not view.c_contiguous:
-            hasher.update(view)
-            return
-        with view.cast("B") as flat:
-            for start in range(0, len(flat), _PIECE):
-                hasher.update(flat[start : start + _PIECE])
+    view = memoryview(data)
+    size = view.nbytes
+    if not _PIECE <= size < KEEP_GIL_BELOW or not view.c_contiguous:
+        hasher.update(view)
+        return
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    for start in range(0, size, _PIECE):
+        hasher.update(view[start : start + _PIECE])
 
 
 def sha256_of(data: BytesLike) -> Any:
