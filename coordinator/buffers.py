@@ -25,14 +25,17 @@ def feed(hasher: Any, data: BytesLike) -> None:
     checkpoint's hashes on the loop and the store's thread: 7-10% of its CPU
     went to taking the GIL back); larger data lets it go, for other threads."""
     view = memoryview(data)
-    size = view.nbytes
-    if not _PIECE <= size < KEEP_GIL_BELOW or not view.c_contiguous:
-        hasher.update(view)
-        return
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    for start in range(0, size, _PIECE):
-        hasher.update(view[start : start + _PIECE])
+    try:  # an error's traceback keeps this frame: the caller's buffer must be let go
+        size = view.nbytes
+        if not _PIECE <= size < KEEP_GIL_BELOW or not view.c_contiguous:
+            hasher.update(view)
+            return
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        for start in range(0, size, _PIECE):
+            hasher.update(view[start : start + _PIECE])
+    finally:
+        view.release()
 
 
 def sha256_of(data: BytesLike) -> Any:

@@ -42,3 +42,41 @@ def test_a_buffer_hashlib_refuses_is_refused_as_before() -> None:
         hashlib.sha256(strided)
     with pytest.raises(BufferError):
         sha256_of(strided)
+
+
+class _FailsOnSecondPiece:
+    """A hasher whose second update raises, as a Ctrl-C between pieces would."""
+
+    def __init__(self) -> None:
+        self.updates = 0
+
+    def update(self, data: object) -> None:
+        del data  # (hashlib's update has no frame to keep its argument in)
+        self.updates += 1
+        if self.updates == 2:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("size", [64, 4096, KEEP_GIL_BELOW + 1])
+def test_a_refused_buffer_is_let_go_while_its_error_is_handled(size: int) -> None:
+    """The error's traceback keeps feed's frame: its view must be released, or the
+    caller cannot resize its bytearray (or close its map) in the except block."""
+    data = bytearray(os.urandom(size))
+    strided = memoryview(data)[::2]
+    try:
+        sha256_of(strided)
+    except BufferError:
+        strided.release()
+        data.extend(b"more")  # BufferError while feed's view is alive
+    else:
+        pytest.fail("a non-contiguous buffer was hashed")
+
+
+def test_an_interrupt_between_pieces_lets_the_buffer_go() -> None:
+    data = bytearray(os.urandom(8192))
+    try:
+        feed(_FailsOnSecondPiece(), data)
+    except KeyboardInterrupt:
+        data.extend(b"more")
+    else:
+        pytest.fail("the hasher's interrupt was lost")
