@@ -507,9 +507,10 @@ async def final_checks(cluster: Cluster, checker: Checker, tmp_path: Path) -> No
 async def test_the_replicated_tier_keeps_its_promises_under_a_short_nemesis(
     tmp_path: Path,
 ) -> None:
-    """A short seeded schedule (about 40 s of faults): every invariant holds."""
-    seed = int(os.environ.get("NEMESIS_SEED", "1"))
-    await run_nemesis(tmp_path, float(os.environ.get("NEMESIS_SHORT_SECONDS", "40")), seed)
+    """A short seeded schedule (about 20 s of faults): every invariant holds. Seed 10's
+    first four faults are one of each kind (seed 1 had no host kill in 40 s)."""
+    seed = int(os.environ.get("NEMESIS_SEED", "10"))
+    await run_nemesis(tmp_path, float(os.environ.get("NEMESIS_SHORT_SECONDS", "20")), seed)
 
 
 @pytest.mark.slow
