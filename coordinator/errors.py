@@ -69,6 +69,7 @@ errors (the bytes we were handed are bad) follows h11's Local/RemoteProtocolErro
 from __future__ import annotations
 
 import traceback
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 __all__ = [
@@ -578,16 +579,29 @@ class GenerationNotFoundError(StoreError, LookupError):
 
 
 class GenerationCorruptError(StoreError, ValueError):
-    """A generation the manifest lists fails a check; ``check`` names which."""
+    """A generation the manifest lists fails a check; ``check`` names which.
+    ``older``: when a default restore chose it, the timeline's older checkpoints,
+    newest first (falling back to one is the caller's explicit choice)."""
 
     code: ClassVar[str] = "store.corrupt"
 
-    def __init__(self, checkpoint_id: str, path: str, check: str, detail: str) -> None:
+    def __init__(
+        self, checkpoint_id: str, path: str, check: str, detail: str, *, older: Sequence[str] = ()
+    ) -> None:
         self.checkpoint_id = checkpoint_id
         self.path = path
         self.check = check
         self.detail = detail
-        super().__init__(f"generation {checkpoint_id} ({path}) failed {check}: {detail}")
+        self.older = tuple(older)
+        message = f"generation {checkpoint_id} ({path}) failed {check}: {detail}"
+        if self.older:
+            shown = ", ".join(self.older[:3]) + (", ..." if len(self.older) > 3 else "")
+            message += (
+                f". Older checkpoints of the session, newest first: {shown}; restoring one "
+                f"is your explicit choice (restore({self.older[0]!r}, new_epoch=...)); "
+                "`coordinator verify STORE` checks every file"
+            )
+        super().__init__(message)
 
 
 class CommitError(StoreError):

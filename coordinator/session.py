@@ -75,6 +75,7 @@ from .errors import (
     DuplicateCheckpointError,
     DurabilityUnknownError,
     EpochFencedError,
+    GenerationCorruptError,
     GenerationNotFoundError,
     IncompatibleStateError,
     RestoreFailedError,
@@ -811,9 +812,14 @@ class Coordinator:
         try:
             with self._restoring:
                 expected = self._host_identity()
-                stored, differences, skipped = await self._select(
-                    checkpoint_id, expected, allow_incompatible, new_epoch
-                )  # pinned from its selection on: rotation keeps it, we fork from it
+                try:
+                    stored, differences, skipped = await self._select(
+                        checkpoint_id, expected, allow_incompatible, new_epoch
+                    )  # pinned from its selection on: rotation keeps it, we fork from it
+                except GenerationCorruptError as error:
+                    if checkpoint_id is not None:
+                        raise
+                    raise self._naming_older(error) from None
                 try:
                     report = await self._install(stored, new_epoch, differences, started)
                     return msgspec.structs.replace(report, skipped=skipped)
@@ -828,6 +834,16 @@ class Coordinator:
             self._restoring = None
             self._restored.set()
             self.writer.resume()
+
+    def _naming_older(self, error: GenerationCorruptError) -> GenerationCorruptError:
+        """``error``, for a default restore: with the timeline's checkpoints older
+        than the corrupt one, which the caller may choose to restore instead."""
+        timeline = [record.checkpoint_id for record in self.store.timeline(self.session_id)]
+        at = timeline.index(error.checkpoint_id) if error.checkpoint_id in timeline else None
+        older = timeline[at + 1 :] if at is not None else []
+        return GenerationCorruptError(
+            error.checkpoint_id, error.path, error.check, error.detail, older=older
+        )
 
     def _host_identity(self) -> Identity:
         """What the host is now: the identity of the body ``describe()`` gives for
@@ -888,7 +904,8 @@ class Coordinator:
                 ):
                     buffers = self._staging_buffers(staged, new_epoch)
                 stored = await self.store.read_staged(staged, buffers)
-            except BaseException:
+            except BaseException as error:
+                release_frames(error)  # their locals hold the memory participants gave
                 staged.close()
                 self.store.unpin(staged.record.checkpoint_id)
                 raise

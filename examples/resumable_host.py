@@ -1,12 +1,14 @@
 """A simulation host that survives being killed: docs/host.md builds it step by step.
 
     python examples/resumable_host.py STORE_DIR [--steps 400] [--grid 256] [--every 25]
+                                                [--from CHECKPOINT_ID]
 
 A Gray-Scott world (two float64 grids) and three agents that wander it with
 their own numpy random generators. It checkpoints every ``--every`` steps while
 it runs, takes a final checkpoint when it stops cleanly (the last step, or
 SIGTERM / Ctrl-C), and resumes from its newest checkpoint when it is started
-again, however it ended. A save that fails (a full disk) is logged and the run
+again, however it ended (or from the one ``--from`` names: an older one, when
+the newest is corrupt). A save that fails (a full disk) is logged and the run
 goes on: the next save is tried at the next due step. Once all steps are done
 it prints ``state <sha256>``: the same digest as a run that was never
 interrupted.
@@ -19,6 +21,7 @@ import hashlib
 import json
 import signal
 import sys
+import weakref
 from typing import Any
 
 import anyio
@@ -30,6 +33,7 @@ from coordinator import (
     Coordinator,
     CoordinatorError,
     FileStore,
+    GenerationCorruptError,
     HostDescription,
     RestoreScope,
     SaveFailedError,
@@ -66,11 +70,13 @@ class World:
     def restore_buffer(self, byte_length: int, scope: RestoreScope) -> np.ndarray:
         # A restore reads the saved grid straight into this fresh array and verifies
         # it there: one copy of the state, and the live grid untouched until activate.
-        self.incoming = np.empty_like(self.grid)
-        return self.incoming  # (a saved grid of another size is refused: not staged)
+        incoming = np.empty_like(self.grid)
+        # Only the restore holds it: a refused restore frees it (never staged).
+        self.incoming = weakref.ref(incoming)
+        return incoming  # (a saved grid of another size is refused: not staged)
 
     async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> np.ndarray:
-        return self.incoming  # payload is a view of it, verified: nothing to copy
+        return self.incoming()  # payload is a view of it, verified: nothing to copy
 
     async def activate_restore(self, token: np.ndarray) -> None:
         self.grid = token
@@ -118,7 +124,9 @@ class Agent:
 # --- the host: resume, step, checkpoint by policy, stop cleanly -------------------------
 
 
-async def run(store_dir: str, steps: int, size: int, every: int) -> tuple[int, int | None, str]:
+async def run(
+    store_dir: str, steps: int, size: int, every: int, start_from: str | None = None
+) -> tuple[int, int | None, str]:
     world = World(size)
     agents = [Agent(agent_id, seed, size) for seed, agent_id in enumerate(AGENTS, start=1)]
     describe = HostDescription(
@@ -142,8 +150,13 @@ async def run(store_dir: str, steps: int, size: int, every: int) -> tuple[int, i
         )
         try:
             async with coordinator:
-                resumed = await coordinator.resume()
-                step = resumed.step if resumed.step is not None else 0
+                if start_from is None:
+                    resumed = await coordinator.resume()
+                    step = resumed.step if resumed.step is not None else 0
+                else:  # an older checkpoint, chosen by id: the newest is corrupt, say
+                    new_epoch = coordinator.fresh_epoch()
+                    report = await coordinator.restore(start_from, new_epoch=new_epoch)
+                    step = int(report.record.boundary)
                 print(f"starting at step {step + 1} (epoch {coordinator.epoch})", flush=True)
                 while step < steps and not stop.is_set():
                     world.step()
@@ -189,13 +202,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--grid", type=int, default=256)
     parser.add_argument("--every", type=int, default=25)
+    parser.add_argument("--from", dest="start_from", help="a checkpoint id to start from")
     options = parser.parse_args()
     try:
         step, durable, state = anyio.run(
-            run, options.store_dir, options.steps, options.grid, options.every
+            run, options.store_dir, options.steps, options.grid, options.every, options.start_from
         )
     except* CoordinatorError as failed:  # the store cannot be opened or written at all
         error = failed.exceptions[0]  # (raised in run()'s task group: a group of one)
+        if isinstance(error, GenerationCorruptError) and error.older:
+            sys.exit(f"cannot run [{error.code}]: {error}\nor run with --from {error.older[0]}")
         sys.exit(f"cannot run [{error.code}]: {error}")
     if durable != step:  # the final checkpoint failed: the log above says why
         sys.exit(f"stopped at step {step}, durable only to step {durable}: run again")

@@ -23,10 +23,10 @@ HOST = [sys.executable, str(ROOT / "examples" / "resumable_host.py")]
 STEPS = ["--steps", "3000", "--grid", "128", "--every", "25"]
 
 
-def finished(store: Path) -> tuple[str, float]:
+def finished(store: Path, *options: str) -> tuple[str, float]:
     """Run the host to its end: the state digest it prints, and how long it took."""
     started = time.perf_counter()
-    done = subprocess.run([*HOST, str(store), *STEPS], capture_output=True, text=True,
+    done = subprocess.run([*HOST, str(store), *STEPS, *options], capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
@@ -193,3 +193,27 @@ def test_a_full_disk_at_start_is_one_line_and_the_checkpoints_stay(tmp_path: Pat
         with SyncStore(store, read_only=True) as reader:
             assert reader.verify().ok
             assert max(int(record.boundary) for record in reader.generations) == 50
+
+
+def test_a_corrupt_newest_checkpoint_is_named_and_the_host_goes_on_from_an_older_one(
+    tmp_path: Path, uninterrupted: tuple[str, float]
+) -> None:
+    """A bit flipped in the newest checkpoint: the host refuses to start, the
+    error names the older checkpoints, and ``--from`` the first of them ends with
+    the uninterrupted state (helper-22: the guide's host had no way on)."""
+    store = tmp_path / "store"
+    first = subprocess.run([*HOST, str(store), *STEPS, "--steps", "1000"], capture_output=True,
+                           text=True, timeout=300, check=False)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    with SyncStore(store, read_only=True) as reader:
+        newest, older = (r.checkpoint_id for r in reader.timeline("gray-scott")[:2])
+    [path] = store.glob(f"{newest}*.flysess")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(data)
+    refused = subprocess.run([*HOST, str(store), *STEPS], capture_output=True, text=True,
+                             timeout=300, check=False)  # fmt: skip
+    assert refused.returncode == 1 and "[store.corrupt]" in refused.stderr
+    assert f"restore('{older}', new_epoch=...)" in refused.stderr, refused.stderr
+    state, _ = finished(store, "--from", older)
+    assert state == uninterrupted[0]

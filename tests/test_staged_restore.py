@@ -4,8 +4,11 @@ staged. A bit flipped anywhere is refused before any participant sees a byte."""
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import os
 import struct
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -357,3 +360,84 @@ async def test_a_kept_error_does_not_keep_the_refused_payloads_memory(tmp_path: 
             kept.append(error)
         assert kept
         assert rounded not in mapped_sizes()
+
+
+def documented_world() -> Any:
+    """examples/resumable_host.py's World: the participant docs/host.md builds."""
+    path = Path(__file__).parent.parent / "examples" / "resumable_host.py"
+    spec = importlib.util.spec_from_file_location("resumable_host", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.World
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("bad", ["corrupt", "other-buffer"])
+async def test_a_refused_restore_frees_the_memory_the_documented_world_provided(
+    tmp_path: Path, bad: str
+) -> None:
+    """The guide's world, restored from a file that fails its digest, or with another
+    participant's buffer refused: the array its restore_buffer gave is freed, even
+    while the error is kept (it was held until the next restore: one more copy of
+    the state for a host that went on without it)."""
+    world_type = documented_world()
+    with_world = [world_type(64), *(Part(name) for name in NAMES[1:])]
+    async with FileStore(tmp_path) as store, coordinator(store, with_world) as host:
+        await host.checkpoint(10)
+    if bad == "corrupt":
+        generation = file_of(tmp_path)
+        data = bytearray(generation.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        generation.write_bytes(data)
+    provided: list[weakref.ref[Any]] = []
+
+    class Watched(world_type):  # type: ignore[misc, valid-type]
+        def restore_buffer(self, byte_length: int, scope: RestoreScope) -> Any:
+            array = super().restore_buffer(byte_length, scope)
+            provided.append(weakref.ref(array))
+            return array
+
+    others = [InPlace(name) for name in NAMES[1:]]
+    if bad == "other-buffer":
+        others[-1].bad = bytes(8)  # read-only: refused after the world's was given
+    kept: list[BaseException] = []
+    watched = [Watched(64), *others]
+    async with FileStore(tmp_path) as store, coordinator(store, watched, "e5") as host:
+        try:
+            await host.restore("e1-10", new_epoch="e6")
+        except (GenerationCorruptError, RestoreFailedError) as error:
+            kept.append(error)
+        gc.collect()
+        assert kept and len(provided) == 1
+        assert provided[0]() is None
+
+
+@pytest.mark.asyncio
+async def test_a_corrupt_newest_checkpoint_names_the_older_ones_to_choose_from(
+    tmp_path: Path,
+) -> None:
+    """resume() never passes over a corrupt newest checkpoint, and its error names
+    the older ones, newest first, with the call that restores one: the guide's host
+    was left with "move the store aside" (helper-22). A named one names none."""
+    async with FileStore(tmp_path) as store, coordinator(store, mixed()) as host:
+        for step in (10, 20, 30):
+            await host.checkpoint(step)
+    [newest] = tmp_path.glob("e1-30*.flysess")
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    newest.write_bytes(data)
+    participants = mixed()
+    async with FileStore(tmp_path) as store, coordinator(store, participants, "e5") as host:
+        with pytest.raises(GenerationCorruptError) as refused:
+            await host.resume()
+        assert refused.value.code == "store.corrupt"
+        assert refused.value.checkpoint_id == "e1-30"
+        assert refused.value.older == ("e1-20", "e1-10")
+        assert "restore('e1-20', new_epoch=...)" in str(refused.value)
+        assert all(p.staged == [] for p in participants)
+        with pytest.raises(GenerationCorruptError) as named:
+            await host.restore("e1-30", new_epoch=host.fresh_epoch())
+        assert named.value.older == () and "e1-20" not in str(named.value)
+        report = await host.restore(refused.value.older[0], new_epoch=host.fresh_epoch())
+        assert report.record.checkpoint_id == "e1-20"

@@ -186,7 +186,7 @@ def _decode(
         if file_digest != record.envelope_digest:
             raise GenerationCorruptError(
                 record.checkpoint_id, path, "envelope-digest",
-                "the file is not the one the manifest recorded",
+                "its SHA-256 is not the one the store manifest recorded at commit (changed since)",
             ) from error  # fmt: skip
         raise GenerationCorruptError(
             record.checkpoint_id, path, f"envelope:{error.check}", str(error)
@@ -195,7 +195,7 @@ def _decode(
         envelope.release()
         raise GenerationCorruptError(
             record.checkpoint_id, path, "envelope-digest",
-            "the file is not the one the manifest recorded",
+            "its SHA-256 is not the one the store manifest recorded at commit (changed since)",
         )  # fmt: skip
     return envelope
 
