@@ -94,6 +94,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})  # the lazy names too: dir() and completion show them
+
+
 __all__ = [
     "ArtifactCorruptError",
     "ArtifactReleasedError",

@@ -138,7 +138,7 @@ async def run(
     stop = anyio.Event()
 
     async with FileStore(store_dir) as store, anyio.create_task_group() as group:
-        group.start_soon(_stop_on_signal, stop, group.cancel_scope)
+        group.start_soon(_stop_on_signal, stop)
         coordinator = Coordinator(
             store,
             MemoryBus(),  # or NatsBus, to publish save state to other services
@@ -183,7 +183,7 @@ def _log_failure(failure: SaveFailedError, coordinator: Coordinator) -> None:
     )
 
 
-async def _stop_on_signal(stop: anyio.Event, scope: anyio.CancelScope) -> None:
+async def _stop_on_signal(stop: anyio.Event) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
             stop.set()  # the loop ends at its next boundary, and the final capture runs

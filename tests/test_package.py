@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 
 import coordinator
 from coordinator import errors
@@ -21,6 +23,14 @@ def test_all_matches_the_public_namespace() -> None:
     for name in coordinator.__all__:
         assert getattr(coordinator, name) is not None
     assert coordinator.__all__ == sorted(coordinator.__all__)
+
+
+def test_dir_lists_every_public_name_before_it_is_loaded() -> None:
+    """A fresh interpreter's dir(coordinator) and completion show the lazy names
+    (Coordinator, FileStore...: a host author looked for them there and missed them)."""
+    code = "import coordinator; print(sorted(set(coordinator.__all__) - set(dir(coordinator))))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_every_error_has_a_distinct_stable_code() -> None:
