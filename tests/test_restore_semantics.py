@@ -404,7 +404,7 @@ async def restored_on_stream(url: str) -> list[dict[str, Any]]:
         subscription = await js.pull_subscribe("ckpt.s.restored", stream="CKPT")
         try:
             messages = await subscription.fetch(100, timeout=1)
-        except nats.errors.TimeoutError:
+        except TimeoutError:  # nats-py's own, or asyncio's when the wait for any ends
             messages = []
         return [json.loads(m.data) for m in messages]
     finally:
