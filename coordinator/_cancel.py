@@ -1,4 +1,5 @@
-"""Telling a real cancellation from one a callee raised on its own.
+"""Telling a real cancellation from one a callee raised on its own, and taking a
+step whole whatever cancels its caller.
 
 A participant, a handle or a bus may raise ``CancelledError`` although nobody
 cancelled it (an asyncio client whose inner future was cancelled). Taken as a
@@ -10,11 +11,15 @@ and anyio's cancel scopes deliver theirs again at the next checkpoint.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 import anyio.lowlevel
 
-__all__ = ["being_cancelled", "raised_on_its_own"]
+__all__ = ["being_cancelled", "raised_on_its_own", "whole"]
+
+T = TypeVar("T")
 
 
 async def raised_on_its_own(error: BaseException) -> bool:
@@ -35,3 +40,29 @@ async def being_cancelled() -> bool:
     except anyio.get_cancelled_exc_class():
         return True
     return False
+
+
+async def whole(step: Callable[[], Awaitable[T]], undo: Callable[[T], object] | None = None) -> T:
+    """``step()``, run to its end in a task of its own; a cancellation of the caller
+    waits for that end and is raised after it (``undo`` given what the step made,
+    which nobody will take). An anyio shield keeps out its own scopes'
+    cancellations only: ``task.cancel()``, an ``asyncio.wait_for`` timing out or
+    Ctrl-C under ``asyncio.run`` reach through one, and would cut a restore half
+    done, or drop a file a worker thread opened."""
+
+    async def run() -> T:
+        return await step()
+
+    task = asyncio.ensure_future(run())
+    cancelled: BaseException | None = None
+    with anyio.CancelScope(shield=True):  # (an anyio scope's: delivered again after it)
+        while not task.done():
+            try:
+                await asyncio.wait((task,))
+            except asyncio.CancelledError as error:  # asyncio's own: the step goes on
+                cancelled = error
+    if cancelled is not None:
+        if not task.cancelled() and task.exception() is None and undo is not None:
+            undo(task.result())  # (the exception retrieved: it is not logged as lost)
+        raise cancelled
+    return task.result()

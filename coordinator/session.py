@@ -56,7 +56,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
-from ._cancel import being_cancelled, raised_on_its_own
+from ._cancel import being_cancelled, raised_on_its_own, whole
 from .artifacts import (
     ArtifactHandle,
     ArtifactLedger,
@@ -1051,9 +1051,10 @@ class Coordinator:
             await self._abort(staged)
             raise
 
-        # From here the restore is taken whole (shielded), within capture_timeout
-        # for each activation: one that does not answer is a failed activation.
-        with anyio.CancelScope(shield=True):
+        # From here the restore is taken whole, within capture_timeout for each
+        # activation: one that does not answer is a failed activation. A
+        # cancellation, even asyncio's own (Ctrl-C), waits for its end.
+        async def take() -> RestoreReport:
             if self.install is not None:
                 await self._install_together(staged, old_epoch)
             else:
@@ -1080,26 +1081,28 @@ class Coordinator:
                 reason_text = f"the fork could not be recorded: {error}"
                 self._fenced = RestoreFailedError("(store)", reason_text, everyone)
                 raise self._fenced from error
-        self.epoch = new_epoch
-        self._last_step = None
-        self._host_step = int(record.boundary)  # the host goes on from the restored step
-        self._durable_step = int(record.boundary)
-        self._newest, self._default_taken = None, False
-        if self.policy is not None:  # its step rule counts from the restored boundary
-            self.policy.restored(int(record.boundary))
-        self._acted = True
-        self._fenced = None
-        forked = session.epoch(new_epoch)
-        assert forked is not None
-        total_ms = (time.perf_counter() - started) * 1000
-        event = restored_event(self.session_id, forked, stored.manifest, total_ms=total_ms)
-        return RestoreReport(
-            record=record,
-            epoch=new_epoch,
-            participants=tuple(p.name for p, _ in staged),
-            event=self.writer.announce(event),
-            allowed_incompatible=differences,
-        )
+            self.epoch = new_epoch
+            self._last_step = None
+            self._host_step = int(record.boundary)  # the host goes on from the restored step
+            self._durable_step = int(record.boundary)
+            self._newest, self._default_taken = None, False
+            if self.policy is not None:  # its step rule counts from the restored boundary
+                self.policy.restored(int(record.boundary))
+            self._acted = True
+            self._fenced = None
+            forked = session.epoch(new_epoch)
+            assert forked is not None
+            total_ms = (time.perf_counter() - started) * 1000
+            event = restored_event(self.session_id, forked, stored.manifest, total_ms=total_ms)
+            return RestoreReport(
+                record=record,
+                epoch=new_epoch,
+                participants=tuple(p.name for p, _ in staged),
+                event=self.writer.announce(event),
+                allowed_incompatible=differences,
+            )
+
+        return await whole(take)
 
 
 # Room for "-<step>" (up to 20 digits) in a default checkpoint id of 64 characters.

@@ -13,6 +13,7 @@ from typing import Any, Literal, Self
 import anyio
 import anyio.to_thread
 
+from .._cancel import whole
 from ..buffers import BytesLike
 from ..errors import DuplicateCheckpointError, StaleEpochError, StoreClosedError, UsageError
 from ..fs import FileSystem
@@ -457,7 +458,9 @@ class FileStore:
         if a rotation unlinks it). ``pin`` as in ``read``."""
         async with self._lock:
             record = self.core.select(checkpoint_id, session_id=session_id)
-            staged: StagedRead = await self._run(self.core.open_staged, record)
+            staged: StagedRead = await whole(
+                lambda: self._run(self.core.open_staged, record), StagedRead.close
+            )  # (opened by its thread: closed, even if asyncio cancels the caller)
             if pin:
                 self.core.pin(record.checkpoint_id)
         return staged
@@ -469,8 +472,10 @@ class FileStore:
         byte view of exactly its length; fresh memory for a name not given),
         and verify it there with every check ``read`` makes: the digests follow
         the read, on two threads. The file is closed either way."""
-        try:
-            stored: StoredCheckpoint = await self._run(staged.read, buffers or {})
+        try:  # (the file is closed once its threads are done, however it ends)
+            stored: StoredCheckpoint = await whole(
+                lambda: self._run(staged.read, buffers or {}), StoredCheckpoint.close
+            )
         finally:
             staged.close()
         return stored
