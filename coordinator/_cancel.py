@@ -11,6 +11,7 @@ and anyio's cancel scopes deliver theirs again at the next checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -62,7 +63,10 @@ async def whole(step: Callable[[], Awaitable[T]], undo: Callable[[T], object] | 
             except asyncio.CancelledError as error:  # asyncio's own: the step goes on
                 cancelled = error
     if cancelled is not None:
-        if not task.cancelled() and task.exception() is None and undo is not None:
-            undo(task.result())  # (the exception retrieved: it is not logged as lost)
+        failed = None if task.cancelled() else task.exception()
+        if failed is None and not task.cancelled() and undo is not None:
+            with contextlib.suppress(Exception):  # (the caller is told it was cancelled)
+                undo(task.result())
+        cancelled.__context__ = failed  # (what the step raised: a fenced epoch, say)
         raise cancelled
     return task.result()

@@ -338,8 +338,7 @@ class Coordinator:
         try:
             if self._restoring is not None:
                 self._restoring.cancel()
-                with anyio.CancelScope(shield=True):
-                    await self._restored.wait()
+                await whole(self._restored.wait)  # (asyncio's own cancel too: it ends first)
             final = self._open and self.final_step is not None and self._fenced is None
             if error is None and final:
                 assert self.final_step is not None
@@ -751,9 +750,13 @@ class Coordinator:
         return Resumed(step=int(report.record.boundary), report=report)
 
     async def _abort(self, staged: Sequence[tuple[Participant, Any]]) -> tuple[str, ...]:
-        """Abort every staged participant, shielded, whatever one of them raises,
-        within ``capture_timeout`` in all. Returns the tainted ones: those whose
-        abort raised, or had not answered by the deadline."""
+        """Abort every staged participant, whatever one of them raises, within
+        ``capture_timeout`` in all, and whatever cancels the caller (``whole``).
+        Returns the tainted ones: those whose abort raised, or had not answered
+        by the deadline."""
+        return await whole(lambda: self._abort_each(staged))
+
+    async def _abort_each(self, staged: Sequence[tuple[Participant, Any]]) -> tuple[str, ...]:
         tainted: list[str] = []
         answered = 0
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.capture_timeout):

@@ -1266,3 +1266,37 @@ def test_a_file_written_over_and_renamed_back_as_it_is_opened_is_missing(
     monkeypatch.setattr(fs_module.fcntl, "flock", written_over_first)
     with pytest.raises(FileNotFoundError):
         fs_module.FileSystem().open_generation(str(path))
+
+
+@pytest.mark.asyncio
+async def test_asyncios_own_cancel_while_a_store_opens_leaves_it_unlocked(
+    tmp_path: Path,
+) -> None:
+    """Cancels 0-4 ms into ``async with FileStore(...)`` (seeded): one landing while
+    the thread opened the store dropped it open, its lock held, and every later open
+    in the process was ``StoreLockedError`` (helper-23: within 3-11 cancels); one
+    landing in the close left it locked too."""
+    import asyncio
+    import random
+
+    async with FileStore(tmp_path):
+        pass
+    chooser = random.Random(2)
+    loop = asyncio.get_running_loop()
+
+    async def opened() -> None:
+        async with FileStore(tmp_path):
+            await asyncio.sleep(0)
+
+    for trial in range(200):
+        task = asyncio.ensure_future(opened())
+        until = loop.time() + chooser.uniform(0, 0.004)
+        while loop.time() < until:
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        async with FileStore(tmp_path):  # (StoreLockedError if a lock was left)
+            pass
+        held = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+        assert not [path for path in held if path.startswith(str(tmp_path))], trial

@@ -102,7 +102,9 @@ class FileStore:
         return await anyio.to_thread.run_sync(function, *args, abandon_on_cancel=False)
 
     async def __aenter__(self) -> Self:
-        self._core = await self._run(lambda: SyncStore(self.path, **self._options))
+        opening = functools.partial(self._run, lambda: SyncStore(self.path, **self._options))
+        core: SyncStore = await whole(opening, SyncStore.close)  # (its lock: never left held)
+        self._core = core
         return self
 
     async def __aexit__(
@@ -116,9 +118,12 @@ class FileStore:
     async def aclose(self) -> None:
         if self._core is not None:
             core, self._core = self._core, None
-            with anyio.CancelScope(shield=True):
+
+            async def close() -> None:
                 async with self._lock:  # a commit in flight finishes first
                     core.close()
+
+            await whole(close)  # (closed, and its lock let go, whatever cancels us)
 
     # --- sessions ------------------------------------------------------------------
 
