@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,10 @@ from typing import Any
 import anyio
 from fsmodel import RecordingFS
 
-from coordinator.sample import sample_body
 from coordinator.bus import MemoryBus
 from coordinator.events import Captured, Committed, Event, Failed, Superseded
 from coordinator.manifest import ManifestBody
+from coordinator.sample import sample_body
 from coordinator.session import CaptureScope, Coordinator, RestoreScope
 from coordinator.store import FileStore, SyncStore
 
@@ -149,3 +150,16 @@ def check_exit(
                 assert ticket.checkpoint_id not in listed
     leftover = {t for t in tasks_now() - tasks_before if not t.done()}
     assert not leftover, leftover
+
+
+async def cancelled_soon(coroutine: Any, delay: float) -> None:
+    """Run ``coroutine`` in a task and cancel it the asyncio way ``delay`` s in,
+    stepping the loop meanwhile, so the cancel can land at any of its awaits."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(coroutine)
+    until = loop.time() + delay
+    while loop.time() < until:
+        await asyncio.sleep(0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -5,7 +5,6 @@ staged. A bit flipped anywhere is refused before any participant sees a byte."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import importlib.util
 import os
@@ -18,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hostkit import NAMES, Part, RecordingBus, describe
+from hostkit import NAMES, Part, RecordingBus, cancelled_soon, describe
 
 from coordinator import GenerationCorruptError, RestoreFailedError
 from coordinator.envelope import FOOTER_BYTES, HEADER_BYTES
@@ -513,16 +512,10 @@ async def test_asyncios_own_cancel_at_any_moment_of_a_restore_leaves_no_file_ope
     wait (helper-21: 50 of 300)."""
     await saved(tmp_path, 1 << 20)
     chooser = random.Random(7)
-    loop = asyncio.get_running_loop()
     for trial in range(80):
         async with FileStore(tmp_path) as store, coordinator(store, mixed(), f"c{trial}") as host:
-            task = asyncio.ensure_future(host.restore("e1-10", new_epoch=f"d{trial}"))
-            until = loop.time() + chooser.uniform(0, 0.004)
-            while loop.time() < until:
-                await asyncio.sleep(0)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            restoring = host.restore("e1-10", new_epoch=f"d{trial}")
+            await cancelled_soon(restoring, chooser.uniform(0, 0.004))
         gc.collect()
         assert generation_fds() == [], trial
 

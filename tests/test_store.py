@@ -1279,23 +1279,18 @@ async def test_asyncios_own_cancel_while_a_store_opens_leaves_it_unlocked(
     import asyncio
     import random
 
+    from hostkit import cancelled_soon
+
     async with FileStore(tmp_path):
         pass
     chooser = random.Random(2)
-    loop = asyncio.get_running_loop()
 
     async def opened() -> None:
         async with FileStore(tmp_path):
             await asyncio.sleep(0)
 
     for trial in range(200):
-        task = asyncio.ensure_future(opened())
-        until = loop.time() + chooser.uniform(0, 0.004)
-        while loop.time() < until:
-            await asyncio.sleep(0)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancelled_soon(opened(), chooser.uniform(0, 0.004))
         async with FileStore(tmp_path):  # (StoreLockedError if a lock was left)
             pass
         held = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
