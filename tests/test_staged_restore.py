@@ -585,3 +585,28 @@ async def test_a_close_cut_by_asyncio_waits_for_the_restore_it_found(tmp_path: P
     async with FileStore(tmp_path) as store:
         assert (store.session("s") or pytest.fail()).epoch("e6") is not None
     assert [type(e).__name__ for e in bus.events] == ["Restored"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("at", ["magic", "table"])
+async def test_a_head_that_cannot_be_laid_out_is_refused_without_a_map(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str
+) -> None:
+    """A damaged head was read the ordinary way: the file mapped and hashed, where
+    another process truncating it killed the host with SIGBUS (helper-21: 7 of 9)."""
+    from coordinator.fs import FileSystem
+
+    await saved(tmp_path, BIG)
+    generation = file_of(tmp_path)
+    data = bytearray(generation.read_bytes())
+    data[0 if at == "magic" else offsets(bytes(data))["table"]] ^= 0xFF
+    generation.write_bytes(data)
+
+    def no_map(self: FileSystem, fd: int) -> Any:
+        raise AssertionError("mapped")
+
+    monkeypatch.setattr(FileSystem, "map", no_map)
+    async with FileStore(tmp_path) as store, coordinator(store, mixed(), "e5") as host:
+        with pytest.raises(GenerationCorruptError) as refused:
+            await host.restore("e1-10", new_epoch="e6")
+    assert refused.value.check == "envelope-digest"

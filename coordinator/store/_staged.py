@@ -41,7 +41,7 @@ from ..errors import GenerationCorruptError, ManifestError, release_frames
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest, manifest_from_builtins
 from ._manifest import GenerationRecord
-from ._verify import StoredCheckpoint, checked_generation, read_generation
+from ._verify import NOT_COMMITTED, StoredCheckpoint, checked_generation, read_generation
 
 __all__ = ["StagedRead", "open_staged"]
 
@@ -206,7 +206,18 @@ def open_staged(fs: FileSystem, path: str, record: GenerationRecord) -> StagedRe
         ) from None
     try:
         size = fs.size(fd)
-        laid_out = _lay_out(fs, fd, size) if size == int(record.byte_length) else None
+        whole_length = size == int(record.byte_length)
+        laid_out = _lay_out(fs, fd, size) if whole_length else None
+        # Not the committed file: said from a read, never a map, which another
+        # process truncating the file would turn into SIGBUS.
+        if (
+            laid_out is None
+            and whole_length
+            and _file_digest(fs, fd, size) != record.envelope_digest
+        ):
+            raise GenerationCorruptError(
+                record.checkpoint_id, path, "envelope-digest", NOT_COMMITTED
+            )
     except BaseException:
         fs.close(fd)
         raise
@@ -258,6 +269,16 @@ def _lay_out(
     if len({name for name, _, _ in entries}) != len(entries) or footer_offset - end >= ALIGNMENT:
         return None
     return head, tuple(entries)
+
+
+def _file_digest(fs: FileSystem, fd: int, size: int) -> str:
+    digest = hashlib.sha256()
+    piece = memoryview(bytearray(min(size, 1 << 20)))
+    offset = 0
+    while offset < size and (got := fs.read_into(fd, piece, offset)):
+        digest.update(piece[:got])
+        offset += got
+    return digest.hexdigest()
 
 
 def _read(fs: FileSystem, fd: int, size: int, offset: int) -> bytes:

@@ -43,6 +43,10 @@ __all__ = [
 ]
 
 
+# What envelope-digest says: the file is not the bytes that were committed.
+NOT_COMMITTED = "its SHA-256 is not the one the store manifest recorded at commit (changed since)"
+
+
 class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
     verified: tuple[str, ...]
     failures: tuple[GenerationCorruptError, ...]
@@ -186,7 +190,7 @@ def _decode(
         if file_digest != record.envelope_digest:
             raise GenerationCorruptError(
                 record.checkpoint_id, path, "envelope-digest",
-                "its SHA-256 is not the one the store manifest recorded at commit (changed since)",
+                NOT_COMMITTED,
             ) from error  # fmt: skip
         raise GenerationCorruptError(
             record.checkpoint_id, path, f"envelope:{error.check}", str(error)
@@ -195,7 +199,7 @@ def _decode(
         envelope.release()
         raise GenerationCorruptError(
             record.checkpoint_id, path, "envelope-digest",
-            "its SHA-256 is not the one the store manifest recorded at commit (changed since)",
+            NOT_COMMITTED,
         )  # fmt: skip
     return envelope
 
