@@ -56,7 +56,6 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
-from ._cancel import being_cancelled, raised_on_its_own, whole
 from .artifacts import (
     ArtifactHandle,
     ArtifactLedger,
@@ -67,6 +66,7 @@ from .artifacts import (
     release_off_loop,
 )
 from .bus import Bus
+from .cancellation import being_cancelled, raised_on_its_own, whole
 from .envelope import MAX_PAYLOADS
 from .errors import (
     CaptureFailedError,

@@ -13,8 +13,8 @@ from typing import Any, Literal, Self
 import anyio
 import anyio.to_thread
 
-from .._cancel import whole
 from ..buffers import BytesLike
+from ..cancellation import whole
 from ..errors import DuplicateCheckpointError, StaleEpochError, StoreClosedError, UsageError
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest
