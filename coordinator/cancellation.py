@@ -50,11 +50,7 @@ async def whole(step: Callable[[], Awaitable[T]], undo: Callable[[T], object] | 
     cancellations only: ``task.cancel()``, an ``asyncio.wait_for`` timing out or
     Ctrl-C under ``asyncio.run`` reach through one, and would cut a restore half
     done, or drop a file a worker thread opened."""
-
-    async def run() -> T:
-        return await step()
-
-    task = asyncio.ensure_future(run())
+    task = asyncio.ensure_future(step())
     cancelled: BaseException | None = None
     with anyio.CancelScope(shield=True):  # (an anyio scope's: delivered again after it)
         while not task.done():
@@ -63,10 +59,10 @@ async def whole(step: Callable[[], Awaitable[T]], undo: Callable[[T], object] | 
             except asyncio.CancelledError as error:  # asyncio's own: the step goes on
                 cancelled = error
     if cancelled is not None:
-        failed = None if task.cancelled() else task.exception()
-        if failed is None and not task.cancelled() and undo is not None:
-            with contextlib.suppress(Exception):  # (the caller is told it was cancelled)
-                undo(task.result())
-        cancelled.__context__ = failed  # (what the step raised: a fenced epoch, say)
+        if not task.cancelled():
+            cancelled.__context__ = task.exception()  # (a fenced epoch, say)
+            if cancelled.__context__ is None and undo is not None:
+                with contextlib.suppress(Exception):  # (the caller is told it was cancelled)
+                    undo(task.result())
         raise cancelled
     return task.result()

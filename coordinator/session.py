@@ -841,9 +841,8 @@ class Coordinator:
     def _naming_older(self, error: GenerationCorruptError) -> GenerationCorruptError:
         """``error``, for a default restore: with the timeline's checkpoints older
         than the corrupt one, which the caller may choose to restore instead."""
-        timeline = [record.checkpoint_id for record in self.store.timeline(self.session_id)]
-        at = timeline.index(error.checkpoint_id) if error.checkpoint_id in timeline else None
-        older = timeline[at + 1 :] if at is not None else []
+        ids = [record.checkpoint_id for record in self.store.timeline(self.session_id)]
+        older = ids[ids.index(error.checkpoint_id) + 1 :] if error.checkpoint_id in ids else []
         return GenerationCorruptError(
             error.checkpoint_id, error.path, error.check, error.detail, older=older
         )

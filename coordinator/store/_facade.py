@@ -101,10 +101,14 @@ class FileStore:
     async def _run(self, function: Callable[..., Any], *args: Any) -> Any:
         return await anyio.to_thread.run_sync(function, *args, abandon_on_cancel=False)
 
+    async def _run_whole(self, undo: Callable[[Any], object], function: Callable[..., Any]) -> Any:
+        """``_run``, waited for whatever cancels the caller, asyncio's own too; what
+        ``function`` made is ``undo``ne if nobody takes it (an open file, a lock)."""
+        return await whole(functools.partial(self._run, function), undo)
+
     async def __aenter__(self) -> Self:
-        opening = functools.partial(self._run, lambda: SyncStore(self.path, **self._options))
-        core: SyncStore = await whole(opening, SyncStore.close)  # (its lock: never left held)
-        self._core = core
+        opening = functools.partial(SyncStore, self.path, **self._options)
+        self._core = await self._run_whole(SyncStore.close, opening)
         return self
 
     async def __aexit__(
@@ -463,9 +467,8 @@ class FileStore:
         if a rotation unlinks it). ``pin`` as in ``read``."""
         async with self._lock:
             record = self.core.select(checkpoint_id, session_id=session_id)
-            staged: StagedRead = await whole(
-                lambda: self._run(self.core.open_staged, record), StagedRead.close
-            )  # (opened by its thread: closed, even if asyncio cancels the caller)
+            opening = functools.partial(self.core.open_staged, record)
+            staged: StagedRead = await self._run_whole(StagedRead.close, opening)
             if pin:
                 self.core.pin(record.checkpoint_id)
         return staged
@@ -478,9 +481,8 @@ class FileStore:
         and verify it there with every check ``read`` makes: the digests follow
         the read, on two threads. The file is closed either way."""
         try:  # (the file is closed once its threads are done, however it ends)
-            stored: StoredCheckpoint = await whole(
-                lambda: self._run(staged.read, buffers or {}), StoredCheckpoint.close
-            )
+            reading = functools.partial(staged.read, buffers or {})
+            stored: StoredCheckpoint = await self._run_whole(StoredCheckpoint.close, reading)
         finally:
             staged.close()
         return stored
