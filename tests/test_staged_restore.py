@@ -610,3 +610,37 @@ async def test_a_head_that_cannot_be_laid_out_is_refused_without_a_map(
         with pytest.raises(GenerationCorruptError) as refused:
             await host.restore("e1-10", new_epoch="e6")
     assert refused.value.check == "envelope-digest"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("failing", [1, 2], ids=["head", "digest"])
+async def test_a_read_error_in_a_damaged_heads_checks_is_typed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int
+) -> None:
+    """EIO while the head is read, or while a damaged head's file is hashed: a raw
+    OSError reached the host (the final review's own attack)."""
+    import errno
+
+    from coordinator.fs import FileSystem
+
+    await saved(tmp_path)
+    generation = file_of(tmp_path)
+    data = bytearray(generation.read_bytes())
+    data[0] ^= 0xFF
+    generation.write_bytes(data)
+    calls = [0]
+    read_into = FileSystem.read_into
+
+    def fails(self: FileSystem, fd: int, view: memoryview, offset: int) -> int:
+        calls[0] += 1
+        if calls[0] >= failing:
+            raise OSError(errno.EIO, "Input/output error")
+        return read_into(self, fd, view, offset)
+
+    async with FileStore(tmp_path) as store, coordinator(store, mixed(), "e5") as host:
+        monkeypatch.setattr(FileSystem, "read_into", fails)
+        with pytest.raises(GenerationCorruptError) as refused:
+            await host.restore("e1-10", new_epoch="e6")
+        monkeypatch.undo()
+        assert refused.value.check == "read" and "Input/output error" in str(refused.value)
+        assert generation_fds() == []

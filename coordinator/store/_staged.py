@@ -218,6 +218,11 @@ def open_staged(fs: FileSystem, path: str, record: GenerationRecord) -> StagedRe
             raise GenerationCorruptError(
                 record.checkpoint_id, path, "envelope-digest", NOT_COMMITTED
             )
+    except OSError as error:  # (a disk error: named like the staged read's)
+        fs.close(fd)
+        raise GenerationCorruptError(
+            record.checkpoint_id, path, "read", error.strerror or str(error)
+        ) from None
     except BaseException:
         fs.close(fd)
         raise
