@@ -213,6 +213,8 @@ def main() -> None:
         if isinstance(error, GenerationCorruptError) and error.older:
             sys.exit(f"cannot run [{error.code}]: {error}\nor run with --from {error.older[0]}")
         sys.exit(f"cannot run [{error.code}]: {error}")
+    except* PermissionError as failed:  # a file this user may not read: the OS's reason
+        sys.exit(f"cannot run: {failed.exceptions[0]}")
     if durable != step:  # the final checkpoint failed: the log above says why
         sys.exit(f"stopped at step {step}, durable only to step {durable}: run again")
     if step < options.steps:

@@ -1295,3 +1295,27 @@ async def test_asyncios_own_cancel_while_a_store_opens_leaves_it_unlocked(
             pass
         held = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
         assert not [path for path in held if path.startswith(str(tmp_path))], trial
+
+
+@pytest.mark.asyncio
+async def test_a_second_aclose_returns_once_the_store_is_closed(tmp_path: Path) -> None:
+    """Two closes while a commit is in flight: the second returned at once, the first
+    still waiting for the commit, and a store opened then was StoreLockedError
+    (helper-24: 10 of 10)."""
+    store = FileStore(tmp_path)
+    await store.__aenter__()
+    committing = anyio.Event()
+
+    async def commit_in_flight() -> None:
+        async with store._lock:  # (what a commit holds while its thread writes)
+            committing.set()
+            await anyio.sleep(0.2)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(commit_in_flight)
+        await committing.wait()
+        group.start_soon(store.aclose)
+        await anyio.sleep(0.02)
+        await store.aclose()
+        async with FileStore(tmp_path):  # (StoreLockedError while the first waited)
+            pass

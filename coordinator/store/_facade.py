@@ -82,6 +82,7 @@ class FileStore:
         }
         self._core: SyncStore | None = None
         self._lock = anyio.Lock()
+        self._closed: anyio.Event | None = None  # set once the last close is over
         self._claimed: set[str] = set()
         self._waiting: list[_Waiting] = []  # commits not yet taken into a group
         self._capturing: set[str] = set()  # checkpoint ids being captured
@@ -120,14 +121,23 @@ class FileStore:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self._core is not None:
-            core, self._core = self._core, None
+        """Close the store once a commit in flight is over; a second call returns
+        when the first close is over (the lock let go), whatever cancels either."""
+        if self._core is None:
+            if self._closed is not None:
+                await whole(self._closed.wait)
+            return
+        core, self._core = self._core, None
+        self._closed = closed = anyio.Event()
 
-            async def close() -> None:
+        async def close() -> None:
+            try:
                 async with self._lock:  # a commit in flight finishes first
                     core.close()
+            finally:
+                closed.set()
 
-            await whole(close)  # (closed, and its lock let go, whatever cancels us)
+        await whole(close)
 
     # --- sessions ------------------------------------------------------------------
 
