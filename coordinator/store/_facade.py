@@ -133,7 +133,7 @@ class FileStore:
         async def close() -> None:
             try:
                 async with self._lock:  # a commit in flight finishes first
-                    core.close()
+                    await self._run(core.close)  # (it unlinks the spares: file I/O)
             finally:
                 closed.set()
 
