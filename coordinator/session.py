@@ -1146,22 +1146,35 @@ def _not_captured(
 async def _ask_all(
     participants: Sequence[Participant], one: Callable[..., Any], timeout: float
 ) -> None:
-    """Every participant's capture at once (``_ask_each``), within ``timeout``:
-    else ``TimeoutError``. (A scope of our own: fail_after's two generator
-    context managers cost more than a small capture's own wait.)"""
-    with anyio.CancelScope(deadline=anyio.current_time() + timeout) as deadline:
-        await _ask_each(participants, one)
+    """Every participant's capture at once, within ``timeout``: else
+    ``TimeoutError``. Plain captures run first, in this task, as far as each
+    goes without waiting; an async capture, an artifact source and whatever a
+    plain one left (an awaitable, bytes to copy in a thread) then go on in tasks
+    of their own, together, under the deadline. This task yields once in any
+    case: the writer runs at each capture, as it does while tasks run."""
+    deadline = anyio.current_time() + timeout
+    later = await _ask_inline(participants, one)
+    if later:
+        # (a scope of our own: fail_after's two generator context managers cost
+        # more than a small capture's own wait)
+        with anyio.CancelScope(deadline=deadline) as scope:
+            async with anyio.create_task_group() as group:
+                for participant, rest in later:
+                    group.start_soon(one, participant, rest)
+        if scope.cancelled_caught:
+            raise TimeoutError
+    else:
+        await anyio.lowlevel.checkpoint()
     # (a plain capture that blocked past it cannot be interrupted: it is late all the same)
-    if deadline.cancelled_caught or anyio.current_time() > deadline.deadline:
+    if anyio.current_time() > deadline:
         raise TimeoutError
 
 
-async def _ask_each(participants: Sequence[Participant], one: Callable[..., Any]) -> None:
-    """Plain captures run first, in this task, as far as each goes without
-    waiting; an async capture, an artifact source and whatever a plain one left
-    (an awaitable, bytes to copy in a thread) then go on in tasks of their own,
-    together. This task yields once in any case: the writer runs at each
-    capture, as it does while tasks run."""
+async def _ask_inline(
+    participants: Sequence[Participant], one: Callable[..., Any]
+) -> list[tuple[Participant, object]]:
+    """Each participant's capture in this task as far as it goes without
+    waiting (``one(..., inline=True)``): what is left to go on elsewhere."""
     later: list[tuple[Participant, object]] = []
     try:
         for participant in participants:
@@ -1176,12 +1189,7 @@ async def _ask_each(participants: Sequence[Participant], one: Callable[..., Any]
                 rest.cancel()
                 rest.add_done_callback(_outcome_dropped)
         raise
-    if not later:
-        await anyio.lowlevel.checkpoint()
-        return
-    async with anyio.create_task_group() as group:
-        for participant, rest in later:
-            group.start_soon(one, participant, rest)
+    return later
 
 
 def _outcome_dropped(future: asyncio.Future[Any]) -> None:
