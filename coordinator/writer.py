@@ -76,7 +76,7 @@ from .artifacts import (
     release_copies,
     release_off_loop,
 )
-from .bus import Bus, publish_now
+from .bus import Bus
 from .errors import (
     ArtifactCorruptError,
     ArtifactUnavailableError,
@@ -344,8 +344,6 @@ class Writer:
         self._jobs_wake = _Wake()
         self._releases_wake = _Wake()
         self._outbox_wake = _Wake()
-        # (a bus that queues events itself takes them without a wait each)
-        self._publish_nowait = publish_now(bus)
         self._job_done = _Wake()  # a job left the writing state
         self._room = _Wake()  # a slot was freed
         self._closing = False  # no more submits; the job task returns once drained
@@ -1191,9 +1189,6 @@ class Writer:
                         await self._outbox_wake.wait()
                     if not self._outbox:
                         return
-                    if self._publish_nowait is not None:  # a queue of the bus's own
-                        self._publish_queued(self._publish_nowait)
-                        continue
                     await self._publish(self._outbox[0])
                     self._outbox.popleft()  # only once the bus took it
         finally:
@@ -1208,18 +1203,6 @@ class Writer:
             self._counts["events_dropped"] += 1
         else:
             self._counts["events_published"] += 1
-
-    def _publish_queued(self, publish_nowait: Callable[[Event], None]) -> None:
-        """Everything in the outbox, in order, into a bus that queues events of
-        its own (``publish_nowait``: ours do): no wait per event."""
-        while self._outbox:
-            try:
-                publish_nowait(self._outbox[0])
-            except Exception:  # the bus is not the truth: count it, keep order
-                self._counts["events_dropped"] += 1
-            else:
-                self._counts["events_published"] += 1
-            self._outbox.popleft()
 
     # --- the rest ------------------------------------------------------------------
 

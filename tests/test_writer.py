@@ -17,7 +17,7 @@ from hostkit import GateFS
 from coordinator import SaveFailedError, WriterBusyError
 from coordinator.sample import sample_body, sample_payload_names
 from coordinator.artifacts import ArtifactLedger, MemoryArtifact, capture
-from coordinator.bus import MemoryBus, publish_now
+from coordinator.bus import MemoryBus
 from coordinator.events import Committed, Failed, Superseded
 from coordinator.manifest import PayloadRecord, manifest_with_records
 from coordinator.store import FileStore
@@ -421,33 +421,3 @@ async def test_a_host_error_still_drains_accepted_saves(tmp_path: Path) -> None:
                 fs.open_all()
                 raise ValueError("host bug")
         assert isinstance(ticket.outcome, Committed)
-
-
-@pytest.mark.asyncio
-async def test_a_bus_whose_publish_was_changed_gets_every_event_through_it(
-    tmp_path: Path,
-) -> None:
-    """The outbox hands our buses runs of events without a wait each
-    (``publish_nowait``); a subclass that changed ``publish`` still gets every
-    event through its own ``publish``, in order, and a plain MemoryBus is handed
-    them directly."""
-
-    class Counting(MemoryBus):
-        def __init__(self) -> None:
-            super().__init__()
-            self.through_publish: list[Any] = []
-
-        async def publish(self, event: Any) -> None:
-            self.through_publish.append(event)
-            await super().publish(event)
-
-    plain, counting = MemoryBus(), Counting()
-    for bus in (plain, counting):
-        events = await bus.subscribe()
-        async with FileStore(tmp_path / type(bus).__name__) as store, Writer(store, bus) as writer:
-            tickets = [await submit(writer, index, replaceable=False) for index in range(1, 3)]
-            for ticket in tickets:
-                assert isinstance(await ticket.wait(), Committed)
-        assert [(await events.receive()).seq for _ in range(6)] == list(range(1, 7))
-    assert [e.seq for e in counting.through_publish] == list(range(1, 7))
-    assert publish_now(plain) == plain.publish_nowait and publish_now(counting) is None

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Protocol
 from ..events import Event, Restored
 from ..presence import Presence
 from ._config import check_stream_config, checked_stream_config, created
-from ._queueing import publish_now
 from ._statistics import BusStatistics
 from .memory import MemoryBus, Subscription
 
@@ -33,7 +32,6 @@ __all__ = [
     "checked_stream_config",
     "connect",
     "created",
-    "publish_now",
     "server_address",
 ]
 

@@ -99,7 +99,6 @@ from ..presence import (
 )
 from ..wire import read_json
 from ._config import check_stream_config, checked_stream_config
-from ._queueing import QueueingBus
 from ._statistics import BusStatistics
 from .memory import Subscription
 
@@ -142,7 +141,7 @@ _SUBSCRIPTION_BYTES = 32 << 20
 _log = logging.getLogger("coordinator.bus")
 
 
-class NatsBus(QueueingBus):
+class NatsBus:
     """``async with NatsBus("nats://127.0.0.1:4222") as bus:``; other keyword
     arguments (credentials, nkeys, TLS, user/password...) go to ``nats.connect``.
 
@@ -506,6 +505,11 @@ class NatsBus(QueueingBus):
         )
 
     # --- publishing ----------------------------------------------------------------
+
+    async def publish(self, event: Event) -> None:
+        """Queue ``event`` for the server; never waits for it."""
+        await anyio.lowlevel.checkpoint()
+        self.publish_nowait(event)
 
     def publish_nowait(self, event: Event) -> None:
         """Queue ``event``; ``anyio.ClosedResourceError`` once the bus is closed (as

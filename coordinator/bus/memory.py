@@ -19,7 +19,6 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ..events import Committed, Event, Restored
 from ..ids import check_id
 from ..presence import Presence
-from ._queueing import QueueingBus
 from ._statistics import BusStatistics
 
 __all__ = ["MemoryBus", "Subscription"]
@@ -83,7 +82,7 @@ class Subscription:
         await self.aclose()
 
 
-class MemoryBus(QueueingBus):
+class MemoryBus:
     """Events within this process: for tests, and hosts nobody else watches (no
     other process sees them: ``coordinator watch`` needs a ``NatsBus``). Entered
     and left as a ``NatsBus`` is (``async with MemoryBus() as bus``); it also works
@@ -132,6 +131,10 @@ class MemoryBus(QueueingBus):
         """The highest ``seq`` of a session this bus carried (0: none)."""
         await anyio.lowlevel.checkpoint()
         return self._last_seq.get(session_id, 0)
+
+    async def publish(self, event: Event) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.publish_nowait(event)
 
     def publish_nowait(self, event: Event) -> None:
         if self._closed:
