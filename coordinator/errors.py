@@ -134,6 +134,18 @@ class CoordinatorError(Exception):
     code: ClassVar[str] = "coordinator"
     reference_code: ClassVar[str | None] = None  # the reference coordinator's name for it
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt without ``__init__``, whose parameters are each class's own: a
+        # process pool (or a framework) that pickles the error hands it back whole,
+        # where the default (``__init__(*args)``) failed to unpickle it.
+        return (_rebuilt, (type(self), self.args), self.__dict__)
+
+
+def _rebuilt(kind: type[CoordinatorError], args: tuple[Any, ...]) -> CoordinatorError:
+    error = kind.__new__(kind, *args)
+    error.args = args
+    return error
+
 
 class UsageError(CoordinatorError, ValueError):
     """The caller passed a value the API does not accept."""
