@@ -338,6 +338,29 @@ def test_read_refuses_a_generation_holding_another_checkpoint(tmp_path: Path) ->
         assert caught.value.check == "identity"
 
 
+def test_a_record_whose_compatibility_digest_changed_fails_the_identity_check(
+    tmp_path: Path,
+) -> None:
+    """The store manifest's compatibilityDigest is the envelope's (replication
+    copies it into the replica pointer): one that changed since the commit is
+    refused as the other identity fields are, and verify reports it (a
+    helper's byte flip there went unnoticed: verify said ok)."""
+    with SyncStore(tmp_path) as store:
+        store.commit(*checkpoint(1))
+    from coordinator.canonical import canonical_bytes
+
+    document = json.loads((tmp_path / "manifest.json").read_bytes())
+    (record,) = document["generations"]
+    record["compatibilityDigest"] = "0" * 64
+    (tmp_path / "manifest.json").write_bytes(canonical_bytes(document))
+    with SyncStore(tmp_path) as store:
+        with pytest.raises(GenerationCorruptError) as caught:
+            store.read(store.select("ckpt-1"))
+        assert caught.value.check == "identity"
+        assert "compatibility digest" in str(caught.value)
+        assert not store.verify().ok
+
+
 # --- faults ----------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ from ..envelope import (
 )
 from ..errors import CorruptEnvelopeError, GenerationCorruptError, ManifestError
 from ..fs import FileSystem
+from ..identity import compatibility_digest
 from ..manifest import CheckpointManifest, manifest_from_builtins
 from ._manifest import LEGACY_TMP_PREFIX, SUFFIX, TMP_PREFIX, GenerationRecord
 
@@ -155,15 +156,15 @@ def checked_generation(
         raise GenerationCorruptError(record.checkpoint_id, where, "manifest", str(error)) from None
     scope = manifest.source_scope
     held = (manifest.checkpoint_id, scope.session_id, scope.epoch, scope.step,
-            manifest.episode_id)  # fmt: skip
+            manifest.episode_id, compatibility_digest(manifest.compatibility))  # fmt: skip
     listed = (record.checkpoint_id, record.session_id, record.epoch, record.boundary,
-              record.episode_id)  # fmt: skip
+              record.episode_id, record.compatibility_digest)  # fmt: skip
     if held != listed:
         envelope.release()
         raise GenerationCorruptError(
             record.checkpoint_id, where, "identity",
-            f"the envelope holds (checkpoint, session, epoch, step, episode) {held}, "
-            f"the store manifest lists {listed}",
+            "the envelope holds (checkpoint, session, epoch, step, episode, compatibility "
+            f"digest) {held}, the store manifest lists {listed}",
         )  # fmt: skip
     return StoredCheckpoint(record, manifest, envelope, closer)
 
