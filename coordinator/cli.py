@@ -851,7 +851,7 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 group.start_soon(_until_reader_gone, out)
                 group.start_soon(screen.tell_lost)
                 if not args.json:  # (a pipe's table shows the beats at the next event)
-                    group.start_soon(_follow_beats, bus, screen.beats, screen.redraw)
+                    group.start_soon(_follow_beats, bus, screen)
                 async for data in screen.feed:  # (what the history had is rule 2's duplicate)
                     screen.receive(data, live=True)
 
@@ -870,12 +870,13 @@ class _Screen:
         from rich.live import Live
 
         from .monitor import Fleet, Notices, render
-        from .presence import Presence
+        from .presence import Deafness, Presence
 
         self.json_lines, self.replay_only = json_lines, replay_only
         self.out, self.console = out, _console(out)
         self.fleet = Fleet(notices=Notices())
         self.beats: dict[str, Presence] = {}  # the hosts' presence (not with --json)
+        self.deafness = Deafness()  # when NATS could not be heard: no silence of the hosts
         self.feed = _Feed()
         self.render = render
         self.display = Live(render(self.fleet), console=self.console, refresh_per_second=8,
@@ -885,7 +886,15 @@ class _Screen:
 
     def table(self) -> Any:
         beats = None if self.replay_only else self.beats
-        return self.render(self.fleet, beats, dropped=self.feed.lost())
+        return self.render(self.fleet, beats, dropped=self.feed.lost(), deafness=self.deafness)
+
+    def hearing(self, connected: bool) -> None:
+        """Whether the bus is heard now: while it is not, a host's silence is no
+        sign of it, and the table says so."""
+        if connected:
+            self.deafness.regained(time.time())
+        else:
+            self.deafness.lost(time.time())
 
     def receive(self, data: bytes, *, live: bool = False) -> None:
         folded = self.fleet.receive(data)
@@ -1039,13 +1048,16 @@ async def _sessions_on_stream(bus: Any, subjects: str | None = None) -> list[str
     return sorted(token.replace("=2E", ".") for token in tokens)
 
 
-async def _follow_beats(bus: Any, beats: dict[str, Any], redraw: Any) -> None:
+async def _follow_beats(bus: Any, screen: _Screen) -> None:
     """``watch``'s host column: the hosts' beats as they come (of at most as many
     sessions as the fold keeps: anyone may put beats), and the table drawn again
-    each second, since time alone turns a silent host late, then gone."""
+    each second, since time alone turns a silent host late, then gone (but not
+    while NATS cannot be heard: ``_Screen.hearing``)."""
     import anyio
 
     from .monitor import MAX_SESSIONS
+
+    beats = screen.beats
 
     async def follow() -> None:
         with contextlib.suppress(Exception):  # (no right to read them: the column says -)
@@ -1056,7 +1068,8 @@ async def _follow_beats(bus: Any, beats: dict[str, Any], redraw: Any) -> None:
     async with anyio.create_task_group() as group:
         group.start_soon(follow)
         while True:
-            redraw()
+            screen.hearing(bus.client.is_connected)
+            screen.redraw()
             await anyio.sleep(1)
 
 

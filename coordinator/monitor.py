@@ -35,7 +35,7 @@ from .events import (
     Timings,
 )
 from .ids import U64, Id
-from .presence import Presence, liveness
+from .presence import Deafness, Presence, liveness
 from .wire import read_any_json, read_json
 
 if TYPE_CHECKING:
@@ -753,12 +753,15 @@ def render(
     *,
     limit: int = ROWS_SHOWN,
     dropped: int = 0,
+    deafness: Deafness | None = None,
 ) -> Table:
     """The live terminal view: one row per session (rich loads only when asked
     for), at most ``limit`` of them: those with something not adopted first,
     then by id. ``beats``: the hosts' presence (docs/events.md), shown as a
     ``host`` column judged at ``now`` (seconds since 1970; default: the clock).
-    ``dropped``: live messages the reader lost (shown under the table)."""
+    ``dropped``: live messages the reader lost (shown under the table).
+    ``deafness``: when the reader could not hear NATS (not counted against a
+    host's beats, and said under the table while it lasts)."""
     from rich.table import Table
 
     table = Table(title="save state", title_justify="left")
@@ -776,7 +779,7 @@ def render(
         host: tuple[str, ...] = ()
         if beats is not None:
             beat = beats.get(session.session_id)
-            seen: str = "-" if beat is None else liveness(beat, now)
+            seen: str = "-" if beat is None else liveness(beat, now, deafness)
             if beat is not None and beat.error:
                 seen = f"{seen} ({beat.error})"
             host = (seen,)
@@ -798,6 +801,11 @@ def render(
             _not_adopted(session),
         )
     table.caption = _caption(state, len(ranked) - len(ranked[: max(0, limit)]), dropped)
+    lost = deafness.since if deafness is not None else None
+    if lost is not None:
+        unheard = (f"NATS cannot be reached from here (for {max(0.0, now - lost):.0f} s): "
+                   "the host column is as last heard")  # fmt: skip
+        table.caption = f"{unheard}; {table.caption}" if table.caption else unheard
     table.caption_justify = "left"
     return table
 

@@ -12,6 +12,7 @@ second (NTP), as for any heartbeat.
 
 from __future__ import annotations
 
+import collections
 import datetime
 from typing import Annotated, Literal
 
@@ -25,6 +26,7 @@ __all__ = [
     "GONE_AFTER_BEATS",
     "LATE_AFTER_BEATS",
     "PRESENCE_BUCKET",
+    "Deafness",
     "Presence",
     "decode_presence",
     "encode_presence",
@@ -84,16 +86,54 @@ def epoch_seconds(rfc3339: str) -> float | None:
     return parsed.timestamp()
 
 
-def liveness(presence: Presence, now: float) -> Liveness:
+class Deafness:
+    """When a reader could not hear the bus (its connection lost): that time is
+    no silence of the hosts. A host is judged by how long the reader listened
+    and heard nothing of it (``silence``), so a reader's own outage does not
+    turn every live host gone. Times are seconds since 1970, the reader's clock."""
+
+    KEPT = 16  # outages remembered: older ones lie before any beat still judged
+
+    def __init__(self) -> None:
+        self._spans: collections.deque[tuple[float, float | None]] = collections.deque(
+            maxlen=self.KEPT
+        )
+
+    @property
+    def since(self) -> float | None:
+        """When the current outage began (``None``: the reader hears the bus)."""
+        if self._spans and self._spans[-1][1] is None:
+            return self._spans[-1][0]
+        return None
+
+    def lost(self, at: float) -> None:
+        if self.since is None:
+            self._spans.append((at, None))
+
+    def regained(self, at: float) -> None:
+        began = self.since
+        if began is not None:
+            self._spans[-1] = (began, max(began, at))
+
+    def silence(self, since: float, now: float) -> float:
+        """Seconds between ``since`` and ``now`` that the reader was listening."""
+        heard = now - since
+        for start, end in self._spans:
+            heard -= max(0.0, min(now, now if end is None else end) - max(since, start))
+        return max(0.0, heard)
+
+
+def liveness(presence: Presence, now: float, deafness: Deafness | None = None) -> Liveness:
     """What a beat says at ``now`` (seconds since 1970, the reader's clock):
     ``ended`` (closed), ``gone`` (no beat for ``GONE_AFTER_BEATS`` intervals),
-    ``late`` (one missed) or ``alive``."""
+    ``late`` (one missed) or ``alive``; with ``deafness``, the time the reader
+    could not hear the bus does not count."""
     if presence.state == "ended":
         return "ended"
     beat = epoch_seconds(presence.time)
     if beat is None:
         return "gone"
-    age = now - beat
+    age = now - beat if deafness is None else deafness.silence(beat, now)
     if age > GONE_AFTER_BEATS * presence.interval_s:
         return "gone"
     if age > LATE_AFTER_BEATS * presence.interval_s:

@@ -543,6 +543,68 @@ def test_a_killed_host_turns_gone_and_a_closed_one_finished(
             assert "Traceback" not in err, err
 
 
+def host_row(dashboard: str, session: str) -> dict[str, Any] | None:
+    """A session's overview row as the page gets it, or ``None`` (not shown yet)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{dashboard}api/sessions/{session}", timeout=5) as reply:
+            row: dict[str, Any] = json.load(reply)["row"]
+    except urllib.error.HTTPError:
+        return None
+    return row
+
+
+def test_a_nats_outage_is_not_taken_for_dead_hosts(
+    nats_server: Nats, dashboard: str, tmp_path: Path
+) -> None:
+    """helper-27's operator trial: with NATS down, every live host turned stale,
+    then gone, and the documented gone alert would page for each, while they
+    kept saving. A host beating every second through an outage of more than 3
+    beats is never stale or gone; its reason says the dashboard lost NATS; once
+    NATS is back it is ok again without passing through stale or gone."""
+    host, stop = start_host(nats_server.url, tmp_path, "host-through")
+    try:
+        wait_line(host, "ready")
+        deadline = time.monotonic() + 15
+        while (row := host_row(dashboard, "host-through")) is None or row["heartbeatS"] is None:
+            assert time.monotonic() < deadline, row  # (judged by its beats from here on)
+            time.sleep(0.2)
+        assert row["health"] == "ok", row
+        nats_server.kill()
+        states: set[str] = set()
+        deadline = time.monotonic() + 3 * HEARTBEAT_S + 3
+        while time.monotonic() < deadline:
+            row = host_row(dashboard, "host-through")
+            assert row is not None
+            states.add(row["health"])
+            time.sleep(0.2)
+        assert states == {"ok"}, states
+        assert "lost NATS" in row["why"], row
+        nats_server.start()
+        deadline = time.monotonic() + 30
+        while True:
+            row = host_row(dashboard, "host-through")
+            assert row is not None
+            states.add(row["health"])
+            if row["health"] == "ok" and not row["why"]:
+                break
+            assert time.monotonic() < deadline, row
+            time.sleep(0.2)
+        assert states == {"ok"}, states
+    finally:
+        stop.touch()
+        try:
+            host.wait(timeout=20)
+        finally:
+            if host.poll() is None:
+                host.kill()
+            _, err = host.communicate(timeout=10)
+        assert "Traceback" not in err, err
+
+
 def test_a_fleet_of_1000_sessions_pages_filters_routes_and_stays_live(
     nats_server: Nats, ready_dashboard: str, browser: Any
 ) -> None:

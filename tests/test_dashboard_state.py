@@ -5,12 +5,14 @@ timings are no statistic, and a page of another site (DNS rebinding) is refused.
 from __future__ import annotations
 
 import math
+import time
 
 import msgspec
 import pytest
 
 from coordinator.dashboard import Dashboard
 from coordinator.events import Captured, Committed, Failed, Timings
+from coordinator.presence import Deafness, Presence
 
 
 def committed(seq: int, checkpoint: str, total_ms: float = 10.0) -> Committed:
@@ -112,3 +114,49 @@ def test_only_loopback_addresses_listen_without_allow_remote(host: str, allowed:
 
     args = argparse.Namespace(listen=(host, 8321), dashboard=None, allow_remote=False)
     assert (_check_listen(args, io.StringIO()) is not None) == allowed
+
+
+def beat(session: str, at: float, interval_s: float = 5.0) -> Presence:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at)) + f".{int(at % 1 * 1e6):06d}Z"
+    return Presence(session_id=session, epoch="e", state="running", time=stamp,
+                    interval_s=interval_s, step="3")  # fmt: skip
+
+
+def test_deafness_counts_only_the_time_the_reader_listened() -> None:
+    deaf = Deafness()
+    assert deaf.silence(100.0, 130.0) == 30.0 and deaf.since is None
+    deaf.lost(110.0)
+    assert deaf.since == 110.0 and deaf.silence(100.0, 130.0) == 10.0
+    deaf.regained(120.0)
+    assert deaf.since is None and deaf.silence(100.0, 130.0) == 20.0
+    assert deaf.silence(115.0, 130.0) == 10.0 and deaf.silence(125.0, 130.0) == 5.0
+
+
+def test_a_dashboard_that_lost_nats_does_not_call_its_hosts_gone() -> None:
+    """helper-27's operator trial: with NATS down, every live host turned stale at
+    10 s and gone at 15 s (and the gone alert would page for each), though they
+    kept saving. The time the dashboard could not hear is no silence of theirs:
+    a host is gone after 3 beats' worth of listening and hearing nothing."""
+    board = Dashboard()
+    start = time.time()
+    board.apply_presence(beat("s", start))
+    assert board.overview(now=start + 1)["sessions"][0]["health"] == "ok"
+    board.lose_bus("unavailable: the connection to NATS is lost; reconnecting", at=start + 2)
+    row = board.overview(now=start + 60)["sessions"][0]
+    assert row["health"] == "ok", row
+    assert "lost NATS 58 s ago" in row["why"]
+    board.regain_bus(at=start + 60)
+    assert board.overview(now=start + 61)["sessions"][0]["health"] == "ok"  # heard 3 s of 61
+    assert board.overview(now=start + 72)["sessions"][0]["health"] == "stale"  # 14 s: late
+    row = board.overview(now=start + 80)["sessions"][0]
+    assert row["health"] == "gone" and row["why"] == "no heartbeat for 22 s", row
+
+
+def test_a_gone_hosts_reason_states_its_age_now() -> None:
+    """The reason was kept with the state until time alone could change the state:
+    for a gone host, never, so it said 'no heartbeat for 16 s' a minute later."""
+    board = Dashboard()
+    start = time.time()
+    board.apply_presence(beat("s", start))
+    assert board.overview(now=start + 16)["sessions"][0]["why"] == "no heartbeat for 16 s"
+    assert board.overview(now=start + 75)["sessions"][0]["why"] == "no heartbeat for 75 s"

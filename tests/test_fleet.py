@@ -441,6 +441,45 @@ def test_the_documented_alerts_are_valid_prometheus_rules(tmp_path: Path) -> Non
     assert "SUCCESS: 5 rules found" in checked.stdout
 
 
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="no promtool (apt-get install prometheus)"
+)
+def test_a_blind_dashboard_pages_as_blind_not_as_every_host_quiet(tmp_path: Path) -> None:
+    """helper-27: a NATS outage over 5 minutes would have paged 'no checkpoint
+    committed' for every host (its states stay as last heard, its last commit
+    ages). promtool's own unit test of the documented rules: with the bus down
+    only CheckpointDashboardBlind fires; with it up, the quiet host pages."""
+    page = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    block = page.split("Example alerts (`rules.yml`):", 1)[1].split("```yaml\n", 1)[1]
+    (tmp_path / "rules.yml").write_text(block.split("```", 1)[0])
+    (tmp_path / "test.yml").write_text(
+        "rule_files: [rules.yml]\n"
+        "evaluation_interval: 1m\n"
+        "tests:\n"
+        "  - interval: 1m\n"
+        "    input_series:\n"
+        "      - series: coordinator_session_seconds_since_last_commit{session='s1'}\n"
+        "        values: 400x15\n"
+        "      - series: coordinator_session_state{session='s1',state='ok'}\n"
+        "        values: 1x15\n"
+        "      - series: coordinator_bus_connected\n"
+        "        values: 0x5 1x10\n"
+        "    alert_rule_test:\n"
+        "      - {eval_time: 3m, alertname: CheckpointNoCommit5m, exp_alerts: []}\n"
+        "      - eval_time: 3m\n"
+        "        alertname: CheckpointDashboardBlind\n"
+        "        exp_alerts: [{exp_labels: {}}]\n"
+        "      - eval_time: 8m\n"
+        "        alertname: CheckpointNoCommit5m\n"
+        "        exp_alerts:\n"
+        "          - exp_labels: {session: s1}\n"
+        "            exp_annotations: {summary: 's1: no checkpoint committed for 5 minutes'}\n"
+    )
+    checked = subprocess.run(["promtool", "test", "rules", "test.yml"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
 # --- the attack round: every break a test ---------------------------------------------
 
 
@@ -715,6 +754,30 @@ def test_watch_shows_each_hosts_presence_judged_now() -> None:
              for line in out.getvalue().splitlines() if line.count("│") > 3}  # fmt: skip
     assert lines == {"dead": "gone", "done": "ended (store.no_space)",
                      "slow": "late", "up": "alive"}  # fmt: skip
+
+
+def test_watch_that_lost_nats_says_so_and_calls_no_host_gone() -> None:
+    """helper-27: with the watcher's NATS down, every host's column turned gone
+    and nothing on screen said the watcher itself had lost NATS."""
+    import io
+
+    from rich.console import Console
+
+    from coordinator.monitor import render
+    from coordinator.presence import Deafness
+
+    state = SaveState().apply(committed("up", "e1-1", 1, 0))
+    beats = {"up": beat("up", 99)}
+    deaf = Deafness()
+    deaf.lost(NOW + 100)
+    out = io.StringIO()
+    Console(file=out, width=400).print(render(state, beats, now=NOW + 160, deafness=deaf))
+    assert "NATS cannot be reached from here (for 60 s)" in out.getvalue()
+    row = next(line for line in out.getvalue().splitlines() if "│ up" in line)
+    assert row.split("│")[2].strip() == "alive"
+    deaf.regained(NOW + 160)
+    assert liveness(beats["up"], NOW + 168, deaf) == "alive"  # heard for 9 s of 69
+    assert liveness(beats["up"], NOW + 176, deaf) == "gone"
 
 
 def test_a_farewell_of_one_epoch_never_silences_the_sessions_newer_coordinator() -> None:

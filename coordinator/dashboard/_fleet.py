@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import anyio
@@ -60,7 +60,7 @@ from ..monitor import (
     share,
     trimmed,
 )
-from ..presence import GONE_AFTER_BEATS, LATE_AFTER_BEATS, Presence, epoch_seconds
+from ..presence import GONE_AFTER_BEATS, LATE_AFTER_BEATS, Deafness, Presence, epoch_seconds
 
 __all__ = [
     "HEALTH_ORDER",
@@ -172,9 +172,10 @@ class Session:
         self.last_failure_s: float | None = None
         self.unreplicated_s: float | None = None
         self.cached: dict[str, Any] | None = None  # the overview row's event-made part
-        # The host state, when it was judged, and until when it holds (time alone
-        # changes it only at a threshold): a fleet's overview judges few sessions.
-        self.judged: tuple[Health, str, float, float] | None = None
+        # The host state, its reason (made when read: the age it states moves on),
+        # when it was judged, and until when it holds (time alone changes it only
+        # at a threshold): a fleet's overview judges few sessions.
+        self.judged: tuple[Health, Callable[[float], str], float, float] | None = None
         self.event_step: int | None = None  # the newest step the events say the host reached
 
     def forget(self) -> None:
@@ -182,63 +183,88 @@ class Session:
         self.cached = None
         self.judged = None
 
-    def health(self, now: float) -> tuple[Health, str]:
+    def health(self, now: float, deafness: Deafness) -> tuple[Health, str]:
         """The host's state at ``now`` (seconds since 1970, the reader's clock,
-        against the host's times of its beats and events), and why."""
+        against the host's times of its beats and events), and why. The time the
+        dashboard could not hear NATS (``deafness``) is no silence of the host."""
         judged = self.judged
-        if judged is not None and judged[2] <= now < judged[3]:
-            return judged[0], judged[1]
-        health, why = self._judge(now)
-        self.judged = (health, why, now, self._next_change(now))
-        return health, why
+        if judged is None or not judged[2] <= now < judged[3]:
+            health, why = self._judge(now, deafness)
+            judged = self.judged = (health, why, now, self._next_change(now, deafness))
+        health, reason = judged[0], judged[1](now)
+        lost = deafness.since
+        if lost is not None and health != "finished":
+            unheard = f"not heard since this dashboard lost NATS {max(0.0, now - lost):.0f} s ago"
+            reason = f"{reason}; {unheard}" if reason else unheard
+        return health, reason
 
-    def _next_change(self, now: float) -> float:
-        """The first moment after ``now`` at which time alone can change the state."""
+    def _next_change(self, now: float, deafness: Deafness) -> float:
+        """The first moment after ``now`` at which time alone can change the state
+        (none while the dashboard cannot hear NATS: hearing it again judges anew)."""
+        if deafness.since is not None:
+            return math.inf
         presence, beat, event = self.presence, self.presence_s, self.last_event_s
         marks: list[float] = []
         times = [t for t in (beat, event) if t is not None]
         if times:
-            seen = max(times)
+            left = now - deafness.silence(max(times), now)  # (silence grows with time now)
             if presence is not None:
-                marks += [seen + LATE_AFTER_BEATS * presence.interval_s,
-                          seen + GONE_AFTER_BEATS * presence.interval_s]  # fmt: skip
+                marks += [left + LATE_AFTER_BEATS * presence.interval_s,
+                          left + GONE_AFTER_BEATS * presence.interval_s]  # fmt: skip
             else:
-                marks.append(seen + STALE_AFTER_S)
+                marks.append(left + STALE_AFTER_S)
         if event is not None:
-            marks.append(event + STALE_AFTER_S)
+            marks.append(now - deafness.silence(event, now) + STALE_AFTER_S)
         later = [mark for mark in marks if mark > now]
         return min(later) if later else math.inf
 
-    def _judge(self, now: float) -> tuple[Health, str]:
+    def _judge(self, now: float, deafness: Deafness) -> tuple[Health, Callable[[float], str]]:
         presence, beat, event = self.presence, self.presence_s, self.last_event_s
         ended = presence is not None and presence.state == "ended"
         if presence is not None and ended and (event is None or beat is None or beat >= event):
             if presence.error:
-                return "failing", f"its coordinator closed on {presence.error}"
+                return "failing", _said(f"its coordinator closed on {presence.error}")
             if self.last_outcome() == "failed":
-                return "failing", "it closed after a failure no later commit made good"
-            return "finished", "its coordinator closed cleanly"
+                return "failing", _said("it closed after a failure no later commit made good")
+            return "finished", _said("its coordinator closed cleanly")
         times = [t for t in (beat, event) if t is not None]
         if times:
-            age = now - max(times)
+            seen = max(times)
+
+            def silent(at: float) -> str:
+                return f"{deafness.silence(seen, at):.0f} s"
+
+            age = deafness.silence(seen, now)
             if presence is not None:
                 if age > GONE_AFTER_BEATS * presence.interval_s:
-                    return "gone", f"no heartbeat for {age:.0f} s"
+                    return "gone", lambda at: f"no heartbeat for {silent(at)}"
                 if age > LATE_AFTER_BEATS * presence.interval_s:
-                    return "stale", f"heartbeat late: {age:.0f} s"
+                    return "stale", lambda at: f"heartbeat late: {silent(at)}"
             elif age > STALE_AFTER_S:
-                return "gone", f"no event for {age:.0f} s (its host sends no heartbeat)"
+                return "gone", lambda at: f"no event for {silent(at)} (its host sends no heartbeat)"
         if self.last_outcome() == "failed":
-            return "failing", "its newest outcome is a failure"
-        if self.state.in_flight and event is not None and now - event > STALE_AFTER_S:
-            return "stale", f"captures in flight, no outcome for {now - event:.0f} s"
-        return "ok", ""
+            return "failing", _said("its newest outcome is a failure")
+        if (
+            event is not None
+            and self.state.in_flight
+            and deafness.silence(event, now) > STALE_AFTER_S
+        ):
+            last: float = event
+            return (
+                "stale",
+                lambda at: f"captures in flight, no outcome for {deafness.silence(last, at):.0f} s",
+            )
+        return "ok", _said("")
 
     def last_outcome(self) -> str | None:
         for row in reversed(self.history.values()):
             if row.status not in ("captured", "queued") and not row.abandoned:
                 return row.status
         return None
+
+
+def _said(reason: str) -> Callable[[float], str]:
+    return lambda _: reason
 
 
 def _age(now: float, then: float | None) -> float | None:
@@ -253,6 +279,7 @@ class Dashboard:
         self.max_sessions = max_sessions
         self.version = 0  # moves with every change: the pages are told when it does
         self.bus = "connecting"
+        self.deafness = Deafness()  # when NATS could not be heard: no silence of the hosts
         self.presence = "following"  # the hosts' beats: or why not
         self.events = 0
         self.skipped = 0  # messages that were no events (the fold's rule 1)
@@ -273,6 +300,26 @@ class Dashboard:
         if self._changed is not None:
             self._changed.set()
             self._changed = None
+
+    def lose_bus(self, reason: str, at: float | None = None) -> None:
+        """NATS cannot be heard (``reason`` is shown) from ``at`` (default: now)
+        until ``regain_bus``: no host is judged by the silence meanwhile."""
+        self.bus = reason
+        if self.deafness.since is None:
+            self.deafness.lost(time.time() if at is None else at)
+            self._judge_anew()
+        self.touch()
+
+    def regain_bus(self, at: float | None = None) -> None:
+        self.bus = "connected"
+        if self.deafness.since is not None:
+            self.deafness.regained(time.time() if at is None else at)
+            self._judge_anew()
+        self.touch()
+
+    def _judge_anew(self) -> None:
+        for session in self.sessions.values():
+            session.judged = None
 
     async def changed(self, seen: int) -> None:
         """Return once ``version`` is past ``seen``."""
@@ -504,7 +551,7 @@ class Dashboard:
         """One session's overview row at ``now`` (seconds since 1970)."""
         if session.cached is None:
             session.cached = self._cached_row(session)
-        health, why = session.health(now)
+        health, why = session.health(now, self.deafness)
         folded = session.state
         failure = None
         if folded.last_failure is not None:
@@ -568,7 +615,7 @@ class Dashboard:
         counts = dict.fromkeys(HEALTH_ORDER, 0)
         ranked: list[tuple[int, str, Session, Health]] = []
         for session_id, session in self.sessions.items():
-            state, _ = session.health(now)
+            state, _ = session.health(now, self.deafness)
             counts[state] += 1
             if query and query not in session_id:
                 continue
@@ -588,7 +635,8 @@ class Dashboard:
 
     def ranked(self, now: float) -> list[tuple[Health, Session]]:
         """Every session with its host state, in the overview's order."""
-        states = [(session.health(now)[0], session) for session in self.sessions.values()]
+        deafness = self.deafness
+        states = [(session.health(now, deafness)[0], session) for session in self.sessions.values()]
         states.sort(key=lambda item: (HEALTH_ORDER[item[0]], item[1].state.session_id))
         return states
 

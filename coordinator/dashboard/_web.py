@@ -69,14 +69,12 @@ async def follow(
                         await anyio.sleep(0)  # (requests are answered between batches)
                     dashboard.adopt(fresh)
                     _keep_out_of_collections()
-                    dashboard.bus = "connected"
+                    dashboard.regain_bus()
                     await live.start()
-                    dashboard.touch()
                     await _watch_connection(dashboard, bus, live)
                     group.cancel_scope.cancel()
         except Exception as error:  # shown on the page, never a traceback
-            dashboard.bus = f"unavailable: {type(error).__name__}: {error}"[:300]
-            dashboard.touch()
+            dashboard.lose_bus(f"unavailable: {type(error).__name__}: {error}"[:300])
         await anyio.sleep(retry_s)
 
 
@@ -148,8 +146,7 @@ async def _watch_connection(dashboard: Dashboard, bus: Any, live: _Live) -> None
             return
         if not bus.client.is_connected:
             if not down:
-                dashboard.bus = "unavailable: the connection to NATS is lost; reconnecting"
-                dashboard.touch()
+                dashboard.lose_bus("unavailable: the connection to NATS is lost; reconnecting")
             down = True
         elif down:
             return
