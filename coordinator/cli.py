@@ -889,12 +889,14 @@ class _Screen:
         return self.render(self.fleet, beats, dropped=self.feed.lost(), deafness=self.deafness)
 
     def hearing(self, connected: bool) -> None:
-        """Whether the bus is heard now: while it is not, a host's silence is no
-        sign of it, and the table says so."""
-        if connected:
-            self.deafness.regained(time.time())
+        """Whether the connection is up (and NATS answers round trips: the bus's
+        ``follow_answers``): while it is not heard, a host's silence is no sign of
+        it, and the table says so."""
+        deafness, now = self.deafness, time.time()
+        if connected and not deafness.unanswered(now):
+            deafness.regained(now)
         else:
-            self.deafness.lost(time.time())
+            deafness.lost(deafness.last_answer if connected else now)
 
     def receive(self, data: bytes, *, live: bool = False) -> None:
         folded = self.fleet.receive(data)
@@ -1067,6 +1069,7 @@ async def _follow_beats(bus: Any, screen: _Screen) -> None:
 
     async with anyio.create_task_group() as group:
         group.start_soon(follow)
+        group.start_soon(bus.follow_answers, screen.deafness)  # (a partition is silent)
         while True:
             screen.hearing(bus.client.is_connected)
             screen.redraw()

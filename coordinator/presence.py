@@ -26,6 +26,9 @@ __all__ = [
     "GONE_AFTER_BEATS",
     "LATE_AFTER_BEATS",
     "PRESENCE_BUCKET",
+    "PROBE_EVERY_S",
+    "PROBE_TIMEOUT_S",
+    "SILENT_AFTER_S",
     "Deafness",
     "Presence",
     "decode_presence",
@@ -86,6 +89,14 @@ def epoch_seconds(rfc3339: str) -> float | None:
     return parsed.timestamp()
 
 
+# A reader (dashboard, watch) asks the server for a round trip every PROBE_EVERY_S
+# and counts itself deaf from its last answer once none came for SILENT_AFTER_S:
+# a beat at most one interval old then, plus this, is still short of "late".
+PROBE_EVERY_S = 1.0
+PROBE_TIMEOUT_S = 3
+SILENT_AFTER_S = 3.5
+
+
 class Deafness:
     """When a reader could not hear the bus (its connection lost): that time is
     no silence of the hosts. A host is judged by how long the reader listened
@@ -98,6 +109,14 @@ class Deafness:
         self._spans: collections.deque[tuple[float, float | None]] = collections.deque(
             maxlen=self.KEPT
         )
+        self.last_answer = 0.0  # when the server last answered a round trip (``answered``)
+
+    def answered(self, at: float) -> None:
+        self.last_answer = max(self.last_answer, at)
+
+    def unanswered(self, now: float) -> bool:
+        """Whether the server has not answered for longer than ``SILENT_AFTER_S``."""
+        return now - self.last_answer > SILENT_AFTER_S
 
     @property
     def since(self) -> float | None:

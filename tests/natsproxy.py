@@ -90,3 +90,47 @@ class NatsProxy:
                 to_client.put_nowait((0.0, None))
 
         await asyncio.gather(up(), down(), *pipes)
+
+
+class PartitionProxy:
+    """A TCP proxy in front of one server for one host. ``blocked``: traffic in
+    both directions is read and dropped (a partition: connections stay open,
+    nothing arrives), until ``heal``."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.blocked = False
+        self.port = 0
+        self._server: asyncio.base_events.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in self._writers:
+            writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
+        except OSError:
+            writer.close()
+            return
+        self._writers += [writer, up_writer]
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(1 << 16):
+                    if not self.blocked:
+                        sink.write(data)
+                        await sink.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))

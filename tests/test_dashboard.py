@@ -557,6 +557,53 @@ def host_row(dashboard: str, session: str) -> dict[str, Any] | None:
     return row
 
 
+def beating(dashboard: str, session: str) -> None:
+    """Wait until the session's row is judged by its beats, and ok."""
+    deadline = time.monotonic() + 15
+    while (row := host_row(dashboard, session)) is None or row["heartbeatS"] is None:
+        assert time.monotonic() < deadline, row
+        time.sleep(0.2)
+    assert row["health"] == "ok", row
+
+
+def states_for(dashboard: str, session: str, seconds: float) -> tuple[set[str], dict[str, Any]]:
+    """Every state the session's row shows over ``seconds``, and the last row."""
+    states: set[str] = set()
+    deadline = time.monotonic() + seconds
+    while True:
+        row = host_row(dashboard, session)
+        assert row is not None
+        states.add(row["health"])
+        if time.monotonic() >= deadline:
+            return states, row
+        time.sleep(0.2)
+
+
+def states_until_heard(dashboard: str, session: str) -> set[str]:
+    """Every state the row shows until it is ok with nothing to say (NATS heard)."""
+    states: set[str] = set()
+    deadline = time.monotonic() + 30
+    while True:
+        row = host_row(dashboard, session)
+        assert row is not None
+        states.add(row["health"])
+        if row["health"] == "ok" and not row["why"]:
+            return states
+        assert time.monotonic() < deadline, row
+        time.sleep(0.2)
+
+
+def stopped(host: subprocess.Popen[str], stop: Path) -> None:
+    stop.touch()
+    try:
+        host.wait(timeout=20)
+    finally:
+        if host.poll() is None:
+            host.kill()
+        _, err = host.communicate(timeout=10)
+    assert "Traceback" not in err, err
+
+
 def test_a_nats_outage_is_not_taken_for_dead_hosts(
     nats_server: Nats, dashboard: str, tmp_path: Path
 ) -> None:
@@ -568,41 +615,79 @@ def test_a_nats_outage_is_not_taken_for_dead_hosts(
     host, stop = start_host(nats_server.url, tmp_path, "host-through")
     try:
         wait_line(host, "ready")
-        deadline = time.monotonic() + 15
-        while (row := host_row(dashboard, "host-through")) is None or row["heartbeatS"] is None:
-            assert time.monotonic() < deadline, row  # (judged by its beats from here on)
-            time.sleep(0.2)
-        assert row["health"] == "ok", row
+        beating(dashboard, "host-through")
         nats_server.kill()
-        states: set[str] = set()
-        deadline = time.monotonic() + 3 * HEARTBEAT_S + 3
-        while time.monotonic() < deadline:
-            row = host_row(dashboard, "host-through")
-            assert row is not None
-            states.add(row["health"])
-            time.sleep(0.2)
+        states, row = states_for(dashboard, "host-through", 3 * HEARTBEAT_S + 3)
         assert states == {"ok"}, states
         assert "lost NATS" in row["why"], row
         nats_server.start()
-        deadline = time.monotonic() + 30
-        while True:
-            row = host_row(dashboard, "host-through")
-            assert row is not None
-            states.add(row["health"])
-            if row["health"] == "ok" and not row["why"]:
-                break
-            assert time.monotonic() < deadline, row
-            time.sleep(0.2)
-        assert states == {"ok"}, states
+        assert states_until_heard(dashboard, "host-through") == {"ok"}
     finally:
-        stop.touch()
+        stopped(host, stop)
+
+
+class ThreadedPartition:
+    """``natsproxy.PartitionProxy`` on an event loop of its own thread (these
+    tests are synchronous): ``blocked`` black-holes both directions while the
+    TCP connections stay open."""
+
+    def __init__(self, upstream: int) -> None:
+        import asyncio
+        import threading
+
+        from natsproxy import PartitionProxy
+
+        self.loop = asyncio.new_event_loop()
+        self.proxy = PartitionProxy(upstream)
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(10)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.proxy.port}"
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.proxy.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_a_partition_between_the_dashboard_and_nats_is_not_taken_for_dead_hosts(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    """A partition leaves the dashboard's connection open with nothing arriving:
+    the client would notice only minutes later, and every host turned gone after
+    3 beats. The dashboard asks NATS for a round trip each second; unanswered for
+    3.5 s, it counts itself deaf from the last answer. The host (beating through
+    its own link) is never stale or gone, and ok again once the link heals."""
+    partition = ThreadedPartition(nats_server.port)
+    host, stop = start_host(nats_server.url, tmp_path, "host-beyond")
+    serving = serve_dashboard(partition.url)
+    dashboard = next(serving)
+    try:
+        wait_line(host, "ready")
+        beating(dashboard, "host-beyond")
+        partition.proxy.blocked = True
+        blocked = time.monotonic()
+        while "lost NATS" not in (row := host_row(dashboard, "host-beyond") or {}).get("why", ""):
+            assert time.monotonic() - blocked < 10, row  # (the client alone: minutes)
+            time.sleep(0.2)
+        # Deaf from its last answer: this host beats every second, so until the
+        # dashboard noticed (3.5 s) it may have looked late; from then on it is ok,
+        # through many times the 3 beats that made it gone before.
+        states, row = states_for(dashboard, "host-beyond", 3 * HEARTBEAT_S + 3)
+        assert states == {"ok"}, (states, row)
+        partition.proxy.blocked = False
+        assert states_until_heard(dashboard, "host-beyond") == {"ok"}
+    finally:
         try:
-            host.wait(timeout=20)
+            stopped(host, stop)
         finally:
-            if host.poll() is None:
-                host.kill()
-            _, err = host.communicate(timeout=10)
-        assert "Traceback" not in err, err
+            serving.close()
+            partition.close()
 
 
 def test_a_fleet_of_1000_sessions_pages_filters_routes_and_stays_live(

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
@@ -787,3 +788,27 @@ def test_a_farewell_of_one_epoch_never_silences_the_sessions_newer_coordinator()
     bus.keep_alive("s1", lambda: newer)  # ... and the session's next coordinator
     bus.farewell(beat("s1", 2, state="ended"))  # e1 closes late
     assert bus.presence_now()["s1"] == newer
+
+
+def test_watch_counts_itself_deaf_from_natss_last_answer() -> None:
+    """A partition leaves watch's connection up: unanswered round trips for
+    longer than SILENT_AFTER_S make it deaf from the last answer."""
+    import io
+
+    from coordinator.cli import _Screen
+    from coordinator.presence import SILENT_AFTER_S
+
+    screen = _Screen(io.StringIO(), json_lines=False, replay_only=False)
+    deafness = screen.deafness
+    now = time.time()
+    deafness.answered(now - 1)
+    screen.hearing(connected=True)
+    assert deafness.since is None
+    deafness.last_answer = now - SILENT_AFTER_S - 5
+    screen.hearing(connected=True)
+    assert deafness.since == now - SILENT_AFTER_S - 5
+    deafness.answered(time.time())
+    screen.hearing(connected=True)
+    assert deafness.since is None
+    screen.hearing(connected=False)  # (the connection itself is down)
+    assert deafness.since is not None

@@ -51,9 +51,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import nats
 import pytest
 from nats.js import api
+from natsproxy import PartitionProxy
 from test_cluster import Cluster, Node, free_ports, quiet, wait_ready
 
 from coordinator.bus import NatsBus
@@ -62,8 +64,8 @@ from coordinator.replicate import (
     LEASES_BUCKET,
     POINTERS_BUCKET,
     ReplicaPointer,
-    ReplicatedGeneration,
     Replicas,
+    ReplicatedGeneration,
     Replicator,
 )
 from coordinator.replicate._pointer import parse_pointer
@@ -79,50 +81,6 @@ LEASE_TTL = 3.0
 # --- the network between hosts and servers -----------------------------------------------
 
 
-class Proxy:
-    """A TCP proxy in front of one server for one host. ``blocked``: traffic in
-    both directions is read and dropped (a partition: connections stay open,
-    nothing arrives), until ``heal``."""
-
-    def __init__(self, upstream: int) -> None:
-        self.upstream = upstream
-        self.blocked = False
-        self.port = 0
-        self._server: asyncio.base_events.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for writer in self._writers:
-            writer.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
-        except OSError:
-            writer.close()
-            return
-        self._writers += [writer, up_writer]
-
-        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-            try:
-                while data := await source.read(1 << 16):
-                    if not self.blocked:
-                        sink.write(data)
-                        await sink.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                sink.close()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-
 # --- the processes --------------------------------------------------------------------
 
 
@@ -131,7 +89,7 @@ class Host:
     name: str
     root: Path
     history: Path
-    proxies: list[Proxy]
+    proxies: list[PartitionProxy]
     seed: int
     process: subprocess.Popen[bytes] | None = None
     paused: bool = False
@@ -248,6 +206,7 @@ class Checker:
 
                     async def generation(pointer: ReplicaPointer = pointer) -> Any:
                         return pointer.generation
+
                 try:
                     for attempt in range(20):  # the cluster may be electing a leader
                         try:
@@ -332,6 +291,8 @@ async def generation_of(replicas: Replicas, event: Replicated) -> ReplicatedGene
     """The generation a ``replicated`` names, from its manifest object alone."""
     from coordinator.canonical import parse_canonical
     from coordinator.envelope import layout_of
+    from coordinator.identity import compatibility_digest
+    from coordinator.manifest import Compatibility
 
     stored = await replicas.content.objects.stored(event.object)
     assert stored is not None and stored.info is not None, f"no manifest object {event.object}"
@@ -341,7 +302,10 @@ async def generation_of(replicas: Replicas, event: Replicated) -> ReplicatedGene
     _, layout = layout_of(manifest)
     return ReplicatedGeneration(
         checkpoint_id=event.checkpoint_id, epoch=manifest["sourceScope"]["epoch"],
-        episode_id=event.episode_id, boundary=event.boundary, compatibility_digest="0" * 64,
+        episode_id=event.episode_id, boundary=event.boundary,
+        compatibility_digest=compatibility_digest(
+            msgspec.convert(manifest["compatibility"], Compatibility)
+        ),
         envelope_digest=event.envelope_digest, envelope_bytes=event.envelope_bytes,
         manifest=event.object, manifest_bytes=str(size),
         payloads=tuple(e.digest for e in layout.entries), payload_bytes=event.byte_length,
@@ -400,7 +364,7 @@ async def run_nemesis(tmp_path: Path, seconds: float, seed: int) -> None:
         node.write_config([peer for peer in nodes if peer is not node])
     cluster = Cluster(nodes)
     hosts: list[Host] = []
-    proxies: list[Proxy] = []
+    proxies: list[PartitionProxy] = []
     chooser = random.Random(seed)
     faults: collections.Counter[str] = collections.Counter()
     try:
@@ -413,7 +377,7 @@ async def run_nemesis(tmp_path: Path, seconds: float, seed: int) -> None:
                 bucket=LEASES_BUCKET, history=1, replicas=3
             )
         for index, name in enumerate(HOSTS):
-            mine = [Proxy(node.port) for node in nodes]
+            mine = [PartitionProxy(node.port) for node in nodes]
             for proxy in mine:
                 await proxy.start()
             proxies += mine
@@ -486,7 +450,9 @@ async def final_checks(cluster: Cluster, checker: Checker, tmp_path: Path) -> No
             first = await replicas.content.objects.last_chunk_time(nuid)
             checker.checks["no old chunks without a meta"] += 1
             if nuid not in live and first is not None and now - first.timestamp() > GRACE + 5:
-                checker.violations.append(f"chunks {nuid} have no meta for {now - first.timestamp():.0f} s")
+                checker.violations.append(
+                    f"chunks {nuid} have no meta for {now - first.timestamp():.0f} s"
+                )
         for session, pointer in sorted(pointers.items()):
             checker.checks["every session restores on a fresh host"] += 1
             target = tmp_path / "fresh" / session

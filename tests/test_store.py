@@ -111,7 +111,9 @@ def test_rotation_keeps_n_and_rotates_out_after_the_commit_point(tmp_path: Path)
         assert listed(store) == ["ckpt-2", "ckpt-3", "ckpt-4"]
         assert store.high_water == "ckpt-4"
     for dropped in ("ckpt-0.flysess", "ckpt-1.flysess"):
-        at = next(i for i, op in enumerate(fs.ops) if op[:2] in {("unlink", dropped), ("rename", dropped)})
+        at = next(
+            i for i, op in enumerate(fs.ops) if op[:2] in {("unlink", dropped), ("rename", dropped)}
+        )
         before = [op[0] for op in fs.ops[:at] if op[0] != "write"]
         assert before[-2:] == ["rename", "fsync_dir"]
     spare = next(op[2] for op in fs.ops if op[:2] == ("rename", "ckpt-0.flysess"))
@@ -1197,7 +1199,9 @@ def test_spares_are_kept_for_the_next_group_only_and_go_when_the_disk_is_full(
             store.commit(*checkpoint(index))
         store.commit(*checkpoint(8))
         assert len(list(tmp_path.glob("tmp+spare+*"))) == 1
-        fs.rule = lambda op, name: errno.ENOSPC if (op, name) == ("write", "tmp+ckpt-9.flysess") else None
+        fs.rule = lambda op, name: (
+            errno.ENOSPC if (op, name) == ("write", "tmp+ckpt-9.flysess") else None
+        )
         with pytest.raises(NoSpaceError):
             store.commit(*checkpoint(9))
         fs.rule = None
@@ -1254,7 +1258,9 @@ def test_a_commit_that_finds_the_disk_full_keeps_no_spares(tmp_path: Path, op: s
         group(0, 4)
         group(4, 4)
         assert len(list(tmp_path.glob("tmp+spare+*"))) == 4
-        fs.rule = lambda call, name: errno.ENOSPC if (call, name) == (op, "tmp+ckpt-9.flysess") else None
+        fs.rule = lambda call, name: (
+            errno.ENOSPC if (call, name) == (op, "tmp+ckpt-9.flysess") else None
+        )
         outcomes = group(8, 4)
         fs.rule = None
         assert [type(o).__name__ for o in outcomes][0] == "CommitReceipt"

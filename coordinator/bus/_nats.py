@@ -44,6 +44,7 @@ import logging
 import math
 import re
 import ssl
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from types import TracebackType
@@ -93,6 +94,9 @@ from ..ids import check_id, is_id
 from ..presence import (
     DEFAULT_INTERVAL_S,
     PRESENCE_BUCKET,
+    PROBE_EVERY_S,
+    PROBE_TIMEOUT_S,
+    Deafness,
     Presence,
     decode_presence,
     encode_presence,
@@ -859,6 +863,26 @@ class NatsBus:
         if self._nc is None:
             raise RuntimeError("the bus is not open")
         return self._nc
+
+    async def answers(self, timeout: int = 3) -> bool:
+        """Whether the server answers a round trip (PING, PONG) within ``timeout``
+        seconds: the link works both ways now. A partition that leaves the TCP
+        connection open answers nothing, while the client itself notices only
+        after its pings time out, minutes later."""
+        try:
+            await self.client.flush(timeout=timeout)
+        except Exception:  # (timed out, closed, reconnecting: not heard)
+            return False
+        return True
+
+    async def follow_answers(self, deafness: Deafness) -> None:
+        """A round trip every ``PROBE_EVERY_S``, for ever: each answered one is
+        noted (``deafness.answered``), what a reader judges its hearing by."""
+        deafness.answered(time.time())
+        while True:
+            if await self.answers(PROBE_TIMEOUT_S):
+                deafness.answered(time.time())
+            await anyio.sleep(PROBE_EVERY_S)
 
     @property
     def closing(self) -> bool:

@@ -129,10 +129,20 @@ async def _follow_presence(dashboard: Dashboard, bus: Any) -> None:
 
 
 async def _watch_connection(dashboard: Dashboard, bus: Any, live: _Live) -> None:
-    """Say so while the connection is down; once it is back, or once the live
-    feed lost messages (held too many, or nats-py dropped some for a slow
-    consumer), return, so the state is folded again from the stream, which has
-    them all."""
+    """Say so while NATS cannot be heard: the connection is down, or the server
+    has not answered a round trip for ``SILENT_AFTER_S`` (a partition that leaves
+    the connection open: the client would notice only minutes later). Once it is
+    heard again, or once the live feed lost messages (held too many, or nats-py
+    dropped some for a slow consumer), return, so the state is folded again from
+    the stream, which has them all."""
+    async with anyio.create_task_group() as group:
+        group.start_soon(bus.follow_answers, dashboard.deafness)
+        await _until_heard_again(dashboard, bus, live)
+        group.cancel_scope.cancel()
+
+
+async def _until_heard_again(dashboard: Dashboard, bus: Any, live: _Live) -> None:
+    deafness = dashboard.deafness
     down = False
     dropped = bus.counts().get("dropped", 0)
     ticks = 0
@@ -144,12 +154,19 @@ async def _watch_connection(dashboard: Dashboard, bus: Any, live: _Live) -> None
             _keep_out_of_collections()
         if live.overflowed or bus.counts().get("dropped", 0) > dropped:
             return
+        now = time.time()
         if not bus.client.is_connected:
-            if not down:
-                dashboard.lose_bus("unavailable: the connection to NATS is lost; reconnecting")
-            down = True
+            reason = "unavailable: the connection to NATS is lost; reconnecting"
+        elif deafness.unanswered(now):
+            silent = now - deafness.last_answer
+            reason = f"unavailable: NATS has not answered for {silent:.0f} s; waiting for it"
         elif down:
             return
+        else:
+            continue
+        if not down:  # (not heard since its last answer: from then on, no silence of hosts)
+            dashboard.lose_bus(reason, at=deafness.last_answer)
+        down = True
 
 
 def _keep_out_of_collections() -> None:
