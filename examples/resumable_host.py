@@ -2,6 +2,7 @@
 
     python examples/resumable_host.py STORE_DIR [--steps 400] [--grid 256] [--every 25]
                                                 [--from CHECKPOINT_ID]
+                                                [--nats URL] [--session ID]
 
 A Gray-Scott world (two float64 grids) and three agents that wander it with
 their own numpy random generators. It checkpoints every ``--every`` steps while
@@ -9,9 +10,11 @@ it runs, takes a final checkpoint when it stops cleanly (the last step, or
 SIGTERM / Ctrl-C), and resumes from its newest checkpoint when it is started
 again, however it ended (or from the one ``--from`` names: an older one, when
 the newest is corrupt). A save that fails (a full disk) is logged and the run
-goes on: the next save is tried at the next due step. Once all steps are done
-it prints ``state <sha256>``: the same digest as a run that was never
-interrupted.
+goes on: the failure is raised at the next due step in place of its save, and
+the save is taken at the step after. Once all steps are done it prints
+``state <sha256>``: the same digest as a run that was never interrupted. With
+``--nats`` it publishes its save state there (for ``coordinator watch`` and the
+dashboard); run several, each with a ``--session`` of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import signal
 import sys
 import weakref
+from functools import partial
 from typing import Any
 
 import anyio
@@ -38,7 +42,7 @@ from coordinator import (
     RestoreScope,
     SaveFailedError,
 )
-from coordinator.bus import MemoryBus
+from coordinator.bus import MemoryBus, NatsBus
 
 AGENTS = ["ant", "bee", "cat"]
 
@@ -125,7 +129,14 @@ class Agent:
 
 
 async def run(
-    store_dir: str, steps: int, size: int, every: int, start_from: str | None = None
+    store_dir: str,
+    steps: int,
+    size: int,
+    every: int,
+    start_from: str | None = None,
+    *,
+    nats_url: str | None = None,
+    session: str = "gray-scott",
 ) -> tuple[int, int | None, str]:
     world = World(size)
     agents = [Agent(agent_id, seed, size) for seed, agent_id in enumerate(AGENTS, start=1)]
@@ -136,14 +147,15 @@ async def run(
     )
     step = 0
     stop = anyio.Event()
+    bus = NatsBus(nats_url) if nats_url else MemoryBus()  # NATS: others can watch it
 
-    async with FileStore(store_dir) as store, anyio.create_task_group() as group:
+    async with bus, FileStore(store_dir) as store, anyio.create_task_group() as group:
         group.start_soon(_stop_on_signal, stop)
         coordinator = Coordinator(
             store,
-            MemoryBus(),  # or NatsBus, to publish save state to other services
+            bus,
             [world, *agents],
-            session_id="gray-scott",
+            session_id=session,
             describe=describe,
             policy=CapturePolicy(every_steps=every),
             final_step=lambda: step,  # a clean exit checkpoints where it stopped
@@ -166,7 +178,7 @@ async def run(
                     try:
                         await coordinator.at_boundary(step)  # a checkpoint when one is due
                     except SaveFailedError as failure:  # an earlier save: the disk, say
-                        _log_failure(failure, coordinator)  # and go on: tried again next due
+                        _log_failure(failure, coordinator)  # and go on: saved at the next step
         except SaveFailedError as failure:  # raised by the close: the final save, or one
             _log_failure(failure, coordinator)  # nobody had seen yet
         group.cancel_scope.cancel()  # the signal watcher
@@ -203,11 +215,14 @@ def main() -> None:
     parser.add_argument("--grid", type=int, default=256)
     parser.add_argument("--every", type=int, default=25)
     parser.add_argument("--from", dest="start_from", help="a checkpoint id to start from")
+    parser.add_argument("--nats", help="publish save state to this NATS server (nats://...)")
+    parser.add_argument("--session", default="gray-scott", help="this host's session id")
     options = parser.parse_args()
     try:
         step, durable, state = anyio.run(
-            run, options.store_dir, options.steps, options.grid, options.every, options.start_from
-        )
+            partial(run, options.store_dir, options.steps, options.grid, options.every,
+                    options.start_from, nats_url=options.nats, session=options.session)
+        )  # fmt: skip
     except* CoordinatorError as failed:  # the store cannot be opened or written at all
         error = failed.exceptions[0]  # (raised in run()'s task group: a group of one)
         if isinstance(error, GenerationCorruptError) and error.older:

@@ -217,3 +217,36 @@ def test_a_corrupt_newest_checkpoint_is_named_and_the_host_goes_on_from_an_older
     assert f"restore('{older}', new_epoch=...)" in refused.stderr, refused.stderr
     state, _ = finished(store, "--from", older)
     assert state == uninterrupted[0]
+
+
+def test_two_hosts_publish_to_nats_each_as_its_own_session(tmp_path: Path) -> None:
+    """helper-27: no example host could publish to NATS, and copies of this one
+    shared one session id. With --nats and --session, two hosts are two sessions
+    on the bus, each with its checkpoints committed (read back from the stream)."""
+    import anyio
+
+    from coordinator.bus import NatsBus
+    from coordinator.events import Committed
+    from coordinator.server import EmbeddedServer
+
+    async def run() -> dict[str, list[str]]:
+        async with EmbeddedServer(tmp_path / "nats") as server:
+            for session in ("sim-a", "sim-b"):
+                done = await anyio.run_process(
+                    [*HOST, str(tmp_path / session), "--steps", "40", "--grid", "32",
+                     "--every", "10", "--nats", server.url, "--session", session],
+                    check=False,
+                )  # fmt: skip
+                assert done.returncode == 0, done.stderr.decode()[-2000:]
+            async with NatsBus(server.url, read_only=True) as bus:
+                seen: dict[str, list[str]] = {}
+                for session in ("sim-a", "sim-b"):
+                    for event in await bus.history(session):
+                        if isinstance(event, Committed):
+                            seen.setdefault(session, []).append(event.boundary)
+                return seen
+
+    seen = anyio.run(run)
+    assert sorted(seen) == ["sim-a", "sim-b"], seen
+    for boundaries in seen.values():  # (a due capture may be superseded by the next one)
+        assert boundaries[-1] == "40" and all(int(b) % 10 == 0 for b in boundaries), seen
