@@ -893,10 +893,13 @@ class _Screen:
         ``follow_answers``): while it is not heard, a host's silence is no sign of
         it, and the table says so."""
         deafness, now = self.deafness, time.time()
+        was = deafness.since
         if connected and not deafness.unanswered(now):
             deafness.regained(now)
         else:
-            deafness.lost(deafness.last_answer if connected else now)
+            deafness.lost(min(now, deafness.last_answer))
+        if deafness.since != was:  # (a pipe, too, gets a table saying so)
+            self.pending = True
 
     def receive(self, data: bytes, *, live: bool = False) -> None:
         folded = self.fleet.receive(data)

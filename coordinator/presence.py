@@ -27,7 +27,6 @@ __all__ = [
     "LATE_AFTER_BEATS",
     "PRESENCE_BUCKET",
     "PROBE_EVERY_S",
-    "PROBE_TIMEOUT_S",
     "SILENT_AFTER_S",
     "Deafness",
     "Presence",
@@ -93,7 +92,6 @@ def epoch_seconds(rfc3339: str) -> float | None:
 # and counts itself deaf from its last answer once none came for SILENT_AFTER_S:
 # a beat at most one interval old then, plus this, is still short of "late".
 PROBE_EVERY_S = 1.0
-PROBE_TIMEOUT_S = 3
 SILENT_AFTER_S = 3.5
 
 

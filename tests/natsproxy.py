@@ -95,11 +95,14 @@ class NatsProxy:
 class PartitionProxy:
     """A TCP proxy in front of one server for one host. ``blocked``: traffic in
     both directions is read and dropped (a partition: connections stay open,
-    nothing arrives), until ``heal``."""
+    nothing arrives), until ``heal``. ``stalled``: nothing is read meanwhile,
+    and all of it arrives late once it is cleared (a link that stopped and came
+    back before TCP gave up)."""
 
     def __init__(self, upstream: int) -> None:
         self.upstream = upstream
         self.blocked = False
+        self.stalled = False
         self.port = 0
         self._server: asyncio.base_events.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
@@ -125,6 +128,8 @@ class PartitionProxy:
         async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
             try:
                 while data := await source.read(1 << 16):
+                    while self.stalled:
+                        await asyncio.sleep(0.02)
                     if not self.blocked:
                         sink.write(data)
                         await sink.drain()

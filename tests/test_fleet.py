@@ -812,3 +812,21 @@ def test_watch_counts_itself_deaf_from_natss_last_answer() -> None:
     assert deafness.since is None
     screen.hearing(connected=False)  # (the connection itself is down)
     assert deafness.since is not None
+
+
+def test_watch_into_a_pipe_prints_a_table_when_it_loses_nats() -> None:
+    """helper-28: a pipe gets a table only when an event comes, and none come
+    while NATS is away: no printed table ever said it could not be reached."""
+    import io
+
+    from coordinator.cli import _Screen
+
+    out = io.StringIO()
+    screen = _Screen(out, json_lines=False, replay_only=False)
+    screen.deafness.answered(time.time())
+    screen.hearing(connected=True)
+    screen.redraw()
+    printed = len(out.getvalue())
+    screen.hearing(connected=False)
+    screen.redraw()
+    assert "NATS cannot be reached from here" in out.getvalue()[printed:]

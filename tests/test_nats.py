@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -521,3 +522,44 @@ async def test_a_bus_entered_twice_is_refused(server: EmbeddedServer) -> None:
     async with NatsBus(server.url) as bus:
         with pytest.raises(UsageError):
             await bus.__aenter__()
+
+
+@pytest.mark.asyncio
+async def test_a_link_that_stalls_leaves_a_reader_hearing_once_it_is_back(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-28: the reader's round trip (a flush with a timeout) timed out on a
+    stalled link; nats-py left its cancelled future queued, and the late PONG
+    ended the client's read loop for good while is_connected stayed True:
+    `coordinator watch` was deaf for ever and showed live hosts gone. The round
+    trips are never cancelled now: once the link moves again, the reader hears
+    NATS and still receives what is published."""
+    from natsproxy import PartitionProxy
+
+    from coordinator.presence import SILENT_AFTER_S, Deafness
+
+    proxy = PartitionProxy(int(server.url.rsplit(":", 1)[1]))
+    await proxy.start()
+    deafness = Deafness()
+    try:
+        through = f"nats://127.0.0.1:{proxy.port}"
+        async with NatsBus(through, read_only=True) as reader, NatsBus(server.url) as writer:
+            subscription = await reader.subscribe("session-1")
+            async with anyio.create_task_group() as group:
+                group.start_soon(reader.follow_answers, deafness)
+                await wait_until(lambda: deafness.last_answer > 0)
+                proxy.stalled = True
+                await wait_until(lambda: deafness.unanswered(time.time()), 15)
+                await anyio.sleep(SILENT_AFTER_S)  # (a PING well past its 3 s of old)
+                proxy.stalled = False
+                await wait_until(lambda: not deafness.unanswered(time.time()), 15)
+                async with FileStore(tmp_path / "store") as store, Writer(store, writer) as w:
+                    await (await submit(w, 1)).wait()
+                with anyio.fail_after(10):
+                    received = [await subscription.receive() for _ in range(3)]
+                assert [type(e).__name__ for e in received] == ["Captured", "Queued", "Committed"]
+                assert reader.client.is_connected
+                group.cancel_scope.cancel()
+            await subscription.aclose()
+    finally:
+        await proxy.close()

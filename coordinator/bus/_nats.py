@@ -95,7 +95,6 @@ from ..presence import (
     DEFAULT_INTERVAL_S,
     PRESENCE_BUCKET,
     PROBE_EVERY_S,
-    PROBE_TIMEOUT_S,
     Deafness,
     Presence,
     decode_presence,
@@ -114,6 +113,7 @@ T = TypeVar("T")
 PUBLISH_WINDOW = 512
 
 # Errors a later retry can get past (the server is away or slow); others are final.
+PONG_PATIENCE_S = 600  # a PING's wait for its PONG (``NatsBus._ping``)
 TRANSIENT = (
     TimeoutError,
     OSError,
@@ -206,6 +206,7 @@ class NatsBus:
         self._last_words: dict[str, Presence] = {}
         self._beat_now = anyio.Event()
         self._beat_limit = anyio.CapacityLimiter(64)  # beats in flight at once
+        self._pings: set[asyncio.Future[None]] = set()  # round trips under way (``_ping``)
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -294,10 +295,13 @@ class NatsBus:
             await self._close_connection()
 
     async def _close_connection(self) -> None:
-        """Close the client, shielded, whatever state the server is in."""
+        """Close the client, shielded, whatever state the server is in; then the
+        round trips still waiting for a PONG (none can come: ``_ping``)."""
         if self._nc is not None:
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await self._nc.close()
+        for ping in list(self._pings):
+            ping.cancel()
 
     async def _ensure_stream(self) -> None:
         assert self._js is not None
@@ -864,24 +868,44 @@ class NatsBus:
             raise RuntimeError("the bus is not open")
         return self._nc
 
-    async def answers(self, timeout: int = 3) -> bool:
-        """Whether the server answers a round trip (PING, PONG) within ``timeout``
-        seconds: the link works both ways now. A partition that leaves the TCP
-        connection open answers nothing, while the client itself notices only
-        after its pings time out, minutes later."""
+    def _ping(self) -> asyncio.Future[None]:
+        """A round trip (PING, then its PONG) under way, waited for with patience
+        beyond nats-py's own stale-connection check (2 pings, 2 minutes apart),
+        and never cancelled by us: nats-py 2.16 leaves a timed-out flush's
+        cancelled future queued for its PONG, and a PONG that comes late then
+        ends its read loop for good, while ``is_connected`` stays True."""
+        ping = asyncio.ensure_future(self.client.flush(timeout=PONG_PATIENCE_S))
+        self._pings.add(ping)
+        ping.add_done_callback(self._pings.discard)
+        return ping
+
+    async def _round_trip(self, timeout: float) -> bool:
+        """Whether the server answered a PING within ``timeout`` seconds (one not
+        answered by then goes on alone: ``_ping``)."""
+        ping = self._ping()
         try:
-            await self.client.flush(timeout=timeout)
-        except Exception:  # (timed out, closed, reconnecting: not heard)
+            done, _ = await asyncio.wait({ping}, timeout=timeout)
+        finally:
+            ping.add_done_callback(_retrieved)
+        if not done:
             return False
+        ping.result()  # (its error, if any)
         return True
 
     async def follow_answers(self, deafness: Deafness) -> None:
-        """A round trip every ``PROBE_EVERY_S``, for ever: each answered one is
-        noted (``deafness.answered``), what a reader judges its hearing by."""
+        """A round trip every ``PROBE_EVERY_S``, for ever, each answered one noted
+        (``deafness.answered``): a reader judges its hearing by it, since a
+        partition that leaves the TCP connection open answers nothing, and the
+        client itself notices only minutes later. A PING lost on the way is no
+        reason to wait: the next goes out a second later, whatever is pending."""
         deafness.answered(time.time())
-        while True:
-            if await self.answers(PROBE_TIMEOUT_S):
+
+        def noted(ping: asyncio.Future[None]) -> None:
+            if not ping.cancelled() and ping.exception() is None:
                 deafness.answered(time.time())
+
+        while True:
+            self._ping().add_done_callback(noted)
             await anyio.sleep(PROBE_EVERY_S)
 
     @property
@@ -971,7 +995,8 @@ class NatsBus:
             if self._nc.is_connected:
                 with contextlib.suppress(*TRANSIENT):
                     for _ in range(2):
-                        await self._nc.flush(timeout=max(1, int(self.publish_timeout)))
+                        if not await self._round_trip(max(1.0, self.publish_timeout)):
+                            break
 
         try:
             await self._refusable(refused, subscribe_and_wait, cancel=False)
@@ -1274,6 +1299,13 @@ async def connect(
         )
     connecting[0] = False
     return client
+
+
+def _retrieved(ping: asyncio.Future[Any]) -> None:
+    """Read a round trip's outcome nobody waits for, so that its error is not
+    reported as never retrieved."""
+    if not ping.cancelled():
+        ping.exception()
 
 
 async def _abandon(client: Client) -> None:

@@ -57,8 +57,11 @@ async def follow(
             ) as bus:
                 live = _Live(dashboard)
                 subscription = await bus.subscribe(buffer=LIVE_BUFFER, raw=live.receive)
+                dashboard.deafness.answered(time.time())  # (connected: heard)
                 async with subscription, anyio.create_task_group() as group:
                     group.start_soon(_follow_presence, dashboard, bus)
+                    group.start_soon(bus.follow_answers, dashboard.deafness)
+                    group.start_soon(_note_deafness, dashboard, bus)  # (the fold may wait)
                     # (its notices are the dashboard's: a line now and then, across rebuilds)
                     fresh = Dashboard(
                         max_sessions=dashboard.max_sessions, notices=dashboard.notices
@@ -69,7 +72,8 @@ async def follow(
                         await anyio.sleep(0)  # (requests are answered between batches)
                     dashboard.adopt(fresh)
                     _keep_out_of_collections()
-                    dashboard.regain_bus()
+                    if _hears(dashboard, bus):
+                        dashboard.regain_bus()
                     await live.start()
                     await _watch_connection(dashboard, bus, live)
                     group.cancel_scope.cancel()
@@ -129,21 +133,11 @@ async def _follow_presence(dashboard: Dashboard, bus: Any) -> None:
 
 
 async def _watch_connection(dashboard: Dashboard, bus: Any, live: _Live) -> None:
-    """Say so while NATS cannot be heard: the connection is down, or the server
-    has not answered a round trip for ``SILENT_AFTER_S`` (a partition that leaves
-    the connection open: the client would notice only minutes later). Once it is
-    heard again, or once the live feed lost messages (held too many, or nats-py
-    dropped some for a slow consumer), return, so the state is folded again from
-    the stream, which has them all."""
-    async with anyio.create_task_group() as group:
-        group.start_soon(bus.follow_answers, dashboard.deafness)
-        await _until_heard_again(dashboard, bus, live)
-        group.cancel_scope.cancel()
-
-
-async def _until_heard_again(dashboard: Dashboard, bus: Any, live: _Live) -> None:
-    deafness = dashboard.deafness
-    down = False
+    """Say so while NATS cannot be heard (``_hears``); once it is heard again, or
+    once the live feed lost messages (held too many, or nats-py dropped some for
+    a slow consumer), return, so the state is folded again from the stream,
+    which has them all."""
+    down = dashboard.deafness.since is not None
     dropped = bus.counts().get("dropped", 0)
     ticks = 0
     while True:
@@ -154,19 +148,36 @@ async def _until_heard_again(dashboard: Dashboard, bus: Any, live: _Live) -> Non
             _keep_out_of_collections()
         if live.overflowed or bus.counts().get("dropped", 0) > dropped:
             return
-        now = time.time()
-        if not bus.client.is_connected:
-            reason = "unavailable: the connection to NATS is lost; reconnecting"
-        elif deafness.unanswered(now):
-            silent = now - deafness.last_answer
-            reason = f"unavailable: NATS has not answered for {silent:.0f} s; waiting for it"
+        if not _hears(dashboard, bus):
+            down = True
         elif down:
             return
-        else:
-            continue
-        if not down:  # (not heard since its last answer: from then on, no silence of hosts)
-            dashboard.lose_bus(reason, at=deafness.last_answer)
-        down = True
+
+
+async def _note_deafness(dashboard: Dashboard, bus: Any) -> None:
+    """While the history is read (a read that waits for a server gone away ends
+    only when it gives up): NATS not heard is said at once."""
+    while True:
+        _hears(dashboard, bus)
+        await anyio.sleep(0.25)
+
+
+def _hears(dashboard: Dashboard, bus: Any) -> bool:
+    """Whether NATS can be heard: the connection is up and the server answered
+    a round trip within ``SILENT_AFTER_S`` (a partition that leaves the
+    connection open answers nothing: the client would notice only minutes
+    later). If not, the dashboard is told, deaf from the last answer."""
+    deafness, now = dashboard.deafness, time.time()
+    if not bus.client.is_connected:
+        reason = "unavailable: the connection to NATS is lost; reconnecting"
+    elif deafness.unanswered(now):
+        silent = now - deafness.last_answer
+        reason = f"unavailable: NATS has not answered for {silent:.0f} s; waiting for it"
+    else:
+        return True
+    if deafness.since is None:
+        dashboard.lose_bus(reason, at=min(now, deafness.last_answer))
+    return False
 
 
 def _keep_out_of_collections() -> None:
