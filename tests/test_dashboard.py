@@ -617,7 +617,7 @@ def test_a_nats_outage_is_not_taken_for_dead_hosts(
         wait_line(host, "ready")
         beating(dashboard, "host-through")
         nats_server.kill()
-        states, row = states_for(dashboard, "host-through", 3 * HEARTBEAT_S + 3)
+        states, row = states_for(dashboard, "host-through", 3 * HEARTBEAT_S + 1)
         assert states == {"ok"}, states
         assert "lost NATS" in row["why"], row
         nats_server.start()
@@ -678,7 +678,7 @@ def test_a_partition_between_the_dashboard_and_nats_is_not_taken_for_dead_hosts(
         # Deaf from its last answer: this host beats every second, so until the
         # dashboard noticed (3.5 s) it may have looked late; from then on it is ok,
         # through many times the 3 beats that made it gone before.
-        states, row = states_for(dashboard, "host-beyond", 3 * HEARTBEAT_S + 3)
+        states, row = states_for(dashboard, "host-beyond", 3 * HEARTBEAT_S + 1)
         assert states == {"ok"}, (states, row)
         partition.proxy.blocked = False
         assert states_until_heard(dashboard, "host-beyond") == {"ok"}
