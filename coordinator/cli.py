@@ -893,6 +893,8 @@ class _Screen:
         ``follow_answers``): while it is not heard, a host's silence is no sign of
         it, and the table says so."""
         deafness, now = self.deafness, time.time()
+        if not deafness.last_answer:  # (no round trip asked yet: nothing to judge by)
+            return
         was = deafness.since
         if connected and not deafness.unanswered(now):
             deafness.regained(now)
@@ -1070,6 +1072,7 @@ async def _follow_beats(bus: Any, screen: _Screen) -> None:
                 if beat.session_id in beats or len(beats) < MAX_SESSIONS:
                     beats[beat.session_id] = beat
 
+    screen.deafness.answered(time.time())  # (the connection was just used: heard)
     async with anyio.create_task_group() as group:
         group.start_soon(follow)
         group.start_soon(bus.follow_answers, screen.deafness)  # (a partition is silent)

@@ -125,6 +125,8 @@ class Deafness:
 
     def lost(self, at: float) -> None:
         if self.since is None:
+            if self._spans:  # (never before the last span's end: spans do not overlap)
+                at = max(at, self._spans[-1][1] or at)
             self._spans.append((at, None))
 
     def regained(self, at: float) -> None:

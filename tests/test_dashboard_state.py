@@ -160,3 +160,15 @@ def test_a_gone_hosts_reason_states_its_age_now() -> None:
     board.apply_presence(beat("s", start))
     assert board.overview(now=start + 16)["sessions"][0]["why"] == "no heartbeat for 16 s"
     assert board.overview(now=start + 75)["sessions"][0]["why"] == "no heartbeat for 75 s"
+
+
+def test_deaf_spans_never_overlap() -> None:
+    """helper-29: a loss dated at the last answer could begin before the last
+    span's end, and silence() subtracted the overlap twice (a dead host stayed
+    stale instead of gone)."""
+    deaf = Deafness()
+    deaf.lost(9.5)
+    deaf.regained(15.0)
+    deaf.lost(12.0)  # (the last answer came before the regain)
+    deaf.regained(40.0)
+    assert deaf.silence(0.0, 50.0) == 50.0 - (15.0 - 9.5) - (40.0 - 15.0)

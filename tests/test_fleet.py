@@ -830,3 +830,16 @@ def test_watch_into_a_pipe_prints_a_table_when_it_loses_nats() -> None:
     screen.hearing(connected=False)
     screen.redraw()
     assert "NATS cannot be reached from here" in out.getvalue()[printed:]
+
+
+def test_watch_judges_nothing_deaf_before_it_asked_nats_anything() -> None:
+    """helper-29: before the first round trip, watch counted itself deaf since
+    1970, so a host dead for an hour showed alive."""
+    import io
+
+    from coordinator.cli import _Screen
+
+    screen = _Screen(io.StringIO(), json_lines=False, replay_only=False)
+    screen.hearing(connected=True)
+    assert screen.deafness.since is None
+    assert liveness(beat("s", 0), NOW + 3600, screen.deafness) == "gone"

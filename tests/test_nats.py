@@ -563,3 +563,32 @@ async def test_a_link_that_stalls_leaves_a_reader_hearing_once_it_is_back(
             await subscription.aclose()
     finally:
         await proxy.close()
+
+
+@pytest.mark.asyncio
+async def test_a_subscribe_waiting_for_its_round_trip_ends_quietly_when_the_bus_closes(
+    server: EmbeddedServer,
+) -> None:
+    """helper-29: closing the bus cancels the round trips in flight, and a
+    subscribe waiting for one ended in CancelledError, in a task nobody had
+    cancelled."""
+    import asyncio
+
+    from natsproxy import PartitionProxy
+
+    proxy = PartitionProxy(int(server.url.rsplit(":", 1)[1]))
+    await proxy.start()
+    try:
+        bus = NatsBus(f"nats://127.0.0.1:{proxy.port}", read_only=True, connect_timeout=2)
+        await bus.__aenter__()
+        proxy.blocked = True  # the server answers nothing now
+        subscribing = asyncio.ensure_future(bus.subscribe(raw=lambda data: None))
+        await asyncio.sleep(0.3)
+        await bus.aclose()
+        with anyio.fail_after(10):
+            await asyncio.wait({subscribing})
+        assert not subscribing.cancelled()
+        if subscribing.exception() is None:
+            await subscribing.result().aclose()
+    finally:
+        await proxy.close()

@@ -887,7 +887,7 @@ class NatsBus:
             done, _ = await asyncio.wait({ping}, timeout=timeout)
         finally:
             ping.add_done_callback(_retrieved)
-        if not done:
+        if not done or ping.cancelled():  # (cancelled: the bus was closed meanwhile)
             return False
         ping.result()  # (its error, if any)
         return True
