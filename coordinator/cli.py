@@ -541,10 +541,26 @@ def _setup(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
+def _web_missing(err: TextIO) -> bool:
+    """Whether the dashboard's own dependencies (the ``web`` extra) are missing:
+    then one line says how to install them, where an import error came out."""
+    import importlib.util
+
+    missing = [name for name in ("starlette", "uvicorn", "prometheus_client")
+               if importlib.util.find_spec(name) is None]  # fmt: skip
+    if missing:
+        print(f"coordinator: the dashboard needs the web extra ({', '.join(missing)} "
+              "missing): pip install 'coordinator[web]' (from a checkout: "
+              "pip install '.[web]')", file=err)  # fmt: skip
+    return bool(missing)
+
+
 def _dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Serve the live save-state page until Ctrl-C."""
     import anyio
 
+    if _web_missing(err):
+        return EXIT_USAGE
     from .dashboard import serve
 
     address = _check_listen(args, err)
@@ -612,6 +628,8 @@ def _demo_with_dashboard(
     """The demo, with the dashboard beside it (it stays up after: Ctrl-C to stop)."""
     import anyio
 
+    if _web_missing(err):
+        return EXIT_USAGE
     from .dashboard import serve
     from .demo import run_demo, summary_text
     from .server import EmbeddedServer

@@ -416,3 +416,21 @@ def test_a_bench_size_beyond_this_machines_memory_is_a_usage_error(
     code, _, _ = run("bench", "restore", "--size", size, "--runs", "1")
     assert code == 2
     assert "more than this machine's memory" in capsys.readouterr().err  # (argparse's)
+
+
+@pytest.mark.parametrize("argv", [["dashboard"], ["demo", "--dashboard", "127.0.0.1:8399"]])
+def test_the_dashboard_without_the_web_extra_says_how_to_install_it(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pip install .` (the README's first command) leaves out the web extra:
+    `coordinator dashboard` ended in a ModuleNotFoundError traceback."""
+    import io
+    import sys
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # (as if not installed)
+    monkeypatch.delitem(sys.modules, "coordinator.dashboard", raising=False)
+    monkeypatch.delitem(sys.modules, "coordinator.dashboard._metrics", raising=False)
+    out, err = io.StringIO(), io.StringIO()
+    assert main(argv, out=out, err=err) == 2
+    assert "pip install 'coordinator[web]'" in err.getvalue()
+    assert "prometheus_client missing" in err.getvalue() and "Traceback" not in err.getvalue()
