@@ -18,7 +18,9 @@ CHECKPOINTS = 400
 
 @pytest.fixture(scope="module")
 def soak() -> dict[str, dict[str, object]]:
-    results = run(checkpoints=CHECKPOINTS, every=20, restart_every=2)
+    # At most 3 restarts: each may cost a remote capture its 5 s timeout, and
+    # the suite's time should not depend on how slow the machine is today.
+    results = run(checkpoints=CHECKPOINTS, every=20, restart_every=2, most_restarts=3)
     return {r.metric: {"ours": r.ours, "met": r.met, **r.detail} for r in results}
 
 
@@ -40,7 +42,7 @@ def test_the_host_went_on_across_server_restarts(soak: dict[str, dict[str, objec
     detail = soak["soak.rss_growth_mib_per_100k"]
     # A restart every 2 s: how many fall within 400 checkpoints depends on the machine's
     # speed (one fast CI run had 1); what is asserted is that the host went on across them.
-    assert detail["server_restarts"] >= 1
+    assert 1 <= detail["server_restarts"] <= 3
     committed, failed = detail["committed"], detail["failed"]
     assert isinstance(committed, int) and isinstance(failed, int)
     assert committed + failed == CHECKPOINTS

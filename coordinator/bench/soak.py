@@ -144,6 +144,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float  # ... and for at least this long
     every: int  # checkpoints between samples
     restart_every: float  # seconds between server restarts
+    most_restarts: int | None = None  # then the server stays up (a bounded test run)
     trace: bool = False  # the host shows where its memory grew, on stderr
 
 
@@ -169,7 +170,7 @@ async def _soak(folder: Path, plan: Plan, progress: Progress) -> dict[str, Any]:
 
         async def restart() -> None:
             nonlocal restarts
-            while True:
+            while plan.most_restarts is None or restarts < plan.most_restarts:
                 with anyio.move_on_after(plan.restart_every):
                     await done.wait()
                 if done.is_set():
@@ -278,17 +279,20 @@ def run(
     progress: Progress = NO_PROGRESS,
     every: int | None = None,
     restart_every: float = RESTART_EVERY_S,
+    most_restarts: int | None = None,
     on_folder: Callable[[Path], None] | None = None,
     trace: bool = False,
 ) -> list[Result]:
     """A soak of ``checkpoints`` checkpoints, or of ``hours`` (whichever is more).
-    ``every``: checkpoints between samples (a hundredth of the run by default)."""
+    ``every``: checkpoints between samples (a hundredth of the run by default);
+    ``most_restarts``: the server is restarted no more often than this."""
     seconds = (hours or 0.0) * 3600
     every = every or max(10, checkpoints // 100)
     with tempfile.TemporaryDirectory(prefix="coordinator-soak-") as folder:
         if on_folder is not None:
             on_folder(Path(folder))
         plan = Plan(checkpoints=checkpoints, seconds=seconds, every=every,
-                    restart_every=restart_every, trace=trace)  # fmt: skip
+                    restart_every=restart_every, most_restarts=most_restarts,
+                    trace=trace)  # fmt: skip
         outcome = anyio.run(_soak, Path(folder), plan, progress)
     return _results(outcome)
