@@ -1081,6 +1081,7 @@ async def _follow_beats(bus: Any, screen: _Screen) -> None:
     import anyio
 
     from .monitor import MAX_SESSIONS
+    from .presence import as_read
 
     beats = screen.beats
 
@@ -1088,7 +1089,7 @@ async def _follow_beats(bus: Any, screen: _Screen) -> None:
         with contextlib.suppress(Exception):  # (no right to read them: the column says -)
             async for beat in bus.presence():
                 if beat.session_id in beats or len(beats) < MAX_SESSIONS:
-                    beats[beat.session_id] = beat
+                    beats[beat.session_id] = as_read(beat, time.time())
 
     screen.deafness.answered(time.time())  # (the connection was just used: heard)
     async with anyio.create_task_group() as group:

@@ -88,6 +88,20 @@ def epoch_seconds(rfc3339: str) -> float | None:
     return parsed.timestamp()
 
 
+FUTURE_S = 5.0  # a beat's time further ahead of the reader's clock is no measurement
+
+
+def as_read(presence: Presence, now: float) -> Presence:
+    """``presence`` as a reader takes it at ``now`` (seconds since 1970, its
+    clock): a time more than ``FUTURE_S`` ahead (a clock glitch, a forged beat)
+    counts as the moment it was read, so it can never keep a dead host alive."""
+    when = epoch_seconds(presence.time)
+    if when is None or when <= now + FUTURE_S:
+        return presence
+    read = datetime.datetime.fromtimestamp(now, datetime.UTC)
+    return msgspec.structs.replace(presence, time=read.isoformat().replace("+00:00", "Z"))
+
+
 # A reader (dashboard, watch) asks the server for a round trip every PROBE_EVERY_S
 # and counts itself deaf from its last answer once none came for SILENT_AFTER_S:
 # a beat at most one interval old then, plus this, is still short of "late".

@@ -172,3 +172,16 @@ def test_deaf_spans_never_overlap() -> None:
     deaf.lost(12.0)  # (the last answer came before the regain)
     deaf.regained(40.0)
     assert deaf.silence(0.0, 50.0) == 50.0 - (15.0 - 9.5) - (40.0 - 15.0)
+
+
+def test_beats_of_more_sessions_than_it_keeps_hold_its_memory_flat() -> None:
+    """helper-31: every beat of a session let go made a new one and queued it for
+    trimming, and only events (never beats) took the let-go ones off that queue:
+    beats over 1,500 sessions into a dashboard of 100 queued 30,000, a real
+    fleet of more than 20,000 beating hosts, 50-75 MiB more every round."""
+    board = Dashboard(max_sessions=100)
+    start = time.time()
+    for n in range(30_000):
+        board.apply_presence(beat(f"h{n % 1500}", start))
+    assert len(board.sessions) == 100
+    assert len(board._trim_next) <= 2 * 100 + 1

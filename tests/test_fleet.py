@@ -843,3 +843,33 @@ def test_watch_judges_nothing_deaf_before_it_asked_nats_anything() -> None:
     screen.hearing(connected=True)
     assert screen.deafness.since is None
     assert liveness(beat("s", 0), NOW + 3600, screen.deafness) == "gone"
+
+
+@pytest.mark.asyncio
+async def test_watch_takes_a_beat_from_the_future_as_read_and_a_dead_host_turns_gone(
+    tmp_path: Path,
+) -> None:
+    """helper-31: a beat dated a year ahead (a clock glitch, or anyone who may
+    write CKPT_HOSTS) kept a dead host `alive` in watch for that year; the
+    dashboard took it as the moment it read it. watch does too now: gone once
+    three intervals (1 s here) passed since it read it."""
+    import io
+
+    from coordinator.cli import _follow_beats, _Screen
+
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        async with NatsBus(server.url):  # (makes the bucket)
+            pass
+        client = await nats.connect(server.url)
+        bucket = await client.jetstream().key_value("CKPT_HOSTS")
+        ahead = datetime.fromtimestamp(time.time() + 365 * 86400, UTC)
+        forged = msgspec.structs.replace(
+            beat("s1", 0), time=ahead.isoformat().replace("+00:00", "Z"), interval_s=1.0
+        )
+        await bucket.put("s1", msgspec.json.encode(forged))
+        await client.close()
+        screen = _Screen(io.StringIO(), json_lines=False, replay_only=False)
+        async with NatsBus(server.url, read_only=True) as reader:
+            with anyio.move_on_after(5):
+                await _follow_beats(reader, screen)
+    assert liveness(screen.beats["s1"], time.time(), screen.deafness) == "gone"

@@ -60,7 +60,14 @@ from ..monitor import (
     share,
     trimmed,
 )
-from ..presence import GONE_AFTER_BEATS, LATE_AFTER_BEATS, Deafness, Presence, epoch_seconds
+from ..presence import (
+    FUTURE_S,
+    GONE_AFTER_BEATS,
+    LATE_AFTER_BEATS,
+    Deafness,
+    Presence,
+    epoch_seconds,
+)
 
 __all__ = [
     "HEALTH_ORDER",
@@ -78,7 +85,6 @@ ROW_BUDGET = 200_000  # history rows kept over all sessions (10k sessions: 20 ea
 MIN_HISTORY = 10
 # (MAX_SESSIONS, and the budgets of eventIds, missed seqs and captures in flight, are
 # the monitor's: ``watch`` keeps the same.)
-FUTURE_S = 5.0  # a host time further ahead of ours is no measurement: taken as now
 MAX_TEXT = 500  # characters of a code or reason kept (the bus does not bound them)
 MAX_MS = 1e12  # a phase longer than this is no measurement (the schema's maximum)
 FAILURES = 10  # failures kept per session
@@ -530,6 +536,7 @@ class Dashboard:
         session.presence_s = _host_time(presence.time)
         session.forget()
         self._recency.touch(presence.session_id, session.state.high_water is not None)
+        self._trim_one()  # (also takes the sessions let go off the turn: beats alone bounded)
         self.beats += 1
         self.touch()
 
