@@ -1770,6 +1770,41 @@ async def test_a_lease_check_while_the_cluster_cannot_answer_is_a_typed_error(
 
 
 @pytest.mark.asyncio
+async def test_entering_a_replicator_or_sweeping_while_the_cluster_cannot_answer_is_typed(
+    tmp_path: Path,
+) -> None:
+    """helper-30: a new owner's stamp of the pointer (entering its Replicator) and a
+    sweep raised nats-py's own errors, where every other call of the tier says
+    `bus.unavailable` (try again)."""
+    from coordinator import BusUnavailableError
+
+    server = EmbeddedServer(tmp_path / "nats")
+    await server.start()
+    try:
+        await replicated_run(server.url, tmp_path / "a", 1)  # (a pointer to stamp)
+        async with (
+            NatsBus(server.url) as bus,
+            SessionLease(bus, "s1", ttl=30) as lease,
+            FileStore(tmp_path / "b") as store,
+        ):
+            replicator = Replicator(bus, store, leases=[lease], sweep_every=None)
+            opened = await replicator.replicas.open(create=True)
+
+            async def already_open(*, create: bool = False) -> Replicas:
+                return opened  # (the buckets were open when the link went)
+
+            replicator.replicas.open = already_open  # type: ignore[method-assign]
+            await server.kill()
+            with pytest.raises(BusUnavailableError):
+                async with replicator:
+                    pass
+            with pytest.raises(BusUnavailableError):
+                await replicator.sweep()
+    finally:
+        await server.stop()
+
+
+@pytest.mark.asyncio
 async def test_a_forged_lease_revision_never_fences_the_owner_for_good(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:

@@ -56,6 +56,7 @@ from ._content import SweepReport
 from ._lease import LEASES_BUCKET, SessionLease
 from ._pointer import POINTER_VERSION, ReplicaPointer, ReplicatedGeneration
 from ._source import DEFAULT_GRACE_S, Replicas
+from ._unavailable import cluster_errors
 
 __all__ = ["Replicator", "ReplicatorStatistics"]
 
@@ -153,7 +154,8 @@ class Replicator:
         await self.replicas.open(create=True)
         self._commits_seen = self.store.commits  # what came before is caught up, not passed
         for lease in self.leases.values():  # a new owner fences the pointer at once
-            await self._fence(lease)
+            with cluster_errors(f"the pointer of session {lease.session_id}"):
+                await self._fence(lease)
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
         self._group.start_soon(self._run)
@@ -502,7 +504,8 @@ class Replicator:
             return marked
 
         try:
-            report = await self.replicas.content.sweep(mark)
+            with cluster_errors("the replicated tier's pointers and content"):
+                report = await self.replicas.content.sweep(mark)
         except _UnmarkableError as error:
             report = SweepReport(
                 objects=0, referenced=0, young=0, deleted=0, raced=0, orphan_chunks=0,
