@@ -941,6 +941,16 @@ async def test_a_pointer_we_did_not_write_is_a_typed_refusal(
             name, done.stderr,
         )  # fmt: skip
         assert list(target.parent.iterdir()) == [], name
+    # helper-31: s2's pointer naming s1's intact generation was `store.corrupt`,
+    # as if a store were damaged: it is the pointer that is wrong.
+    async with NatsBus(server.url) as bus:
+        kv = await bus.client.jetstream().key_value(POINTERS_BUCKET)
+        await kv.put("s2", msgspec.json.encode({**good, "sessionId": "s2"}))
+    target = tmp_path / "relabelled" / "restored"
+    target.parent.mkdir()
+    done = restore_cli(server.url, "s2", target)
+    assert done.returncode != 0 and "[replica.pointer]" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and list(target.parent.iterdir()) == []
 
 
 RESUMER = """

@@ -43,6 +43,7 @@ from ..errors import (
     ArtifactUnavailableError,
     BusConfigError,
     EnvelopeInputError,
+    GenerationCorruptError,
     GenerationNotFoundError,
     JsonError,
     ReplicaBucketMissingError,
@@ -235,6 +236,14 @@ class Replicas:
         )  # fmt: skip
         try:
             return await anyio.to_thread.run_sync(check)
+        except GenerationCorruptError as error:
+            sealed.close()
+            if error.check == "identity":  # intact bytes of another generation
+                raise ReplicaPointerError(
+                    f"session {session_id}: the pointer names {generation.checkpoint_id}, "
+                    f"whose objects are another generation's: {error.detail}"
+                ) from None
+            raise
         except BaseException:
             sealed.close()
             raise
