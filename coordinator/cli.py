@@ -808,7 +808,7 @@ async def _replicated_sessions(connection: Connection) -> str:
         with anyio.fail_after(5):
             client = await connect([connection.url], 3.0, error_cb=None, **connection.options())
             try:
-                pointers, _ = await (await Replicas(client).open()).pointers.every()
+                pointers, _, _ = await (await Replicas(client).open()).pointers.every()
             finally:
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                     await client.close()

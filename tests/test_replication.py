@@ -393,8 +393,9 @@ async def test_a_host_killed_mid_upload_never_leaves_a_pointer_to_a_partial_gene
 ) -> None:
     """A host replicating in a loop is SIGKILLed at seeded random moments: after
     each kill the pointer names a generation that rebuilds and verifies. A sweep
-    past the grace period then leaves only the objects the pointer references,
-    and no chunk an upload left without its meta."""
+    past the grace period then leaves only the objects the pointer references
+    and those of the move a kill cut short (its word keeps them until the
+    session's next move), and no chunk an upload left without its meta."""
     chooser = random.Random(7)
     host = [sys.executable, str(HERE / "replica_host.py"), server.url]
     for run in range(4):
@@ -418,8 +419,11 @@ async def test_a_host_killed_mid_upload_never_leaves_a_pointer_to_a_partial_gene
         replicas = await Replicas(bus).open()
         found = await replicas.pointer("s1")
         assert found is not None
+        _, _, moves = await replicas.pointers.every()
+        kept = {o for move in moves.get("s1", []) for o in move.generation.objects}
         metas = await replicas.content.objects.metas()
-        assert {m.name for m in metas if m.live} == set(found[0].generation.objects)
+        live, named = {m.name for m in metas if m.live}, set(found[0].generation.objects)
+        assert named <= live <= named | kept  # (a cut upload made only some of its own)
         chunks = await replicas.content.objects.chunk_subjects()
         assert {s.rsplit(".", 1)[-1] for s in chunks} == {m.info.nuid for m in metas if m.live and m.info}
 
@@ -1166,13 +1170,16 @@ async def test_junk_anywhere_in_the_bucket_never_stops_a_sweep_or_the_host(
 
 
 @pytest.mark.asyncio
-async def test_a_move_slower_than_half_the_grace_makes_its_swept_objects_again(
-    server: EmbeddedServer, tmp_path: Path
+@pytest.mark.parametrize("dies_after_the_move", [False, True], ids=["goes-on", "dies"])
+async def test_a_sweep_during_a_paused_move_keeps_the_objects_it_will_name(
+    server: EmbeddedServer, tmp_path: Path, dies_after_the_move: bool
 ) -> None:
     """A host pauses between its upload and its pointer move for longer than the
-    grace period, while another host sweeps: the fresh, unreferenced objects are
-    swept. The move still lands, and the host makes them again before it says
-    `replicated`: the pointer never names a generation that does not restore."""
+    grace period, while another host sweeps. helper-30: the sweep took the fresh,
+    unreferenced objects, the move landed, and a host killed before it checked
+    them left a pointer no host could restore from. The move is told to every
+    sweep before its objects are made (`moving.<session>`): none is swept, and
+    the pointer restores whether or not its host lives on."""
     async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
         async with (
             FileStore(tmp_path / "b") as empty,
@@ -1180,10 +1187,54 @@ async def test_a_move_slower_than_half_the_grace_makes_its_swept_objects_again(
             Replicator(bus, store, grace=0.5, sweep_every=None) as replicator,
         ):
             move = replicator.replicas.pointers.move
+            swept: list[int] = []
+            moved = anyio.Event()
 
             async def paused_move(*args: Any) -> int:
                 await anyio.sleep(0.7)  # past the grace period
-                assert (await sweeper.sweep()).deleted > 0  # the other host's sweep
+                swept.append((await sweeper.sweep()).deleted)  # the other host's sweep
+                revision = await move(*args)
+                moved.set()
+                if dies_after_the_move:  # (it never checks anything: killed)
+                    await anyio.sleep_forever()
+                return revision
+
+            replicator.replicas.pointers.move = paused_move  # type: ignore[method-assign]
+            await _commit_by_hand(store, "s1", "e1", 1, os.urandom(3000))
+            with anyio.fail_after(10):
+                await moved.wait()
+                if not dies_after_the_move:
+                    await caught_up(replicator)
+        assert swept == [0]
+        with await Replicas(bus).fetch("s1") as stored:
+            assert stored.record.checkpoint_id == "e1-1"
+
+
+@pytest.mark.asyncio
+async def test_a_move_slower_than_half_the_grace_makes_objects_gone_meanwhile_again(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The objects of a paused move are taken all the same (a sweep of a version
+    that does not read the moves under way): the move lands, and the host makes
+    them again before it says `replicated`."""
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with (
+            FileStore(tmp_path / "b") as empty,
+            Replicator(bus, empty, grace=0.5, sweep_every=None) as sweeper,
+            Replicator(bus, store, grace=0.5, sweep_every=None) as replicator,
+        ):
+            every = sweeper.replicas.pointers.every
+
+            async def blind_every() -> Any:
+                pointers, unreadable, _ = await every()
+                return pointers, unreadable, {}
+
+            sweeper.replicas.pointers.every = blind_every  # type: ignore[method-assign]
+            move = replicator.replicas.pointers.move
+
+            async def paused_move(*args: Any) -> int:
+                await anyio.sleep(0.7)  # past the grace period
+                assert (await sweeper.sweep()).deleted > 0
                 return await move(*args)
 
             replicator.replicas.pointers.move = paused_move  # type: ignore[method-assign]
@@ -1192,6 +1243,41 @@ async def test_a_move_slower_than_half_the_grace_makes_its_swept_objects_again(
             assert replicator.statistics().replicated == 1
             with await replicator.replicas.fetch("s1") as stored:
                 assert stored.record.checkpoint_id == "e1-1"
+
+
+@pytest.mark.asyncio
+async def test_a_host_that_lost_the_lease_cannot_take_the_owners_word_away(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The moves under way are kept one per lease revision: a host under an older
+    lease adds its own beside the owner's, the owner's next word drops it (that
+    move cannot land over the owner's pointer), and garbage under the key is
+    replaced by the next word (a sweep meanwhile deletes nothing)."""
+    parts, _ = await replicated_run(server.url, tmp_path / "a", 1)
+    async with NatsBus(server.url) as bus:
+        replicas = await Replicas(bus).open()
+        found = await replicas.pointer("s1")
+        assert found is not None
+        generation = found[0].generation
+        other = msgspec.structs.replace(generation, checkpoint_id="e1-2")
+        pointers = replicas.pointers
+
+        async def words() -> list[tuple[int, str]]:
+            _, unreadable, moves = await pointers.every()
+            assert not unreadable
+            return [(m.lease_revision, m.generation.checkpoint_id) for m in moves["s1"]]
+
+        await pointers.moving("s1", generation, 5)
+        await pointers.moving("s1", other, 3)  # (a zombie)
+        assert await words() == [(5, generation.checkpoint_id), (3, "e1-2")]
+        await pointers.moving("s1", other, 5)  # (the owner's next move)
+        assert await words() == [(5, "e1-2")]
+        kv = await bus.client.jetstream().key_value(POINTERS_BUCKET)
+        await kv.put("moving.s1", b"{garbage")
+        async with FileStore(tmp_path / "b") as empty, Replicator(bus, empty) as sweeper:
+            assert (await sweeper.sweep()).refused is not None
+        await pointers.moving("s1", generation, 7)
+        assert await words() == [(7, generation.checkpoint_id)]
 
 
 @pytest.mark.asyncio

@@ -27,7 +27,7 @@ from nats.js.errors import (
     NotFoundError,
 )
 
-from ..errors import ReplicaFencedError, ReplicaPointerError
+from ..errors import BusUnavailableError, ReplicaFencedError, ReplicaPointerError
 from ..events import subject_token
 from ..ids import U64, Digest, Id
 from ..store import GenerationRecord
@@ -45,6 +45,9 @@ __all__ = [
 POINTERS_BUCKET = "CKPT_REPLICAS"
 POINTER_VERSION: Final = 2
 MAX_POINTER_BYTES = 64 << 10  # 64 payload digests and a few ids: a bigger value is hostile
+# A session's next move, told to every sweep before its objects are made: its key
+# (``moving.<session token>``) is no session's (a session's token holds no '.').
+MOVING = "moving."
 
 
 class ReplicatedGeneration(
@@ -115,6 +118,24 @@ class ReplicaPointer(
 _DECODER = msgspec.json.Decoder(ReplicaPointer)
 
 
+class Move(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
+    """A move under way: what it will name, and the lease revision it holds."""
+
+    lease_revision: Annotated[int, msgspec.Meta(ge=0)]
+    generation: ReplicatedGeneration
+
+
+class Moves(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A session's moves under way (``Pointers.moving``): one per lease revision,
+    so that a host that lost the lease cannot take the owner's word away."""
+
+    moves: Annotated[list[Move], msgspec.Meta(max_length=16)]
+
+
+_MOVES_DECODER = msgspec.json.Decoder(Moves)
+_MOVE_ATTEMPTS = 16
+
+
 def parse_pointer(value: bytes | None, session_id: str) -> ReplicaPointer:
     """The pointer ``value`` holds for ``session_id``, or ``ReplicaPointerError``:
     malformed, too large, of an older layout, or of another session."""
@@ -137,6 +158,19 @@ def parse_pointer(value: bytes | None, session_id: str) -> ReplicaPointer:
             f"{pointer.session_id}: not its own"
         )
     return pointer
+
+
+def _moves(value: bytes | None) -> list[Move]:
+    """A session's moves under way (``Pointers.moving``), or ``ReplicaPointerError``."""
+    data = value or b""
+    if len(data) > MAX_POINTER_BYTES:
+        raise ReplicaPointerError(f"the moves under way are {len(data)} bytes")
+    try:
+        return read_json(data, _MOVES_DECODER).moves
+    except msgspec.MsgspecError as error:
+        raise ReplicaPointerError(
+            f"no moves under way, as this version writes them ({error})"
+        ) from None
 
 
 class Pointers:
@@ -188,17 +222,54 @@ class Pointers:
                 "replicated one"
             ) from error
 
-    async def every(self) -> tuple[dict[str, ReplicaPointer], list[str]]:
+    async def moving(
+        self, session_id: str, generation: ReplicatedGeneration, lease_revision: int
+    ) -> None:
+        """Tell every sweep that the session's next move under ``lease_revision``
+        names ``generation``: its objects are kept from now on, however long the
+        move takes (a paused host), until the next move under that lease or a
+        newer one says another. Said before any of them is made or touched
+        (``Replicator._converge``). A move under an older lease is forgotten
+        (it cannot land once the pointer carries this one); one under a newer
+        lease is kept, so a host that lost the lease cannot take the owner's
+        word away."""
+        key = MOVING + subject_token(session_id)
+        for _ in range(_MOVE_ATTEMPTS):
+            try:
+                entry = await self._kv.get(key)
+                last: int | None = int(entry.revision)
+                moves = _moves(entry.value)
+            except (KeyNotFoundError, KeyDeletedError):
+                last, moves = None, []
+            except ReplicaPointerError:  # (garbage under our key: replaced)
+                moves = []
+            newer = [move for move in moves if move.lease_revision > lease_revision]
+            mine = Move(lease_revision=lease_revision, generation=generation)
+            value = msgspec.json.encode(Moves(moves=[*newer[-15:], mine]))
+            try:
+                if last is None:
+                    await self._kv.create(key, value)
+                else:
+                    await self._kv.update(key, value, last=last)
+                return
+            except KeyWrongLastSequenceError:
+                continue  # another host's word came first: keep it
+        raise BusUnavailableError(f"the moves of session {session_id} kept changing; try again")
+
+    async def every(
+        self,
+    ) -> tuple[dict[str, ReplicaPointer], list[str], dict[str, list[Move]]]:
         """Every session's pointer (from the stream's leader, through an ordered
-        consumer), and the keys whose value is no pointer (a sweep must not guess
-        what those reference)."""
+        consumer), the keys whose value is no pointer or no move (a sweep must
+        not guess what those reference), and every session's move (``moving``)."""
         found: dict[str, ReplicaPointer] = {}
         unreadable: list[str] = []
+        moves: dict[str, list[Move]] = {}
         subject = f"$KV.{POINTERS_BUCKET}.>"
         try:
             await self._js.get_last_msg(self._stream, subject)
         except NotFoundError:
-            return found, unreadable
+            return found, unreadable, moves
         subscription = await self._js.subscribe(
             subject,
             stream=self._stream,
@@ -210,14 +281,21 @@ class Pointers:
                 message = await subscription.next_msg(timeout=10)
                 key = message.subject.removeprefix(f"$KV.{POINTERS_BUCKET}.")
                 operation = (message.headers or {}).get("KV-Operation")
-                if operation not in ("DEL", "PURGE"):
+                if operation in ("DEL", "PURGE"):
+                    pass
+                elif key.startswith(MOVING):
+                    try:
+                        moves[key.removeprefix(MOVING).replace("=2E", ".")] = _moves(message.data)
+                    except ReplicaPointerError:
+                        unreadable.append(key)
+                else:
                     session_id = key.replace("=2E", ".")
                     try:
                         found[session_id] = parse_pointer(message.data, session_id)
                     except ReplicaPointerError:
                         unreadable.append(key)
                 if not message.metadata.num_pending:
-                    return found, unreadable
+                    return found, unreadable, moves
         finally:
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await subscription.unsubscribe()

@@ -265,6 +265,9 @@ class Replicator:
             return
         started = self._clock()
         with await self.store.read(target.record.checkpoint_id, session_id=session_id) as stored:
+            # Said before any object is made or touched: however long the move then
+            # takes (a host paused past the grace period), no sweep takes them.
+            await self.replicas.pointers.moving(session_id, _generation_of(stored), fence)
             generation, sent = await self._upload(stored)
             if lease is not None:
                 await lease.check()
@@ -348,6 +351,7 @@ class Replicator:
         the bucket; the generation as a pointer names it, and the bytes sent."""
         manifest = canonical_bytes(stored.envelope.manifest)
         manifest_digest = hashlib.sha256(manifest).hexdigest()
+        generation = _generation_of(stored, (manifest_digest, len(manifest)))
         views = {manifest_digest: memoryview(manifest)}
         for entry in stored.envelope.layout.entries:
             views.setdefault(entry.digest, stored.payload(entry.name))
@@ -369,20 +373,6 @@ class Replicator:
             raise errors.exceptions[0] from None
         finally:
             views[manifest_digest].release()  # (the payloads' views are the envelope's)
-        record = stored.record
-        generation = ReplicatedGeneration(
-            checkpoint_id=record.checkpoint_id,
-            epoch=record.epoch,
-            episode_id=record.episode_id,
-            boundary=record.boundary,
-            compatibility_digest=record.compatibility_digest,
-            envelope_digest=record.envelope_digest,
-            envelope_bytes=record.byte_length,
-            manifest=manifest_digest,
-            manifest_bytes=str(len(manifest)),
-            payloads=tuple(entry.digest for entry in stored.envelope.layout.entries),
-            payload_bytes=str(sum(e.byte_length for e in stored.envelope.layout.entries)),
-        )
         return generation, sent[0]
 
     # --- announcing ---------------------------------------------------------------
@@ -494,13 +484,16 @@ class Replicator:
         read stops the sweep: nobody knows what it references."""
 
         async def mark() -> set[str]:
-            pointers, unreadable = await self.replicas.pointers.every()
+            pointers, unreadable, moves = await self.replicas.pointers.every()
             if unreadable:
                 raise _UnmarkableError(", ".join(sorted(unreadable)[:5]))
             marked: set[str] = set()
             for pointer in pointers.values():  # what a pointer names, and what its
                 marked.update(pointer.generation.objects)  # manifest needs (a forged
                 marked.update(await self._needs(pointer.generation))  # list never hides it)
+            for under_way in moves.values():  # and what a move under way will name
+                for move in under_way:  # (such a word can only keep more)
+                    marked.update(move.generation.objects)
             return marked
 
         try:
@@ -561,3 +554,28 @@ class Replicator:
             last_sweep=self._last_sweep,
             last_error=f"{type(last).__name__}: {last}" if last is not None else None,
         )
+
+
+def _generation_of(
+    stored: StoredCheckpoint, manifest: tuple[str, int] | None = None
+) -> ReplicatedGeneration:
+    """``stored`` as a pointer names it; ``manifest``: its manifest object's
+    digest and length, if known."""
+    if manifest is None:
+        encoded = canonical_bytes(stored.envelope.manifest)
+        manifest = hashlib.sha256(encoded).hexdigest(), len(encoded)
+    manifest_digest, manifest_bytes = manifest
+    record, entries = stored.record, stored.envelope.layout.entries
+    return ReplicatedGeneration(
+        checkpoint_id=record.checkpoint_id,
+        epoch=record.epoch,
+        episode_id=record.episode_id,
+        boundary=record.boundary,
+        compatibility_digest=record.compatibility_digest,
+        envelope_digest=record.envelope_digest,
+        envelope_bytes=record.byte_length,
+        manifest=manifest_digest,
+        manifest_bytes=str(manifest_bytes),
+        payloads=tuple(entry.digest for entry in entries),
+        payload_bytes=str(sum(entry.byte_length for entry in entries)),
+    )
