@@ -42,10 +42,13 @@ from coordinator.replicate import (
     POINTERS_BUCKET,
     ReplicaBucketMissingError,
     Replicas,
+    ReplicaPointer,
+    ReplicatedGeneration,
     Replicator,
     SessionLease,
     SessionLeasedError,
 )
+from coordinator.replicate._pointer import Move
 from coordinator.sample import sample_body, sample_payload_names
 from coordinator.server import EmbeddedServer
 from coordinator.session import RestoreScope
@@ -1249,9 +1252,12 @@ async def test_a_move_slower_than_half_the_grace_makes_objects_gone_meanwhile_ag
 async def test_a_host_that_lost_the_lease_cannot_take_the_owners_word_away(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:
-    """The moves under way are kept one per lease revision: a host under an older
-    lease adds its own beside the owner's, the owner's next word drops it (that
-    move cannot land over the owner's pointer), and garbage under the key is
+    """The moves under way are kept one per lease revision. A host under an older
+    lease adds its own beside the owner's; the owner's next word drops it once
+    the pointer carries the owner's lease (that move cannot land then), and keeps
+    it before (a first move). helper-32: sixteen such hosts, writing from the
+    newest down, pushed the owner's out (the newest leases are kept now), and a
+    word under a lease no bucket gave stayed for ever. Garbage under the key is
     replaced by the next word (a sweep meanwhile deletes nothing)."""
     parts, _ = await replicated_run(server.url, tmp_path / "a", 1)
     async with NatsBus(server.url) as bus:
@@ -1261,23 +1267,76 @@ async def test_a_host_that_lost_the_lease_cannot_take_the_owners_word_away(
         generation = found[0].generation
         other = msgspec.structs.replace(generation, checkpoint_id="e1-2")
         pointers = replicas.pointers
+        high_water = [100]
+
+        async def ceiling() -> int:
+            return high_water[0]
+
+        async def say(lease: int, what: ReplicatedGeneration, *, settled: bool) -> None:
+            move = Move(lease_revision=lease, generation=what)
+            await pointers.moving("s1", move, settled=settled, lease_high_water=ceiling)
 
         async def words() -> list[tuple[int, str]]:
             _, unreadable, moves = await pointers.every()
             assert not unreadable
             return [(m.lease_revision, m.generation.checkpoint_id) for m in moves["s1"]]
 
-        await pointers.moving("s1", generation, 5)
-        await pointers.moving("s1", other, 3)  # (a zombie)
-        assert await words() == [(5, generation.checkpoint_id), (3, "e1-2")]
-        await pointers.moving("s1", other, 5)  # (the owner's next move)
+        await say(5, generation, settled=True)
+        await say(3, other, settled=False)  # (a host that lost the lease)
+        assert await words() == [(3, "e1-2"), (5, generation.checkpoint_id)]
+        await say(5, other, settled=False)  # (the owner's first move: no pointer yet)
+        assert await words() == [(5, "e1-2"), (3, "e1-2")]
+        await say(5, other, settled=True)  # (its pointer carries lease 5 now)
         assert await words() == [(5, "e1-2")]
+        await say(40, generation, settled=False)
+        for lease in range(39, 3, -1):  # (36 hosts that lost the lease, newest first)
+            await say(lease, other, settled=False)
+        assert [lease for lease, _ in await words()][:2] == [4, 40]
+        high_water[0] = 10  # (the leases bucket was made again: 40 was never given)
+        await say(2**62, other, settled=False)  # (and a forged one)
+        await say(5, generation, settled=True)
+        assert await words() == [(5, generation.checkpoint_id)]
         kv = await bus.client.jetstream().key_value(POINTERS_BUCKET)
         await kv.put("moving.s1", b"{garbage")
         async with FileStore(tmp_path / "b") as empty, Replicator(bus, empty) as sweeper:
             assert (await sweeper.sweep()).refused is not None
-        await pointers.moving("s1", generation, 7)
+        await say(7, generation, settled=True)
         assert await words() == [(7, generation.checkpoint_id)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("same_state", [False, True], ids=["older-state", "same-state"])
+async def test_an_owner_whose_first_move_a_lost_lease_beat_goes_over_it(
+    server: EmbeddedServer, tmp_path: Path, same_state: bool
+) -> None:
+    """helper-32: a session with no pointer yet; a host that lost the lease (it
+    checked it before it was taken over) creates the pointer just before the
+    owner's first move. The owner's create then failed, and it counted itself
+    fenced from its own session for good: it never replicated it again. Now it
+    moves over it, or stamps it with its lease if it names the very same state."""
+    async with (
+        NatsBus(server.url) as bus,
+        FileStore(tmp_path / "a") as store,
+        SessionLease(bus, "s1", ttl=30) as lease,
+        Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+    ):
+        move = replicator.replicas.pointers.move
+        beaten = []
+
+        async def beaten_to_it(pointer: ReplicaPointer, last: int | None) -> int:
+            if not beaten:  # the lost lease's create lands first
+                zombie = msgspec.structs.replace(pointer, lease_revision=lease.revision - 1)
+                if not same_state:
+                    zombie = msgspec.structs.replace(zombie, epoch="e0")
+                beaten.append(await move(zombie, None))
+            return await move(pointer, last)
+
+        replicator.replicas.pointers.move = beaten_to_it  # type: ignore[method-assign]
+        await _commit_by_hand(store, "s1", "e1", 1, os.urandom(3000))
+        await caught_up(replicator)
+        assert not replicator.fenced and beaten
+        found = await replicator.replicas.pointer("s1")
+        assert found is not None and found[0].lease_revision == lease.revision
 
 
 @pytest.mark.asyncio

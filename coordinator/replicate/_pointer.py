@@ -14,6 +14,7 @@ tier's commit point. A value that is not a pointer this version writes is
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Final, Literal
 
 import anyio
@@ -116,6 +117,7 @@ class ReplicaPointer(
 
 
 _DECODER = msgspec.json.Decoder(ReplicaPointer)
+MAX_MOVES = 16  # the moves under way a session's word holds
 
 
 class Move(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_unknown_fields=True):
@@ -129,7 +131,7 @@ class Moves(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """A session's moves under way (``Pointers.moving``): one per lease revision,
     so that a host that lost the lease cannot take the owner's word away."""
 
-    moves: Annotated[list[Move], msgspec.Meta(max_length=16)]
+    moves: Annotated[list[Move], msgspec.Meta(max_length=MAX_MOVES)]
 
 
 _MOVES_DECODER = msgspec.json.Decoder(Moves)
@@ -223,17 +225,26 @@ class Pointers:
             ) from error
 
     async def moving(
-        self, session_id: str, generation: ReplicatedGeneration, lease_revision: int
+        self,
+        session_id: str,
+        move: Move,
+        *,
+        settled: bool,
+        lease_high_water: Callable[[], Awaitable[int]],
     ) -> None:
-        """Tell every sweep that the session's next move under ``lease_revision``
-        names ``generation``: its objects are kept from now on, however long the
-        move takes (a paused host), until the next move under that lease or a
-        newer one says another. Said before any of them is made or touched
-        (``Replicator._converge``). A move under an older lease is forgotten
-        (it cannot land once the pointer carries this one); one under a newer
-        lease is kept, so a host that lost the lease cannot take the owner's
-        word away."""
+        """Tell every sweep that the session's next move under ``move``'s lease
+        revision names its generation: its objects are kept from now on, however
+        long the move takes (a paused host), until the next move under that lease
+        says another. Said before any of them is made or touched
+        (``Replicator._converge``). The moves of other leases stay beside it, at
+        most ``MAX_MOVES`` in all, the newest leases first, except those that can
+        no longer land: under an older lease once the pointer carries this one
+        (``settled``), and under a lease newer than any the leases bucket gave
+        (forged, or a recreated bucket). So a host that lost its lease cannot
+        take the owner's word away, nor a first move's word before the owner's
+        pointer is there."""
         key = MOVING + subject_token(session_id)
+        mine = move.lease_revision
         for _ in range(_MOVE_ATTEMPTS):
             try:
                 entry = await self._kv.get(key)
@@ -243,9 +254,14 @@ class Pointers:
                 last, moves = None, []
             except ReplicaPointerError:  # (garbage under our key: replaced)
                 moves = []
-            newer = [move for move in moves if move.lease_revision > lease_revision]
-            mine = Move(lease_revision=lease_revision, generation=generation)
-            value = msgspec.json.encode(Moves(moves=[*newer[-15:], mine]))
+            kept = [m for m in moves if m.lease_revision > mine or
+                    (m.lease_revision < mine and not settled)]  # fmt: skip
+            if any(m.lease_revision > mine for m in kept):
+                # Read after the word: a lease taken before that word was written is below.
+                ceiling = await lease_high_water()
+                kept = [m for m in kept if m.lease_revision <= ceiling]
+            kept.sort(key=lambda m: m.lease_revision, reverse=True)
+            value = msgspec.json.encode(Moves(moves=[move, *kept[: MAX_MOVES - 1]]))
             try:
                 if last is None:
                     await self._kv.create(key, value)

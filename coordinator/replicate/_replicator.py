@@ -54,7 +54,7 @@ from ..store import (
 )
 from ._content import SweepReport
 from ._lease import LEASES_BUCKET, SessionLease
-from ._pointer import POINTER_VERSION, ReplicaPointer, ReplicatedGeneration
+from ._pointer import POINTER_VERSION, Move, ReplicaPointer, ReplicatedGeneration
 from ._source import DEFAULT_GRACE_S, Replicas
 from ._unavailable import cluster_errors
 
@@ -88,6 +88,11 @@ class ReplicatorStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 class _UnmarkableError(Exception):
     """A pointer no replicator wrote: what it references is unknown."""
+
+
+class _OvertakenError(Exception):
+    """A move under an older lease (a host that lost it) landed first: the owner's
+    next try goes over it."""
 
 
 class _Target(msgspec.Struct, frozen=True):
@@ -230,6 +235,9 @@ class Replicator:
             except (LeaseLostError, ReplicaFencedError) as error:  # another host owns it
                 self._counts["fenced"] += 1
                 self.fenced[session_id] = error
+            except _OvertakenError:  # a move under an older lease landed first: ours goes over it
+                self._counts["retried"] += 1
+                again = True
             except (CoordinatorError, NatsError, OSError, TimeoutError) as error:
                 self._counts["retried"] += 1  # the cluster, or the disk: try again
                 self.errors.append(error)
@@ -260,6 +268,11 @@ class Replicator:
             and current.names(*target.key)
             and (await self._already(current.generation, target.record))
         ):  # moved already (by this host, before it went down): its event, if lost
+            if lease is not None and current.lease_revision < fence:  # (by a lost lease)
+                await self._fence(lease)
+                current, revision = await self.replicas.pointers.get_any(session_id)
+                if current is None or not current.names(*target.key):
+                    raise _OvertakenError(session_id)  # (it moved meanwhile: look again)
             self._held[session_id] = target.key
             await self._announce_again(current, revision, target)
             return
@@ -267,7 +280,12 @@ class Replicator:
         with await self.store.read(target.record.checkpoint_id, session_id=session_id) as stored:
             # Said before any object is made or touched: however long the move then
             # takes (a host paused past the grace period), no sweep takes them.
-            await self.replicas.pointers.moving(session_id, _generation_of(stored), fence)
+            await self.replicas.pointers.moving(
+                session_id,
+                Move(lease_revision=fence, generation=_generation_of(stored)),
+                settled=current is not None and current.lease_revision >= fence,
+                lease_high_water=self._lease_high_water,
+            )
             generation, sent = await self._upload(stored)
             if lease is not None:
                 await lease.check()
@@ -283,7 +301,13 @@ class Replicator:
                 lease_revision=fence,
                 moved_at=rfc3339_now(),  # after the last look at the store: when decided
             )
-            moved = await self.replicas.pointers.move(pointer, revision)
+            try:
+                moved = await self.replicas.pointers.move(pointer, revision)
+            except ReplicaFencedError:
+                now, _ = await self.replicas.pointers.get_any(session_id)
+                if now is not None and now.lease_revision > fence:
+                    raise  # another host owns it
+                raise _OvertakenError(session_id) from None  # (a lost lease's move came first)
             sent += await self._make_whole(stored, generation, started)
         self._held[session_id] = target.key
         await self._announce(pointer, moved, target, sent, (self._clock() - started) * 1000)
