@@ -155,6 +155,11 @@ class ReplicaSource(Protocol):
 
     async def fetch(self, session_id: str) -> StoredCheckpoint: ...
 
+    async def newest(self, session_id: str) -> tuple[str, GenerationRecord] | None:
+        """The epoch in which the replicated state became the session's, and its
+        generation's record; ``None`` when nothing of the session is replicated."""
+        ...
+
 
 class Resumed(msgspec.Struct, frozen=True, kw_only=True):
     """What ``Coordinator.resume`` did. ``step``: the boundary the restored state
@@ -712,7 +717,7 @@ class Coordinator:
                 continue
             return epoch
 
-    async def _adopt(self, source: ReplicaSource) -> None:
+    async def _adopt(self, source: ReplicaSource) -> str:
         """Bring the session's replicated generation into the local store, which has
         none of it: fetched and verified by every reader check, then committed here
         under its own epoch, which the commit records in this store as used (one
@@ -724,25 +729,56 @@ class Coordinator:
             payloads = [(name, stored.payload(name)) for name in stored.envelope.names]
             # (the commit opens the generation's epoch in the same manifest: one step)
             await self.store.commit(manifest, payloads, payloads_verified=True)
+            return manifest.checkpoint_id
+
+    async def _taken_over(self, source: ReplicaSource) -> str | None:
+        """The replicated generation to resume from when another host went on
+        with the session (its state became the session's in an epoch this disk
+        never saw), brought into the local store if it is not there; ``None``
+        when the local disk is at least as far along that timeline."""
+        newest = await source.newest(self.session_id)
+        session = self.store.session(self.session_id)
+        if newest is None or session is None:
+            return None
+        epoch, record = newest
+        known = {e.epoch for e in session.epochs} | set(session.retired_epochs)
+        if epoch in known:
+            return None
+        listed = self.store.lookup(record.checkpoint_id, session_id=self.session_id)
+        if listed is None:
+            return await self._adopt(source)  # (the pointer's now: it may have moved on)
+        if listed.envelope_digest != record.envelope_digest:
+            raise GenerationCorruptError(
+                record.checkpoint_id, "replicated tier", "identity",
+                "another host went on with the session from a checkpoint of this id, "
+                "with other bytes than this disk's: resume it on an empty disk",
+            )  # fmt: skip
+        return record.checkpoint_id
 
     async def resume(self, *, source: ReplicaSource | None = None) -> Resumed:
         """Continue the session after a restart: restore its newest compatible
         checkpoint into a fresh epoch (``fresh_epoch``). ``Resumed.step`` is the
         boundary the state is at, so the host's next step is ``step + 1``; it is
         ``None`` when the session has no checkpoint (start from the beginning).
-        With ``source`` (``replicate.Replicas``) and no checkpoint of the session on the local
-        disk, the replicated generation is fetched, verified and committed locally
-        first: a host with an empty disk goes on from another host's checkpoint.
-        An incompatible newest generation is passed over for an older compatible
-        one (``report.skipped``); when none is compatible,
-        ``IncompatibleStateError``."""
+        With ``source`` (``replicate.Replicas``), the replicated generation is
+        fetched, verified and committed locally first when the local disk has no
+        checkpoint of the session (a host with an empty disk goes on from another
+        host's checkpoint), or when it became the session's state in an epoch
+        this disk never saw: another host took the session over and went on, and
+        this disk's newer-looking checkpoints are of the timeline it abandoned
+        (``report`` names them). An incompatible newest generation is passed over
+        for an older compatible one (``report.skipped``); when none is
+        compatible, ``IncompatibleStateError``."""
+        chosen: str | None = None  # (None: the local high water)
         if source is not None and not self.store.timeline(self.session_id):
             try:  # an empty local disk: start from the replicated tier
                 await self._adopt(source)
             except GenerationNotFoundError:
                 return Resumed(step=None, report=None)
+        elif source is not None:
+            chosen = await self._taken_over(source)
         try:
-            report = await self.restore(new_epoch=self.fresh_epoch())
+            report = await self.restore(chosen, new_epoch=self.fresh_epoch())
         except GenerationNotFoundError:
             if self.store.timeline(self.session_id):
                 raise  # listed, yet not found: not "nothing to restore"

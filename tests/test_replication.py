@@ -122,11 +122,56 @@ async def replicated_run(url: str, store_dir: Path, steps: int) -> tuple[list[Pa
     return parts, history
 
 
+async def leased_run(
+    url: str, store_dir: Path, parts: list[Part], steps: range
+) -> int | None:
+    """A host that takes the session over (its lease, forced), resumes with the
+    replicas as its source, checkpoints ``steps`` and waits for its replicator;
+    returns the step it resumed at."""
+    async with NatsBus(url) as bus, FileStore(store_dir) as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+        ):
+            async with Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE) as host:
+                resumed = (await host.resume(source=replicator.replicas)).step
+                for step in steps:
+                    parts[0].data = os.urandom(2000)
+                    await host.checkpoint(step)
+            await caught_up(replicator)
+    return resumed
+
+
 async def stream_bytes(bus: NatsBus, name: str) -> int:
     return int((await bus.client.jetstream().stream_info(name)).state.bytes)
 
 
 # --- the basics -------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_host_back_with_its_old_disk_resumes_where_the_host_that_took_over_went_on(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-33: host A checkpoints to 3 and goes away with its disk; B takes the
+    session over on an empty disk, resumes at 3 and goes on to 6; then A takes
+    it back. A resumed at 3 from its own disk, and its replicator moved the
+    pointer back there: 4-6, replicated, were abandoned with nothing said. The
+    replicated state became the session's in an epoch A's disk never saw: A
+    resumes from it."""
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "a", a_parts, range(1, 4)) is None
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "b", b_parts, range(4, 7)) == 3
+    back = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "a", back, range(7, 7)) == 6
+    assert back[0].data == b_parts[0].data
+    async with NatsBus(server.url) as bus:
+        with await Replicas(bus).fetch("s1") as stored:
+            assert stored.record.boundary == "6"
+    b_back = [Part("world", b""), Part("agent-a", b"a")]  # (and B, back once more)
+    assert await leased_run(server.url, tmp_path / "b", b_back, range(7, 7)) == 6
+    assert b_back[0].data == b_parts[0].data
 
 
 @pytest.mark.asyncio

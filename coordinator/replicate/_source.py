@@ -52,7 +52,7 @@ from ..errors import (
 )
 from ..remote import ObjectBucket
 from ..sealed import seal_fd, sealable_fd
-from ..store import StoredCheckpoint, checked_generation
+from ..store import GenerationRecord, StoredCheckpoint, checked_generation
 from ._content import CONTENT_BUCKET, ContentBucket
 from ._pointer import POINTERS_BUCKET, Pointers, ReplicaPointer, ReplicatedGeneration
 from ._unavailable import cluster_errors
@@ -142,6 +142,15 @@ class Replicas:
         await self._opened()
         with cluster_errors(f"the pointer of session {session_id}"):
             return await self.pointers.get(session_id)
+
+    async def newest(self, session_id: str) -> tuple[str, GenerationRecord] | None:
+        """The epoch in which the session's replicated state became its state, and
+        that generation's record (``None``: nothing of it is replicated)."""
+        found = await self.pointer(session_id)
+        if found is None:
+            return None
+        pointer, _ = found
+        return pointer.epoch, pointer.generation.record(session_id)
 
     async def fetch(self, session_id: str) -> StoredCheckpoint:
         """The session's pointed generation, rebuilt and verified (see the module
