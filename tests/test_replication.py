@@ -163,6 +163,10 @@ async def test_a_host_back_with_its_old_disk_resumes_where_the_host_that_took_ov
     assert await leased_run(server.url, tmp_path / "a", a_parts, range(1, 4)) is None
     b_parts = [Part("world", b""), Part("agent-a", b"a")]
     assert await leased_run(server.url, tmp_path / "b", b_parts, range(4, 7)) == 3
+    async with NatsBus(server.url) as bus:  # (helper-33: a commit after a resume was
+        found = await Replicas(bus).pointer("s1")  # replicated as `recovery`)
+        assert found is not None and found[0].cause == "commit"
+        assert found[0].generation.boundary == "6"
     back = [Part("world", b""), Part("agent-a", b"a")]
     assert await leased_run(server.url, tmp_path / "a", back, range(7, 7)) == 6
     assert back[0].data == b_parts[0].data

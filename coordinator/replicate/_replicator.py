@@ -205,8 +205,10 @@ class Replicator:
         established = established_in(session, record)
         if established is None:  # (the high water is on its timeline by definition)
             return None
-        fork = established.fork
-        cause: Cause = "commit" if fork is None else fork.reason
+        fork = established.fork  # (a commit after that epoch's restore is a commit)
+        cause: Cause = (
+            "commit" if fork is None or record.epoch == established.epoch else fork.reason
+        )
         return _Target(record, established.epoch, cause)
 
     # --- following the store -------------------------------------------------------
