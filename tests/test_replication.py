@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import logging
 import os
 import random
 import subprocess
@@ -1709,11 +1710,13 @@ async def test_replicas_as_the_docs_write_them_read_without_an_explicit_open(
 
 @pytest.mark.asyncio
 async def test_a_take_over_by_a_host_of_the_same_holder_name_is_noticed(
-    server: EmbeddedServer, tmp_path: Path
+    server: EmbeddedServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Two hosts name themselves alike (`holder="trainer-0"`, a rescheduled pod):
-    the one whose lease was taken over learns it, and its replicator never moves
-    the pointer again."""
+    the one whose lease was taken over learns it (and says so in its log: helper-33's
+    host that never checked went on for 12 s with nothing said), and its replicator
+    never moves the pointer again."""
+    caplog.set_level(logging.WARNING, logger="coordinator.replicate")
     async with NatsBus(server.url) as bus_a, NatsBus(server.url) as bus_b:
         async with (
             SessionLease(bus_a, "s1", ttl=0.6, holder="trainer-0") as zombie,
@@ -1724,6 +1727,7 @@ async def test_a_take_over_by_a_host_of_the_same_holder_name_is_noticed(
             await caught_up(replicator)
             async with SessionLease(bus_b, "s1", ttl=5, take_over=True, holder="trainer-0"):
                 await until(lambda: zombie.lost is not None, timeout=5)
+                assert "was taken over" in caplog.text
                 await _commit_by_hand(store, "s1", "e1", 2, b"w2")
                 await until(lambda: "s1" in replicator.fenced, timeout=5)
                 found = await replicator.replicas.pointer("s1")

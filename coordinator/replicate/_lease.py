@@ -18,6 +18,7 @@ within a small part of the TTL.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import secrets
 import socket
@@ -40,6 +41,8 @@ from ..events import subject_token
 from ..ids import check_id
 from ..wire import read_json
 from ._unavailable import cluster_errors
+
+_log = logging.getLogger("coordinator.replicate")
 
 __all__ = ["LEASES_BUCKET", "SessionLease"]
 
@@ -75,7 +78,9 @@ def _held(value: bytes | None) -> LeaseRecord | None:
 class SessionLease:
     """``async with SessionLease(bus, "s1") as lease:`` holds session ``s1`` while
     the block runs (renewed every ``ttl / 3`` seconds). ``lease.revision`` is the
-    fence; ``lease.check()`` raises ``LeaseLostError`` once it was taken."""
+    fence; ``await lease.check()`` raises ``LeaseLostError`` once it was taken,
+    and ``lease.lost`` holds it once a renewal found it taken (it is logged too):
+    nothing stops the host's block, so a host checks before each step."""
 
     def __init__(
         self,
@@ -200,6 +205,7 @@ class SessionLease:
                         f"the lease of session {self.session_id} was taken over: "
                         f"{self.holder} no longer owns it"
                     )
+                    _log.warning("%s; stop this host's steps of the session", self.lost)
                     return
             except Exception:  # the bus is away: try again at the next beat
                 continue
