@@ -378,7 +378,8 @@ def _fold(
     # late behind other kinds of event still does.
     newest = state.high_water is None or (seq > 0 and seq >= state.high_water_seq)
     if isinstance(event, Restored | _ReadRestored):
-        changes.update(restores=state.restores + 1, last_restore=_restore_text(event))
+        text = _restore_text(event, unannounced_loss(state, event))
+        changes.update(restores=state.restores + 1, last_restore=text)
         if newest:  # the store's high water is the checkpoint restored now
             changes.update(
                 high_water=event.checkpoint_id,
@@ -558,11 +559,27 @@ def _count(value: object) -> int | None:
     return None
 
 
-def _restore_text(event: Restored | _ReadRestored) -> str:
-    if event.abandoned_from is None:
-        lost = "nothing abandoned"
-    else:
+def unannounced_loss(
+    before: SessionState, event: Restored | _ReadRestored
+) -> tuple[str, str] | None:
+    """The checkpoint the bus saw committed beyond a restore that names nothing
+    abandoned (``(id, step)``): its host's disk never held it (a take-over from
+    the replicas after a lost host's commits that were not replicated yet)."""
+    if event.abandoned_from is not None or before.high_water in (None, event.checkpoint_id):
+        return None
+    seen, restored = _count(before.high_water_boundary), _count(event.boundary)
+    if before.high_water is None or seen is None or restored is None or seen <= restored:
+        return None
+    return before.high_water, str(seen)
+
+
+def _restore_text(event: Restored | _ReadRestored, unannounced: tuple[str, str] | None) -> str:
+    if event.abandoned_from is not None:
         lost = f"abandoned {event.previous_epoch} steps {event.abandoned_from}-{event.abandoned_to}"
+    elif unannounced is not None:
+        lost = f"{unannounced[0]} (step {unannounced[1]}) was committed before it and is lost"
+    else:
+        lost = "nothing abandoned"
     return f"{event.checkpoint_id} into {event.epoch} ({event.reason[:MAX_TEXT]}; {lost})"
 
 

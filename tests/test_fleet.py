@@ -185,6 +185,31 @@ def test_a_restore_marks_what_it_abandoned_and_its_commits_are_no_lag() -> None:
     assert view["row"]["durableStep"] == "2"
 
 
+def test_a_take_over_past_commits_its_disk_never_held_says_what_the_bus_saw_lost() -> None:
+    """helper-33: a host committed e1-630 and was lost before it was replicated;
+    the host that took over restored e1-620 from the replicas, and its disk, which
+    never held 630, named nothing abandoned: watch and the dashboard said
+    "nothing abandoned". The bus saw 630 committed: both say it is lost."""
+    from coordinator.monitor import SaveState
+
+    identity = identity_of(sample_body("e1-620"))
+    events = [committed("s", "e1-620", 1, 1), committed("s", "e1-630", 2, 2),
+              Restored(previous_epoch="e2", reason="recovery", abandoned_from=None,
+                       abandoned_to=None, identity=identity,
+                       **common("s", "e1-620", 3, 3, "e3"))]  # type: ignore[arg-type]  # fmt: skip
+    board, library = Dashboard(), SaveState()
+    for event in events:
+        board.apply(event)
+        library = library.apply(event)
+    lost = "e1-630 (step 630) was committed before it and is lost"
+    assert lost in (library.sessions["s"].last_restore or "")
+    view = board.session("s", NOW + 4)
+    assert view is not None
+    assert view["restores"][-1]["lostUnannounced"] == ["e1-630", "630"]
+    marks = {row["checkpointId"]: row["abandoned"] for row in view["history"]}
+    assert marks == {"e1-620": False, "e1-630": True}
+
+
 def test_the_queue_is_as_it_is_now() -> None:
     board = Dashboard()
     board.apply(captured("s", "e1-1", 1, 0))

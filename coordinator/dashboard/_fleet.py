@@ -59,6 +59,7 @@ from ..monitor import (
     read_message,
     share,
     trimmed,
+    unannounced_loss,
 )
 from ..presence import (
     FUTURE_S,
@@ -457,7 +458,7 @@ class Dashboard:
         self.touch()
         when = self._note_times(session, event, before, late)
         if isinstance(event, Restored):
-            self._restored(session, event)
+            self._restored(session, event, unannounced_loss(before, event))
             return
         row = session.history.get(event.checkpoint_id)
         if row is None and late:
@@ -515,12 +516,17 @@ class Dashboard:
             session.unreplicated_s = _host_time(after.oldest_unreplicated_time or "")
         return when
 
-    def _restored(self, session: Session, event: Restored) -> None:
+    def _restored(
+        self, session: Session, event: Restored, unannounced: tuple[str, str] | None
+    ) -> None:
         session.restores.append({
             "checkpointId": event.checkpoint_id, "epoch": event.epoch,
             "previousEpoch": event.previous_epoch, "reason": event.reason,
             "time": event.time[:64], "abandoned": [event.abandoned_from, event.abandoned_to],
+            "lostUnannounced": list(unannounced) if unannounced else None,
         })  # fmt: skip
+        if unannounced is not None and unannounced[0] in session.history:
+            session.history[unannounced[0]].abandoned = True  # (the bus's account)
         if event.abandoned_from is None or event.abandoned_to is None:
             return
         lost = (event.previous_epoch, int(event.abandoned_from), int(event.abandoned_to))
