@@ -741,12 +741,20 @@ class Coordinator:
         if newest is None or session is None:
             return None
         epoch, record = newest
-        known = {e.epoch for e in session.epochs} | set(session.retired_epochs)
-        if epoch in known:
+        if session.knows(epoch):
             return None
         listed = self.store.lookup(record.checkpoint_id, session_id=self.session_id)
         if listed is None:
-            return await self._adopt(source)  # (the pointer's now: it may have moved on)
+            try:
+                return await self._adopt(source)  # (the pointer's now: it may have moved on)
+            except (EpochFencedError, StaleEpochError):  # its epoch is one this disk used
+                raise StaleEpochError(
+                    f"session {self.session_id}: another host went on with it from "
+                    f"{record.checkpoint_id}, which this store cannot take in: it holds "
+                    "that checkpoint's epoch (its own, rotated out since, or another "
+                    "checkpoint of it taken in from the replicas) but not the checkpoint. "
+                    "Resume this host on an empty store directory (move this one aside)"
+                ) from None
         if listed.envelope_digest != record.envelope_digest:
             raise GenerationCorruptError(
                 record.checkpoint_id, "replicated tier", "identity",

@@ -124,17 +124,24 @@ async def replicated_run(url: str, store_dir: Path, steps: int) -> tuple[list[Pa
 
 
 async def leased_run(
-    url: str, store_dir: Path, parts: list[Part], steps: range
+    url: str, store_dir: Path, parts: list[Part], steps: range, *, wait: float = 0.0,
+    before_resume: list[str] | None = None,
 ) -> int | None:
     """A host that takes the session over (its lease, forced), resumes with the
-    replicas as its source, checkpoints ``steps`` and waits for its replicator;
-    returns the step it resumed at."""
+    replicas as its source (``wait`` seconds after its replicator started; the
+    pointer's checkpoint then goes to ``before_resume``), checkpoints ``steps``
+    and waits for its replicator; returns the step it resumed at."""
     async with NatsBus(url) as bus, FileStore(store_dir) as store:
         async with (
             SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
             Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
         ):
             async with Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE) as host:
+                await anyio.sleep(wait)  # (a host loading something first)
+                if before_resume is not None:
+                    found = await replicator.replicas.pointer("s1")
+                    assert found is not None
+                    before_resume.append(found[0].generation.boundary)
                 resumed = (await host.resume(source=replicator.replicas)).step
                 for step in steps:
                     parts[0].data = os.urandom(2000)
@@ -177,6 +184,52 @@ async def test_a_host_back_with_its_old_disk_resumes_where_the_host_that_took_ov
     b_back = [Part("world", b""), Part("agent-a", b"a")]  # (and B, back once more)
     assert await leased_run(server.url, tmp_path / "b", b_back, range(7, 7)) == 6
     assert b_back[0].data == b_parts[0].data
+
+
+@pytest.mark.asyncio
+async def test_a_host_back_with_a_disk_that_rotated_out_what_the_other_went_on_from_is_told(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-34: A replicated 3, went on alone to 6 (its store keeps 3: 3 rotated
+    out), and B took over from 3. A back: the replicated state is a checkpoint of
+    an epoch A's disk used itself and no longer lists, which it cannot take in.
+    It said only that the epoch was used before; it says what to do now."""
+    from coordinator import StaleEpochError
+
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    await leased_run(server.url, tmp_path / "a", a_parts, range(1, 4))
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:  # (no replicator)
+        async with Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host:
+            assert (await host.resume()).step == 3
+            for step in (4, 5, 6):
+                await host.checkpoint(step)
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "b", b_parts, range(4, 4)) == 3
+    with pytest.raises(StaleEpochError, match="empty store directory"):
+        await leased_run(server.url, tmp_path / "a", a_parts, range(7, 7))
+
+
+@pytest.mark.asyncio
+async def test_a_host_back_with_its_old_disk_never_moves_the_pointer_back_before_it_resumes(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-34: the replicator of a host back with its old disk moved the pointer
+    to that disk's state as it started, before resume() looked: a host that
+    loaded something first (or was killed) resumed its own 3, and the pointer
+    named it, abandoning B's replicated 4-6. Until the host resumes, its
+    replicator leaves a pointer that another host made alone."""
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    await leased_run(server.url, tmp_path / "a", a_parts, range(1, 4))
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "b", b_parts, range(4, 7)) == 3
+    back, seen = [Part("world", b""), Part("agent-a", b"a")], []
+    assert await leased_run(server.url, tmp_path / "a", back, range(7, 7), wait=0.5,
+                            before_resume=seen) == 6  # fmt: skip
+    assert seen == ["6"] and back[0].data == b_parts[0].data
+    async with NatsBus(server.url) as bus:
+        history = await bus.history("s1")
+    moves = [e.boundary for e in history if isinstance(e, Replicated)]
+    assert "3" not in moves[moves.index("6") :], moves
 
 
 @pytest.mark.asyncio

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import logging
 import math
 import random
 import time
@@ -57,6 +58,8 @@ from ._lease import LEASES_BUCKET, SessionLease
 from ._pointer import POINTER_VERSION, Move, ReplicaPointer, ReplicatedGeneration
 from ._source import DEFAULT_GRACE_S, Replicas
 from ._unavailable import cluster_errors
+
+_log = logging.getLogger("coordinator.replicate")
 
 __all__ = ["Replicator", "ReplicatorStatistics"]
 
@@ -148,6 +151,11 @@ class Replicator:
         self._counts = collections.Counter[str]()
         self._wanted: dict[str, tuple[str, str, str]] = {}  # session -> its state now
         self._held: dict[str, tuple[str, str, str]] = {}  # session -> what its pointer names
+        # Sessions whose pointer names a state another host made, which this store
+        # has not resumed yet (``_resumed_elsewhere``), and each session's epochs
+        # when this replicator started.
+        self.awaiting: set[str] = set()
+        self._epochs_at_entry: dict[str, frozenset[str]] = {}
         self._commits_seen = 0  # the store's commits this replicator has looked at
         # session -> its commits since its last move (ids, at most _MAX_PASSED; and a count)
         self._since_move: dict[str, tuple[list[GenerationRecord], int]] = {}
@@ -158,6 +166,7 @@ class Replicator:
     async def __aenter__(self) -> Self:
         await self.replicas.open(create=True)
         self._commits_seen = self.store.commits  # what came before is caught up, not passed
+        self._epochs_at_entry = {s.session_id: _epochs(s) for s in self.store.sessions}
         for lease in self.leases.values():  # a new owner fences the pointer at once
             with cluster_errors(f"the pointer of session {lease.session_id}"):
                 await self._fence(lease)
@@ -180,7 +189,9 @@ class Replicator:
         return sum(
             1
             for session_id, wanted in self._wanted.items()
-            if session_id not in self.fenced and self._held.get(session_id) != wanted
+            if session_id not in self.fenced
+            and session_id not in self.awaiting
+            and self._held.get(session_id) != wanted
         )
 
     async def wait_caught_up(self) -> None:
@@ -194,7 +205,7 @@ class Replicator:
         return any(
             target is not None and self._wanted.get(session.session_id) != target.key
             for session in self.store.sessions
-            if session.session_id not in self.fenced
+            if session.session_id not in self.fenced and session.session_id not in self.awaiting
             for target in [self._target(session)]
         )
 
@@ -265,6 +276,17 @@ class Replicator:
                 )
         if lease is not None:
             await lease.check()
+        if current is not None and self._resumed_elsewhere(session_id, current, target):
+            if session_id not in self.awaiting:
+                self.awaiting.add(session_id)
+                _log.warning(
+                    "session %s: the replicated tier holds %s, which another host made "
+                    "(epoch %s) and this store has not resumed: its pointer is not moved "
+                    "to this store's older state (resume with source=)",
+                    session_id, current.generation.checkpoint_id, current.epoch,
+                )  # fmt: skip
+            return
+        self.awaiting.discard(session_id)
         if (
             current is not None
             and current.names(*target.key)
@@ -313,6 +335,16 @@ class Replicator:
             sent += await self._make_whole(stored, generation, started)
         self._held[session_id] = target.key
         await self._announce(pointer, moved, target, sent, (self._clock() - started) * 1000)
+
+    def _resumed_elsewhere(self, session_id: str, current: ReplicaPointer, target: _Target) -> bool:
+        """Whether the pointer names a state that became the session's in an epoch
+        this store never saw (another host took the session over and went on),
+        while this store's state is one it held already when this replicator
+        started: a host back with its old disk, before it resumed. Moving the
+        pointer to that state would abandon the other host's work."""
+        session = self.store.session(session_id)
+        known = session is not None and session.knows(current.epoch)
+        return not known and target.epoch in self._epochs_at_entry.get(session_id, frozenset())
 
     async def _already(self, named: ReplicatedGeneration, record: GenerationRecord) -> bool:
         """Whether ``named`` is exactly what replicating ``record`` would make (not a
@@ -605,3 +637,8 @@ def _generation_of(
         payloads=tuple(entry.digest for entry in entries),
         payload_bytes=str(sum(entry.byte_length for entry in entries)),
     )
+
+
+def _epochs(session: SessionRecord) -> frozenset[str]:
+    """Every epoch a store's session record names (retired ones too)."""
+    return frozenset(e.epoch for e in session.epochs) | frozenset(session.retired_epochs)

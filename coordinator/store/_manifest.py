@@ -131,6 +131,10 @@ class SessionRecord(_Record, frozen=True, kw_only=True):
     def epoch(self, epoch: str) -> EpochRecord | None:
         return next((record for record in self.epochs if record.epoch == epoch), None)
 
+    def knows(self, epoch: str) -> bool:
+        """Whether ``epoch`` was opened in this session here (kept, or retired)."""
+        return self.epoch(epoch) is not None or epoch in self.retired_epochs
+
 
 class StoreManifest(_Record, frozen=True, kw_only=True):
     """``manifest.json``: every generation (commit order) and every session."""
@@ -170,7 +174,7 @@ class StoreManifest(_Record, frozen=True, kw_only=True):
     def epoch_owner(self, epoch: str) -> str | None:
         """The session that opened ``epoch`` in this store, if any."""
         for session in self.sessions:
-            if session.epoch(epoch) is not None or epoch in session.retired_epochs:
+            if session.knows(epoch):
                 return session.session_id
         return None
 
