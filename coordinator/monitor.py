@@ -378,7 +378,7 @@ def _fold(
     # late behind other kinds of event still does.
     newest = state.high_water is None or (seq > 0 and seq >= state.high_water_seq)
     if isinstance(event, Restored | _ReadRestored):
-        text = _restore_text(event, unannounced_loss(state, event))
+        text = _restore_text(event, unannounced_loss(state, event, seq))
         changes.update(restores=state.restores + 1, last_restore=text)
         if newest:  # the store's high water is the checkpoint restored now
             changes.update(
@@ -560,12 +560,16 @@ def _count(value: object) -> int | None:
 
 
 def unannounced_loss(
-    before: SessionState, event: Restored | _ReadRestored
+    before: SessionState, event: Restored | _ReadRestored, seq: int
 ) -> tuple[str, str] | None:
     """The checkpoint the bus saw committed beyond a restore that names nothing
     abandoned (``(id, step)``): its host's disk never held it (a take-over from
-    the replicas after a lost host's commits that were not replicated yet)."""
+    the replicas after a lost host's commits that were not replicated yet). Only
+    for a restore that comes after that commit (``seq``): one stored late says
+    nothing of the commits after it."""
     if event.abandoned_from is not None or before.high_water in (None, event.checkpoint_id):
+        return None
+    if not 0 < before.high_water_seq < seq:
         return None
     seen, restored = _count(before.high_water_boundary), _count(event.boundary)
     if before.high_water is None or seen is None or restored is None or seen <= restored:

@@ -210,6 +210,27 @@ def test_a_take_over_past_commits_its_disk_never_held_says_what_the_bus_saw_lost
     assert marks == {"e1-620": False, "e1-630": True}
 
 
+def test_a_restore_stored_late_behind_a_later_commit_names_nothing_lost() -> None:
+    """helper-35: a `restored` folded after the commit that came after it (stored
+    late) was taken for a take-over past that commit: "e3-4 (step 4) was
+    committed before it and is lost", and the dashboard struck 4 through."""
+    from coordinator.monitor import SaveState
+
+    identity = identity_of(sample_body("e1-3"))
+    restore = Restored(previous_epoch="e2", reason="recovery", abandoned_from=None,
+                       abandoned_to=None, identity=identity,
+                       **common("s", "e1-3", 4, 3, "e3"))  # type: ignore[arg-type]  # fmt: skip
+    events = [committed("s", "e1-3", 3, 1), committed("s", "e3-4", 5, 4, "e3"), restore]
+    board, library = Dashboard(), SaveState()
+    for event in events:
+        board.apply(event)
+        library = library.apply(event)
+    assert "nothing abandoned" in (library.sessions["s"].last_restore or "")
+    view = board.session("s", NOW + 5)
+    assert view is not None and view["restores"][-1]["lostUnannounced"] is None
+    assert not any(row["abandoned"] for row in view["history"])
+
+
 def test_the_queue_is_as_it_is_now() -> None:
     board = Dashboard()
     board.apply(captured("s", "e1-1", 1, 0))

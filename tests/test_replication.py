@@ -187,6 +187,39 @@ async def test_a_host_back_with_its_old_disk_resumes_where_the_host_that_took_ov
 
 
 @pytest.mark.asyncio
+async def test_wait_caught_up_after_an_old_disk_resumed_waits_for_the_pointer(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-35: a session held off (its pointer another host's, the old disk not
+    resumed yet) was left out of wait_caught_up() until the replicator's next
+    pass: with a slow cluster it returned at once after resume and a commit,
+    the pointer still naming B's 6."""
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    await leased_run(server.url, tmp_path / "a", a_parts, range(1, 4))
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    await leased_run(server.url, tmp_path / "b", b_parts, range(4, 7))
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+            Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            await until(lambda: "s1" in replicator.awaiting)
+            get_any = replicator.replicas.pointers.get_any
+
+            async def slow_get_any(session_id: str) -> Any:  # (a cluster answering late)
+                await anyio.sleep(1)
+                return await get_any(session_id)
+
+            replicator.replicas.pointers.get_any = slow_get_any  # type: ignore[method-assign]
+            assert (await host.resume(source=replicator.replicas)).step == 6
+            await host.checkpoint(7)
+            await caught_up(replicator)
+            found = await replicator.replicas.pointer("s1")
+            assert found is not None and found[0].generation.boundary == "7"
+
+
+@pytest.mark.asyncio
 async def test_a_host_back_with_a_disk_that_rotated_out_what_the_other_went_on_from_is_told(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:

@@ -458,7 +458,7 @@ class Dashboard:
         self.touch()
         when = self._note_times(session, event, before, late)
         if isinstance(event, Restored):
-            self._restored(session, event, unannounced_loss(before, event))
+            self._restored(session, event, unannounced_loss(before, event, event.seq))
             return
         row = session.history.get(event.checkpoint_id)
         if row is None and late:

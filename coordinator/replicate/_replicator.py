@@ -154,7 +154,7 @@ class Replicator:
         # Sessions whose pointer names a state another host made, which this store
         # has not resumed yet (``_resumed_elsewhere``), and each session's epochs
         # when this replicator started.
-        self.awaiting: set[str] = set()
+        self.awaiting: dict[str, tuple[str, str, str]] = {}  # session -> the state held
         self._epochs_at_entry: dict[str, frozenset[str]] = {}
         self._commits_seen = 0  # the store's commits this replicator has looked at
         # session -> its commits since its last move (ids, at most _MAX_PASSED; and a count)
@@ -190,7 +190,7 @@ class Replicator:
             1
             for session_id, wanted in self._wanted.items()
             if session_id not in self.fenced
-            and session_id not in self.awaiting
+            and self.awaiting.get(session_id) != wanted  # (held: until its state moves)
             and self._held.get(session_id) != wanted
         )
 
@@ -205,7 +205,7 @@ class Replicator:
         return any(
             target is not None and self._wanted.get(session.session_id) != target.key
             for session in self.store.sessions
-            if session.session_id not in self.fenced and session.session_id not in self.awaiting
+            if session.session_id not in self.fenced
             for target in [self._target(session)]
         )
 
@@ -278,15 +278,15 @@ class Replicator:
             await lease.check()
         if current is not None and self._resumed_elsewhere(session_id, current, target):
             if session_id not in self.awaiting:
-                self.awaiting.add(session_id)
                 _log.warning(
                     "session %s: the replicated tier holds %s, which another host made "
                     "(epoch %s) and this store has not resumed: its pointer is not moved "
                     "to this store's older state (resume with source=)",
                     session_id, current.generation.checkpoint_id, current.epoch,
                 )  # fmt: skip
+            self.awaiting[session_id] = target.key
             return
-        self.awaiting.discard(session_id)
+        self.awaiting.pop(session_id, None)
         if (
             current is not None
             and current.names(*target.key)
