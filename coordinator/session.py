@@ -717,7 +717,7 @@ class Coordinator:
                 continue
             return epoch
 
-    async def _adopt(self, source: ReplicaSource) -> str:
+    async def _adopt(self, source: ReplicaSource, *, taken_in: bool = False) -> str:
         """Bring the session's replicated generation into the local store, which has
         none of it: fetched and verified by every reader check, then committed here
         under its own epoch, which the commit records in this store as used (one
@@ -728,7 +728,7 @@ class Coordinator:
             manifest = stored.manifest
             payloads = [(name, stored.payload(name)) for name in stored.envelope.names]
             # (the commit opens the generation's epoch in the same manifest: one step)
-            await self.store.commit(manifest, payloads, payloads_verified=True)
+            await self.store.commit(manifest, payloads, payloads_verified=True, taken_in=taken_in)
             return manifest.checkpoint_id
 
     async def _taken_over(self, source: ReplicaSource) -> str | None:
@@ -746,7 +746,9 @@ class Coordinator:
         listed = self.store.lookup(record.checkpoint_id, session_id=self.session_id)
         if listed is None:
             try:
-                return await self._adopt(source)  # (the pointer's now: it may have moved on)
+                # Taken in as a timeline of its own: what this disk made since is no
+                # part of it (never offered as an older checkpoint of it).
+                return await self._adopt(source, taken_in=True)  # (the pointer's now)
             except (EpochFencedError, StaleEpochError):  # its epoch is one this disk used
                 raise StaleEpochError(
                     f"session {self.session_id}: another host went on with it from "

@@ -187,6 +187,31 @@ async def test_a_host_back_with_its_old_disk_resumes_where_the_host_that_took_ov
 
 
 @pytest.mark.asyncio
+async def test_what_an_old_disk_made_alone_is_no_part_of_the_timeline_it_takes_in(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-35: A replicated 3 and went on alone to 5; B took over at 3 and went
+    on to 8; A back resumed at 8, but B's epoch was opened as a continuation of
+    A's: A's 4 and 5, never part of B's run, stood on the timeline before 8 (an
+    older checkpoint a refused restore would offer). B's epoch is taken in as a
+    timeline of its own now; the store reopens consistent."""
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    await leased_run(server.url, tmp_path / "a", a_parts, range(1, 4))
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a", keep=8) as store:
+        async with Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host:
+            assert (await host.resume()).step == 3
+            for step in (4, 5):  # (alone: no replicator)
+                await host.checkpoint(step)
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "b", b_parts, range(4, 9)) == 3
+    back = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "a", back, range(9, 9)) == 8
+    async with FileStore(tmp_path / "a", keep=8) as store:  # (reopened: checked)
+        steps = [g.boundary for g in store.timeline("s1")]
+    assert steps == ["8"], steps
+
+
+@pytest.mark.asyncio
 async def test_wait_caught_up_after_an_old_disk_resumed_waits_for_the_pointer(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:

@@ -282,6 +282,7 @@ class FileStore:
         *,
         payloads_verified: bool = False,
         digests_pending: Sequence[str] = (),
+        taken_in: bool = False,
     ) -> CommitReceipt:
         """Make one checkpoint durable (see ``SyncStore.commit``). Commits that
         wait meanwhile (other sessions', or a writer's queued ones) are made
@@ -292,7 +293,7 @@ class FileStore:
         records hold a placeholder): the store computes them while it writes the
         file, and the receipt's ``payload_digests`` has them."""
         (outcome,) = await self._commit_members([
-            GroupMember(manifest, payloads, payloads_verified, tuple(digests_pending))
+            GroupMember(manifest, payloads, payloads_verified, tuple(digests_pending), taken_in)
         ])  # fmt: skip
         if isinstance(outcome, BaseException):
             raise outcome

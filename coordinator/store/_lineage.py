@@ -184,10 +184,15 @@ def check_epoch_unused(manifest: StoreManifest, epoch: str) -> None:
             )
 
 
-def with_opened_epoch(manifest: StoreManifest, session_id: str, epoch: str) -> StoreManifest:
-    """``epoch`` opened for ``session_id``, continuing its current timeline."""
+def with_opened_epoch(
+    manifest: StoreManifest, session_id: str, epoch: str, *, taken_in: bool = False
+) -> StoreManifest:
+    """``epoch`` opened for ``session_id``, continuing its current timeline; or
+    (``taken_in``) as a timeline of its own: an epoch another store made, whose
+    place in this store's timelines is unknown (``Coordinator.resume`` after
+    another host went on with the session)."""
     session = _new_epoch(manifest, session_id, epoch)
-    parent = session.current if session is not None else None
+    parent = session.current if session is not None and not taken_in else None
     opened = EpochRecord(epoch=epoch, parent=parent, fork=None)
     if session is None:
         session = SessionRecord(
@@ -277,10 +282,13 @@ def with_generation(
     record: GenerationRecord,
     keep: int,
     pinned: frozenset[str] = frozenset(),
+    *,
+    taken_in: bool = False,
 ) -> tuple[StoreManifest, list[GenerationRecord]]:
     """``record`` committed (replacing a listed record of the same id), and the
     session's generations rotated to ``keep`` (never dropping one of ``pinned``):
-    the new manifest, and what it drops.
+    the new manifest, and what it drops. ``taken_in``: a new epoch of the record
+    is opened as a timeline of its own (``with_opened_epoch``).
 
     This runs for every member of a commit group, whose members are all pinned
     until it commits: the timeline is asked only about the generations rotation
@@ -291,7 +299,7 @@ def with_generation(
         raise ValueError(f"sequence {record.sequence} does not follow {manifest.last_sequence}")
     session = manifest.session(record.session_id)
     if session is None or session.epoch(record.epoch) is None:
-        manifest = with_opened_epoch(manifest, record.session_id, record.epoch)
+        manifest = with_opened_epoch(manifest, record.session_id, record.epoch, taken_in=taken_in)
         session = manifest.session(record.session_id)
         assert session is not None
     committed = record.checkpoint_id

@@ -121,6 +121,9 @@ class GroupMember(msgspec.Struct, frozen=True):
     # Payloads whose digest nobody has computed: their records hold a placeholder,
     # and the store computes it while it writes (``envelope.plan``).
     digests_pending: tuple[str, ...] = ()
+    # A checkpoint another store made (``Coordinator.resume`` from the replicas):
+    # its epoch, new here, is a timeline of its own, no continuation of this one.
+    taken_in: bool = False
 
 
 class _Written(msgspec.Struct, kw_only=True):
@@ -135,6 +138,7 @@ class _Written(msgspec.Struct, kw_only=True):
     payload_digests: tuple[str, ...]
     index: int = 0
     dropped: tuple[GenerationRecord, ...] = ()
+    taken_in: bool = False  # (its member's)
 
 
 def _others_may_open(path: str) -> bool:
@@ -607,7 +611,10 @@ class SyncStore:
                 outcomes[index] = error
                 continue
             try:  # (checked before it was written: it cannot fail here, in fact)
-                working, dropped = with_generation(working, done.record, self.keep, pins)
+                done.taken_in = member.taken_in
+                working, dropped = with_generation(
+                    working, done.record, self.keep, pins, taken_in=done.taken_in
+                )
             except Exception as error:
                 self._io.discard(done.file.fd, done.file.path)
                 self._failed += 1
@@ -737,7 +744,7 @@ class SyncStore:
                 done.record, sequence=str(int(working.last_sequence) + 1)
             )
             working, dropped = with_generation(
-                working, done.record, self.keep, pins
+                working, done.record, self.keep, pins, taken_in=done.taken_in
             )  # (each member was checked against the durable manifest as well)
             done.dropped = tuple(dropped)
         return working
