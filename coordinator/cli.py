@@ -1061,6 +1061,8 @@ async def _sessions_on_stream(bus: Any, subjects: str | None = None) -> list[str
     does not say."""
     import anyio
 
+    from .events import session_of_token
+
     try:
         with anyio.fail_after(3):
             info = await bus.client.jetstream().stream_info(
@@ -1070,7 +1072,7 @@ async def _sessions_on_stream(bus: Any, subjects: str | None = None) -> list[str
         return None
     head = f"{bus.prefix}."
     tokens = {subject.removeprefix(head).split(".")[0] for subject in info.state.subjects or {}}
-    return sorted(token.replace("=2E", ".") for token in tokens)
+    return sorted(session_of_token(token) for token in tokens)
 
 
 async def _follow_beats(bus: Any, screen: _Screen) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "event_name",
     "events_schema",
     "rfc3339_now",
+    "session_of_token",
     "session_subjects",
     "subject",
     "subject_token",
@@ -226,6 +227,11 @@ def subject_token(session_id: str) -> str:
     and no Id holds it, so the spelling is reversible.
     Every other Id character is used as it is."""
     return session_id.replace(".", "=2E")
+
+
+def session_of_token(token: str) -> str:
+    """The Id a subject token or KV key spells (``subject_token``'s inverse)."""
+    return token.replace("=2E", ".")
 
 
 def subject(session_id: str, event: str, *, prefix: str = DEFAULT_PREFIX) -> str:

@@ -567,14 +567,13 @@ def unannounced_loss(
     the replicas after a lost host's commits that were not replicated yet). Only
     for a restore that comes after that commit (``seq``): one stored late says
     nothing of the commits after it."""
-    if event.abandoned_from is not None or before.high_water in (None, event.checkpoint_id):
-        return None
-    if not 0 < before.high_water_seq < seq:
+    high_water = before.high_water
+    if event.abandoned_from is not None or high_water in (None, event.checkpoint_id):
         return None
     seen, restored = _count(before.high_water_boundary), _count(event.boundary)
-    if before.high_water is None or seen is None or restored is None or seen <= restored:
+    if not 0 < before.high_water_seq < seq or seen is None or restored is None:
         return None
-    return before.high_water, str(seen)
+    return (high_water, str(seen)) if high_water is not None and seen > restored else None
 
 
 def _restore_text(event: Restored | _ReadRestored, unannounced: tuple[str, str] | None) -> str:

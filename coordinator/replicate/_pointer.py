@@ -29,7 +29,7 @@ from nats.js.errors import (
 )
 
 from ..errors import BusUnavailableError, ReplicaFencedError, ReplicaPointerError
-from ..events import subject_token
+from ..events import session_of_token, subject_token
 from ..ids import U64, Digest, Id
 from ..store import GenerationRecord
 from ..wire import read_json
@@ -301,11 +301,11 @@ class Pointers:
                     pass
                 elif key.startswith(MOVING):
                     try:
-                        moves[key.removeprefix(MOVING).replace("=2E", ".")] = _moves(message.data)
+                        moves[session_of_token(key.removeprefix(MOVING))] = _moves(message.data)
                     except ReplicaPointerError:
                         unreadable.append(key)
                 else:
-                    session_id = key.replace("=2E", ".")
+                    session_id = session_of_token(key)
                     try:
                         found[session_id] = parse_pointer(message.data, session_id)
                     except ReplicaPointerError:

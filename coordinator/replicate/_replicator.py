@@ -302,15 +302,17 @@ class Replicator:
             return
         started = self._clock()
         with await self.store.read(target.record.checkpoint_id, session_id=session_id) as stored:
+            manifest = canonical_bytes(stored.envelope.manifest)
+            generation = _generation_of(stored, manifest)
             # Said before any object is made or touched: however long the move then
             # takes (a host paused past the grace period), no sweep takes them.
             await self.replicas.pointers.moving(
                 session_id,
-                Move(lease_revision=fence, generation=_generation_of(stored)),
+                Move(lease_revision=fence, generation=generation),
                 settled=current is not None and current.lease_revision >= fence,
                 lease_high_water=self._lease_high_water,
             )
-            generation, sent = await self._upload(stored)
+            sent = await self._upload(stored, manifest, generation)
             if lease is not None:
                 await lease.check()
             if not self._on_timeline(session_id, target.record):  # a fork abandoned it:
@@ -332,7 +334,7 @@ class Replicator:
                 if now is not None and now.lease_revision > fence:
                     raise  # another host owns it
                 raise _OvertakenError(session_id) from None  # (a lost lease's move came first)
-            sent += await self._make_whole(stored, generation, started)
+            sent += await self._make_whole(stored, manifest, generation, started)
         self._held[session_id] = target.key
         await self._announce(pointer, moved, target, sent, (self._clock() - started) * 1000)
 
@@ -368,7 +370,11 @@ class Replicator:
         return all([await content.live(digest, size) for digest, size in sizes.items()])
 
     async def _make_whole(
-        self, stored: StoredCheckpoint, generation: ReplicatedGeneration, started: float
+        self,
+        stored: StoredCheckpoint,
+        manifest: bytes,
+        generation: ReplicatedGeneration,
+        started: float,
     ) -> int:
         """After a move that took longer than half the grace period (a paused host),
         a sweep may have judged its objects meanwhile: every one is checked, and
@@ -387,8 +393,7 @@ class Replicator:
                 return sent
             self._counts["lost_objects"] += len(missing)
             started = self._clock()
-            _, more = await self._upload(stored)
-            sent += more
+            sent += await self._upload(stored, manifest, generation)
         raise ArtifactUnavailableError(
             f"the objects of {generation.checkpoint_id} kept being swept while it was "
             f"replicated: the grace period ({self.grace:g} s) is too short for this link"
@@ -404,12 +409,13 @@ class Replicator:
             return False
         return session is not None and on_timeline(session, record)
 
-    async def _upload(self, stored: StoredCheckpoint) -> tuple[ReplicatedGeneration, int]:
-        """Every object of ``stored`` (verified as it was read) made or touched in
-        the bucket; the generation as a pointer names it, and the bytes sent."""
-        manifest = canonical_bytes(stored.envelope.manifest)
-        manifest_digest = hashlib.sha256(manifest).hexdigest()
-        generation = _generation_of(stored, (manifest_digest, len(manifest)))
+    async def _upload(
+        self, stored: StoredCheckpoint, manifest: bytes, generation: ReplicatedGeneration
+    ) -> int:
+        """Every object of ``stored`` (verified as it was read), ``manifest`` (its
+        canonical bytes) and its payloads as ``generation`` names them, made or
+        touched in the bucket; the bytes sent."""
+        manifest_digest = generation.manifest
         views = {manifest_digest: memoryview(manifest)}
         for entry in stored.envelope.layout.entries:
             views.setdefault(entry.digest, stored.payload(entry.name))
@@ -431,7 +437,7 @@ class Replicator:
             raise errors.exceptions[0] from None
         finally:
             views[manifest_digest].release()  # (the payloads' views are the envelope's)
-        return generation, sent[0]
+        return sent[0]
 
     # --- announcing ---------------------------------------------------------------
 
@@ -614,15 +620,8 @@ class Replicator:
         )
 
 
-def _generation_of(
-    stored: StoredCheckpoint, manifest: tuple[str, int] | None = None
-) -> ReplicatedGeneration:
-    """``stored`` as a pointer names it; ``manifest``: its manifest object's
-    digest and length, if known."""
-    if manifest is None:
-        encoded = canonical_bytes(stored.envelope.manifest)
-        manifest = hashlib.sha256(encoded).hexdigest(), len(encoded)
-    manifest_digest, manifest_bytes = manifest
+def _generation_of(stored: StoredCheckpoint, manifest: bytes) -> ReplicatedGeneration:
+    """``stored`` as a pointer names it, ``manifest`` its manifest's canonical bytes."""
     record, entries = stored.record, stored.envelope.layout.entries
     return ReplicatedGeneration(
         checkpoint_id=record.checkpoint_id,
@@ -632,8 +631,8 @@ def _generation_of(
         compatibility_digest=record.compatibility_digest,
         envelope_digest=record.envelope_digest,
         envelope_bytes=record.byte_length,
-        manifest=manifest_digest,
-        manifest_bytes=str(manifest_bytes),
+        manifest=hashlib.sha256(manifest).hexdigest(),
+        manifest_bytes=str(len(manifest)),
         payloads=tuple(entry.digest for entry in entries),
         payload_bytes=str(sum(entry.byte_length for entry in entries)),
     )

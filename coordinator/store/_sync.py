@@ -611,7 +611,6 @@ class SyncStore:
                 outcomes[index] = error
                 continue
             try:  # (checked before it was written: it cannot fail here, in fact)
-                done.taken_in = member.taken_in
                 working, dropped = with_generation(
                     working, done.record, self.keep, pins, taken_in=done.taken_in
                 )
@@ -708,6 +707,7 @@ class SyncStore:
             timings=timings,
             payload_digests=sealed.payload_digests,
             index=index,
+            taken_in=member.taken_in,
         )
 
     def _sync_and_rename(
