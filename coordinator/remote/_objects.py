@@ -555,17 +555,20 @@ class ObjectBucket:
         name = f"read-{self._js._nc._nuid.next().decode()}"
         consumer: Any = None
         try:
-            await self._js.add_consumer(
-                self._store._stream,
-                config=api.ConsumerConfig(
-                    name=name,
-                    filter_subject=f"$O.{self.name}.C.{info.nuid}",
-                    ack_policy=api.AckPolicy.NONE,
-                    inactive_threshold=_STALL_TIMEOUT,
-                    mem_storage=True,
-                    num_replicas=1,
-                ),
-            )
+            # Waited for even if cancelled meanwhile (nats-py's own timeout bounds it):
+            # a delete the server handled before the create would find nothing.
+            with anyio.CancelScope(shield=True):
+                await self._js.add_consumer(
+                    self._store._stream,
+                    config=api.ConsumerConfig(
+                        name=name,
+                        filter_subject=f"$O.{self.name}.C.{info.nuid}",
+                        ack_policy=api.AckPolicy.NONE,
+                        inactive_threshold=_STALL_TIMEOUT,
+                        mem_storage=True,
+                        num_replicas=1,
+                    ),
+                )
             consumer = await self._js.pull_subscribe_bind(name, stream=self._store._stream)
             async for data in self._batches(consumer, size):
                 yield data
