@@ -50,6 +50,7 @@ from nats.js.object_store import ObjectStore
 
 from ..artifacts import ArtifactLedger, BaseHandle, mark_verified, sha256_hex
 from ..bus import checked_stream_config, created
+from ..cancellation import whole
 from ..errors import (
     ArtifactCorruptError,
     ArtifactReleasedError,
@@ -555,20 +556,17 @@ class ObjectBucket:
         name = f"read-{self._js._nc._nuid.next().decode()}"
         consumer: Any = None
         try:
-            # Waited for even if cancelled meanwhile (nats-py's own timeout bounds it):
+            config = api.ConsumerConfig(
+                name=name,
+                filter_subject=f"$O.{self.name}.C.{info.nuid}",
+                ack_policy=api.AckPolicy.NONE,
+                inactive_threshold=_STALL_TIMEOUT,
+                mem_storage=True,
+                num_replicas=1,
+            )
+            # Waited for whatever cancels the read (nats-py's own timeout bounds it):
             # a delete the server handled before the create would find nothing.
-            with anyio.CancelScope(shield=True):
-                await self._js.add_consumer(
-                    self._store._stream,
-                    config=api.ConsumerConfig(
-                        name=name,
-                        filter_subject=f"$O.{self.name}.C.{info.nuid}",
-                        ack_policy=api.AckPolicy.NONE,
-                        inactive_threshold=_STALL_TIMEOUT,
-                        mem_storage=True,
-                        num_replicas=1,
-                    ),
-                )
+            await whole(lambda: self._js.add_consumer(self._store._stream, config=config))
             consumer = await self._js.pull_subscribe_bind(name, stream=self._store._stream)
             async for data in self._batches(consumer, size):
                 yield data
