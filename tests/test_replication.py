@@ -292,6 +292,46 @@ async def test_a_host_back_with_its_old_disk_never_moves_the_pointer_back_before
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("disk", ["old", "empty"])
+async def test_a_host_that_goes_on_without_the_replicas_never_moves_the_pointer_over_them(
+    server: EmbeddedServer, tmp_path: Path, disk: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replicated 3; B took over and went on to 6. A back with its old disk (or a
+    host on an empty one) holds the lease, but its host resumes from its own disk
+    alone (no source=) and goes on: its replicator held the pointer only until
+    the store went on in an epoch of its own, then moved it to A's 5, abandoning
+    B's replicated 4-6. The pointer names a state this store never saw: it stays,
+    the replicator says so, and B's 6 is still what a restore gets."""
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    await leased_run(server.url, tmp_path / "a", a_parts, range(1, 4))
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "b", b_parts, range(4, 7)) == 3
+    own = tmp_path / ("a" if disk == "old" else "new")
+    caplog.set_level(logging.WARNING, "coordinator.replicate")
+    async with NatsBus(server.url) as bus, FileStore(own) as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+            Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            step = (await host.resume()).step or 0  # (its own disk alone)
+            for step in range(step + 1, step + 3):
+                await host.checkpoint(step)
+            await caught_up(replicator)
+            assert replicator.statistics().awaiting == ("s1",)
+            assert replicator.statistics().replicated == 0
+    found = await Replicas_pointer(server.url)
+    assert found == "6", found
+    assert "never saw" in caplog.text
+
+
+async def Replicas_pointer(url: str) -> str | None:
+    async with NatsBus(url) as bus:
+        found = await Replicas(bus).pointer("s1")
+    return None if found is None else found[0].generation.boundary
+
+
+@pytest.mark.asyncio
 async def test_a_host_with_an_empty_disk_restores_what_another_host_replicated(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:

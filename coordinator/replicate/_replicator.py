@@ -82,6 +82,9 @@ class ReplicatorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     retried: int  # attempts the cluster could not take
     failed: int  # attempts refused for a reason retrying cannot fix at once
     fenced: tuple[str, ...]  # sessions another host owns now: never moved again here
+    # sessions whose pointer names another host's state this store never saw: left
+    # as it is until the store takes that state in (resume(source=))
+    awaiting: tuple[str, ...]
     pending: int  # sessions whose pointer does not name their state yet
     sweeps: int
     swept_objects: int
@@ -152,10 +155,8 @@ class Replicator:
         self._wanted: dict[str, tuple[str, str, str]] = {}  # session -> its state now
         self._held: dict[str, tuple[str, str, str]] = {}  # session -> what its pointer names
         # Sessions whose pointer names a state another host made, which this store
-        # has not resumed yet (``_resumed_elsewhere``), and each session's epochs
-        # when this replicator started.
+        # never saw (``_never_saw``): left as they are.
         self.awaiting: dict[str, tuple[str, str, str]] = {}  # session -> the state held
-        self._epochs_at_entry: dict[str, frozenset[str]] = {}
         self._commits_seen = 0  # the store's commits this replicator has looked at
         # session -> its commits since its last move (ids, at most _MAX_PASSED; and a count)
         self._since_move: dict[str, tuple[list[GenerationRecord], int]] = {}
@@ -166,7 +167,6 @@ class Replicator:
     async def __aenter__(self) -> Self:
         await self.replicas.open(create=True)
         self._commits_seen = self.store.commits  # what came before is caught up, not passed
-        self._epochs_at_entry = {s.session_id: _epochs(s) for s in self.store.sessions}
         for lease in self.leases.values():  # a new owner fences the pointer at once
             with cluster_errors(f"the pointer of session {lease.session_id}"):
                 await self._fence(lease)
@@ -276,13 +276,15 @@ class Replicator:
                 )
         if lease is not None:
             await lease.check()
-        if current is not None and self._resumed_elsewhere(session_id, current, target):
+        if current is not None and self._never_saw(session_id, current, fence):
             if session_id not in self.awaiting:
                 _log.warning(
                     "session %s: the replicated tier holds %s, which another host made "
-                    "(epoch %s) and this store has not resumed: its pointer is not moved "
-                    "to this store's older state (resume with source=)",
+                    "(epoch %s) and this store never saw: its pointer is not moved to "
+                    "this store's state (%s), which would abandon it. Resume with "
+                    "source= to go on from it",
                     session_id, current.generation.checkpoint_id, current.epoch,
+                    target.record.checkpoint_id,
                 )  # fmt: skip
             self.awaiting[session_id] = target.key
             return
@@ -338,15 +340,19 @@ class Replicator:
         self._held[session_id] = target.key
         await self._announce(pointer, moved, target, sent, (self._clock() - started) * 1000)
 
-    def _resumed_elsewhere(self, session_id: str, current: ReplicaPointer, target: _Target) -> bool:
+    def _never_saw(self, session_id: str, current: ReplicaPointer, fence: int) -> bool:
         """Whether the pointer names a state that became the session's in an epoch
-        this store never saw (another host took the session over and went on),
-        while this store's state is one it held already when this replicator
-        started: a host back with its old disk, before it resumed. Moving the
-        pointer to that state would abandon the other host's work."""
+        this store never opened (nor took in): another host took the session over
+        and went on, and this store did not resume from it (a host back with its
+        old disk, or on an empty one, whether it resumed from its own disk alone or
+        not yet). Whatever this store's state, moving the pointer to it would
+        abandon the other host's work. A move under an older lease than this
+        host's (``fence``; stamped over as this replicator started, so made since
+        by a host that lost the lease) is gone over, as any such move."""
+        if current.lease_revision < fence:
+            return False
         session = self.store.session(session_id)
-        known = session is not None and session.knows(current.epoch)
-        return not known and target.epoch in self._epochs_at_entry.get(session_id, frozenset())
+        return session is None or not session.knows(current.epoch)
 
     async def _already(self, named: ReplicatedGeneration, record: GenerationRecord) -> bool:
         """Whether ``named`` is exactly what replicating ``record`` would make (not a
@@ -612,6 +618,7 @@ class Replicator:
             retried=counts["retried"],
             failed=counts["failed"],
             fenced=tuple(sorted(self.fenced)),
+            awaiting=tuple(sorted(self.awaiting)),
             pending=self.pending,
             sweeps=counts["sweeps"],
             swept_objects=counts["swept_objects"],
@@ -636,8 +643,3 @@ def _generation_of(stored: StoredCheckpoint, manifest: bytes) -> ReplicatedGener
         payloads=tuple(entry.digest for entry in entries),
         payload_bytes=str(sum(entry.byte_length for entry in entries)),
     )
-
-
-def _epochs(session: SessionRecord) -> frozenset[str]:
-    """Every epoch a store's session record names (retired ones too)."""
-    return frozenset(e.epoch for e in session.epochs) | frozenset(session.retired_epochs)
