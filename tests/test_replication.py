@@ -314,18 +314,126 @@ async def test_a_host_that_goes_on_without_the_replicas_never_moves_the_pointer_
             Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
             Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host,
         ):
-            step = (await host.resume()).step or 0  # (its own disk alone)
-            for step in range(step + 1, step + 3):
+            resumed = (await host.resume()).step or 0  # (its own disk alone)
+            for step in range(resumed + 1, resumed + 3):
                 await host.checkpoint(step)
             await caught_up(replicator)
             assert replicator.statistics().awaiting == ("s1",)
             assert replicator.statistics().replicated == 0
-    found = await Replicas_pointer(server.url)
+    found = await pointer_boundary(server.url)
     assert found == "6", found
     assert "never saw" in caplog.text
 
 
-async def Replicas_pointer(url: str) -> str | None:
+@pytest.mark.asyncio
+@pytest.mark.parametrize("disk", ["old", "empty"])
+async def test_the_hold_outlasts_the_lease_renewals(
+    server: EmbeddedServer, tmp_path: Path, disk: str
+) -> None:
+    """helper-37: the hold lasted until the lease's first renewal: each renewal
+    raises the lease's revision, and the pointer, stamped with the take-over's,
+    then looked like a lost lease's move, which the owner goes over: A's next
+    commit moved it over B's 4-6."""
+    await leased_run(server.url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")],
+                     range(1, 4))  # fmt: skip
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "b", b_parts, range(4, 7)) == 3
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    own = tmp_path / ("a" if disk == "old" else "new")
+    async with NatsBus(server.url) as bus, FileStore(own) as store:
+        async with (
+            SessionLease(bus, "s1", ttl=1.5, take_over=True) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+            Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            step = (await host.resume()).step or 0 if disk == "old" else 0
+            taken = lease.revision
+            await host.checkpoint(step + 1)
+            await until(lambda: lease.revision > taken)  # (renewed)
+            await host.checkpoint(step + 2)
+            await caught_up(replicator)
+            assert replicator.statistics().awaiting == ("s1",)
+    assert await pointer_boundary(server.url) == "6"
+
+
+@pytest.mark.asyncio
+async def test_a_host_that_waits_past_a_renewal_before_it_resumes_still_takes_in_the_other_work(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-37: A back with its old disk, its lease renewed while it loaded
+    before resume(source=): its replicator moved the pointer back to A's 3 as
+    the host opened its epoch, and resume(source=) then followed it: B's 4-6
+    lost. It resumes at 6."""
+    await leased_run(server.url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")],
+                     range(1, 4))  # fmt: skip
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "b", b_parts, range(4, 7)) == 3
+    back = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with (
+            SessionLease(bus, "s1", ttl=1.5, take_over=True) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+        ):
+            taken = lease.revision
+            await until(lambda: lease.revision > taken)  # (loading: renewed meanwhile)
+            async with Coordinator(store, bus, back, session_id="s1", describe=DESCRIBE) as host:
+                await anyio.sleep(0.3)  # (the replicator looks at the opened epoch)
+                assert (await host.resume(source=replicator.replicas)).step == 6
+    assert back[0].data == b_parts[0].data
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("leased", [True, False], ids=["leased", "leaseless"])
+@pytest.mark.parametrize("how", ["resumed-elsewhere", "rolled-back"])
+async def test_a_host_that_took_in_a_restored_state_is_replicated(
+    server: EmbeddedServer, tmp_path: Path, leased: bool, how: str
+) -> None:
+    """helper-37: the pointer names a restore's epoch (B resumed from the replicas
+    and stopped before committing; or A rolled back to its 2): a host that
+    resumes from it on an empty disk takes in the generation's epoch, not the
+    restore's, and its replicator held the pointer for good. What it took in
+    is what the pointer names: it moves on."""
+
+    @contextlib.asynccontextmanager
+    async def host(
+        store_dir: Path, parts: list[Part]
+    ) -> AsyncIterator[tuple[Coordinator, Replicator]]:
+        async with NatsBus(server.url) as bus, FileStore(store_dir) as store:
+            async with contextlib.AsyncExitStack() as stack:
+                leases = [await stack.enter_async_context(
+                    SessionLease(bus, "s1", ttl=30, take_over=True)
+                )] if leased else []  # fmt: skip
+                replicator = await stack.enter_async_context(
+                    Replicator(bus, store, leases=leases, sweep_every=None)
+                )
+                async with Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE) as h:
+                    yield h, replicator
+                await caught_up(replicator)
+
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    async with host(tmp_path / "a", a_parts) as (a, _):
+        for step in (1, 2, 3):
+            a_parts[0].data = os.urandom(2000)
+            await a.checkpoint(step)
+        if how == "rolled-back":
+            (two,) = [g for g in a.store.timeline("s1") if g.boundary == "2"]
+            await a.restore(two.checkpoint_id, new_epoch=a.fresh_epoch())
+    if how == "resumed-elsewhere":
+        async with host(tmp_path / "b", [Part("world", b""), Part("agent-a", b"a")]) as (b, r):
+            assert (await b.resume(source=r.replicas)).step == 3
+    async with NatsBus(server.url) as bus:
+        found = await Replicas(bus).pointer("s1")
+    assert found is not None and found[0].cause != "commit"
+    c_parts = [Part("world", b""), Part("agent-a", b"a")]
+    async with host(tmp_path / "c", c_parts) as (c, replicator):
+        step = (await c.resume(source=replicator.replicas)).step or 0
+        await c.checkpoint(step + 1)
+        await caught_up(replicator)
+        assert replicator.statistics().awaiting == ()
+    assert await pointer_boundary(server.url) == str(step + 1)
+
+
+async def pointer_boundary(url: str) -> str | None:
     async with NatsBus(url) as bus:
         found = await Replicas(bus).pointer("s1")
     return None if found is None else found[0].generation.boundary

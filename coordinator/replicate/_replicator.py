@@ -157,6 +157,7 @@ class Replicator:
         # Sessions whose pointer names a state another host made, which this store
         # never saw (``_never_saw``): left as they are.
         self.awaiting: dict[str, tuple[str, str, str]] = {}  # session -> the state held
+        self._taken_at: dict[str, int] = {}  # session -> its lease's revision at the stamp
         self._commits_seen = 0  # the store's commits this replicator has looked at
         # session -> its commits since its last move (ids, at most _MAX_PASSED; and a count)
         self._since_move: dict[str, tuple[list[GenerationRecord], int]] = {}
@@ -168,6 +169,7 @@ class Replicator:
         await self.replicas.open(create=True)
         self._commits_seen = self.store.commits  # what came before is caught up, not passed
         for lease in self.leases.values():  # a new owner fences the pointer at once
+            self._taken_at[lease.session_id] = lease.revision
             with cluster_errors(f"the pointer of session {lease.session_id}"):
                 await self._fence(lease)
         self._group = anyio.create_task_group()
@@ -276,7 +278,7 @@ class Replicator:
                 )
         if lease is not None:
             await lease.check()
-        if current is not None and self._never_saw(session_id, current, fence):
+        if current is not None and self._never_saw(session_id, current):
             if session_id not in self.awaiting:
                 _log.warning(
                     "session %s: the replicated tier holds %s, which another host made "
@@ -340,19 +342,24 @@ class Replicator:
         self._held[session_id] = target.key
         await self._announce(pointer, moved, target, sent, (self._clock() - started) * 1000)
 
-    def _never_saw(self, session_id: str, current: ReplicaPointer, fence: int) -> bool:
-        """Whether the pointer names a state that became the session's in an epoch
-        this store never opened (nor took in): another host took the session over
-        and went on, and this store did not resume from it (a host back with its
-        old disk, or on an empty one, whether it resumed from its own disk alone or
-        not yet). Whatever this store's state, moving the pointer to it would
-        abandon the other host's work. A move under an older lease than this
-        host's (``fence``; stamped over as this replicator started, so made since
-        by a host that lost the lease) is gone over, as any such move."""
-        if current.lease_revision < fence:
+    def _never_saw(self, session_id: str, current: ReplicaPointer) -> bool:
+        """Whether the pointer names a state this store never saw: neither the
+        epoch it became the session's in nor its generation's epoch was opened
+        here or taken in. Another host took the session over and went on, and this
+        store did not resume from it (a host back with its old disk, or on an
+        empty one, whether it resumed from its own disk alone or not yet):
+        whatever this store's state, moving the pointer to it would abandon the
+        other host's work. (A store that took in a restore's state holds its
+        generation's epoch, not the restore's.) A move under an older lease than
+        the one this host took the session with (a host that lost it, moving
+        since this replicator stamped the pointer) is gone over, as any such
+        move; renewals raise the lease's revision, not the one it was taken at."""
+        if current.lease_revision < self._taken_at.get(session_id, 0):
             return False
         session = self.store.session(session_id)
-        return session is None or not session.knows(current.epoch)
+        return session is None or not (
+            session.knows(current.epoch) or session.knows(current.generation.epoch)
+        )
 
     async def _already(self, named: ReplicatedGeneration, record: GenerationRecord) -> bool:
         """Whether ``named`` is exactly what replicating ``record`` would make (not a
