@@ -23,7 +23,7 @@ import hashlib
 import itertools
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,20 @@ class RecordingFS(FileSystem):
         self.positions[fd] = offset + count
         payload = bytes(data[:count]) if self.keep_data else b""
         self.ops.append(("write", fd, offset, payload))
+        return count
+
+    def write_gathered(self, fd: int, views: Sequence[memoryview]) -> int:
+        self._check("write", self.paths[fd])
+        count = super().write_gathered(fd, views)
+        left = count
+        for view in views:  # recorded piece by piece, as they were handed over
+            if not left:
+                break
+            piece = view[:left]
+            offset = self.positions[fd]
+            self.positions[fd] = offset + piece.nbytes
+            left -= piece.nbytes
+            self.ops.append(("write", fd, offset, bytes(piece) if self.keep_data else b""))
         return count
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:

@@ -21,6 +21,7 @@ import errno
 import hashlib
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,11 @@ class ChaosFS(RecordingFS):
         if self.delay:
             time.sleep(self.delay)
         return super().write(fd, data)
+
+    def write_gathered(self, fd: int, views: Sequence[memoryview]) -> int:
+        if self.delay:
+            time.sleep(self.delay)
+        return super().write_gathered(fd, views)
 
     def fsync(self, fd: int) -> None:
         if self.delay:
