@@ -100,21 +100,24 @@ class FileSystem:
             return False
         return struct.unpack_from("@l", buffer)[0] in _LOCAL_FILE_SYSTEMS
 
-    def reuse(self, spare: str, path: str) -> int | None:
-        """``spare`` (a file the store rotated out) renamed to ``path`` and opened to
-        be written over, if no reader holds it (an exclusive flock, not waiting)
-        and no other name links it (a hard-linked backup); else ``None``, and the
-        spare is unlinked (a reader keeps its bytes). The lock lasts until close."""
+    def reuse(self, spare: str) -> tuple[int, os.stat_result] | None:
+        """``spare`` (a file the store rotated out) opened to be written over where it
+        is, with its status, if no reader holds it (an exclusive flock, not
+        waiting) and no other name links it (a hard-linked backup); else ``None``,
+        and the spare is unlinked (a reader keeps its bytes). The lock lasts until
+        close."""
         flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-        fd = _regular(os.open(spare, flags), spare)
+        fd = os.open(spare, flags)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                free = os.fstat(fd).st_nlink == 1
             except BlockingIOError:
                 free = False
-            if free:
-                self.rename(spare, path)
+            else:
+                status = os.fstat(fd)
+                if not stat.S_ISREG(status.st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file", spare)
+                free = status.st_nlink == 1
         except BaseException:
             os.close(fd)
             raise
@@ -122,7 +125,7 @@ class FileSystem:
             os.close(fd)
             self.unlink(spare)
             return None
-        return fd
+        return fd, status
 
     def truncate(self, fd: int, length: int) -> None:
         os.ftruncate(fd, length)

@@ -22,6 +22,7 @@ import errno
 import hashlib
 import itertools
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,11 +46,25 @@ class RecordingFS(FileSystem):
         self.positions: dict[int, int] = {}
         self.fsync_failed: set[int] = set()
         self.fsync_after_failure = 0
+        self.written_for: dict[int, str] = {}  # a reused spare's fd -> its checkpoint's name
 
-    def _check(self, op: str, path: str) -> None:
-        code = self.rule(op, os.path.basename(path)) if self.rule else None
+    def _check(self, op: str, path: str, name: str | None = None) -> None:
+        code = self.rule(op, name or os.path.basename(path)) if self.rule else None
         if code is not None:
             raise OSError(code, os.strerror(code), path)
+
+    def _name_of(self, fd: int, views: Sequence[memoryview] = ()) -> str:
+        """What rules see a file as: its name; a spare written over in place, the
+        temporary name its checkpoint's file would have had (``tmp+<id>.flysess``),
+        read from the envelope's manifest as it is first written."""
+        name = os.path.basename(self.paths[fd])
+        if not name.startswith("tmp+spare+"):
+            return name
+        if fd not in self.written_for and views:
+            found = re.search(rb'"checkpointId":"([^"]+)"', bytes(views[0][:8192]))
+            if found:
+                self.written_for[fd] = f"tmp+{found.group(1).decode()}.flysess"
+        return self.written_for.get(fd, name)
 
     def open(self, path: str) -> int:
         self._check("open", path)
@@ -63,14 +78,15 @@ class RecordingFS(FileSystem):
         self.ops.append(("create", os.path.basename(path), fd))
         return fd
 
-    def reuse(self, spare: str, path: str) -> int | None:
+    def reuse(self, spare: str) -> tuple[int, os.stat_result] | None:
         self._check("reuse", spare)
-        fd = super().reuse(spare, path)  # (its rename or unlink is recorded as such)
-        if fd is not None:
-            self.paths[fd] = path
+        reused = super().reuse(spare)  # (an unlink is recorded as such)
+        if reused is not None:
+            fd = reused[0]
+            self.paths[fd] = spare
             self.positions[fd] = 0
-            self.ops.append(("reopen", fd, os.path.basename(path)))
-        return fd
+            self.ops.append(("reopen", fd, os.path.basename(spare)))
+        return reused
 
     def truncate(self, fd: int, length: int) -> None:
         self._check("truncate", self.paths[fd])
@@ -78,7 +94,7 @@ class RecordingFS(FileSystem):
         self.ops.append(("truncate", fd, length))
 
     def write(self, fd: int, data: memoryview) -> int:
-        self._check("write", self.paths[fd])
+        self._check("write", self.paths[fd], self._name_of(fd, [data]))
         count = super().write(fd, data)
         offset = self.positions[fd]
         self.positions[fd] = offset + count
@@ -87,7 +103,7 @@ class RecordingFS(FileSystem):
         return count
 
     def write_gathered(self, fd: int, views: Sequence[memoryview]) -> int:
-        self._check("write", self.paths[fd])
+        self._check("write", self.paths[fd], self._name_of(fd, views))
         count = super().write_gathered(fd, views)
         left = count
         for view in views:  # recorded piece by piece, as they were handed over
@@ -111,7 +127,7 @@ class RecordingFS(FileSystem):
         if fd in self.fsync_failed:
             self.fsync_after_failure += 1
         try:
-            self._check("fsync", self.paths[fd])
+            self._check("fsync", self.paths[fd], self._name_of(fd))
         except OSError:
             self.fsync_failed.add(fd)
             raise
@@ -124,6 +140,7 @@ class RecordingFS(FileSystem):
             self.ops.append(("close", fd))
             del self.paths[fd]
             self.fsync_failed.discard(fd)
+            self.written_for.pop(fd, None)
 
     def chmod(self, target: int | str, mode: int) -> None:
         path = self.paths.get(target, "") if isinstance(target, int) else target
@@ -197,7 +214,7 @@ def crash_states(
             fds[op[2]] = len(inodes) - 1
             current[op[1]] = len(inodes) - 1
             pending.append(("link", op[1], len(inodes) - 1))
-        elif kind == "reopen":  # a rotated-out file, renamed, to be written over
+        elif kind == "reopen":  # a rotated-out file, to be written over where it is
             fds[op[1]] = current[op[2]]
         elif kind == "truncate":
             del inodes[fds[op[1]]].current[op[2] :]

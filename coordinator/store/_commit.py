@@ -26,6 +26,7 @@ import contextlib
 import errno
 import itertools
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -147,7 +148,7 @@ class CommitSequence:
     ) -> None:
         """Create ``path`` afresh, write ``pieces``, fsync, close. On any failure
         the file is closed and unlinked; a failed fd is never fsynced again."""
-        fd = self.write_unsynced(checkpoint_id, path, pieces, timings)
+        fd, _ = self.write_unsynced(checkpoint_id, path, pieces, timings)
         try:
             self.sync_file(checkpoint_id, path, fd, timings)
         except CommitError as error:
@@ -163,14 +164,16 @@ class CommitSequence:
         timings: dict[str, float] | None = None,
         *,
         reuse: bool = False,
-    ) -> int:
-        """Create ``path`` afresh (``reuse``: or write over a spare, see ``retire``)
-        and write ``pieces``; returns the open descriptor for ``sync_file``. On
-        any failure the file is closed and unlinked."""
-        fd = self._reused(checkpoint_id, path) if reuse else None
-        reused = fd is not None
-        if fd is None:
-            fd = self._create(checkpoint_id, path)
+    ) -> tuple[int, str]:
+        """Create ``path`` afresh (``reuse``: or write over a spare where it is, see
+        ``retire``) and write ``pieces``; returns the open descriptor for
+        ``sync_file`` and the path written (``path``, or the spare's temporary
+        name). On any failure the file is closed and unlinked."""
+        reused = self._reused(checkpoint_id) if reuse else None
+        if reused is None:
+            fd, longer = self._create(checkpoint_id, path), 0
+        else:
+            fd, path, longer = reused
         started = time.perf_counter()
         try:
             written = flushed = gathered = 0
@@ -189,7 +192,7 @@ class CommitSequence:
                     self.fs.start_writeback(fd, flushed, written - flushed)
                     flushed = written
             written += self._write_all(fd, batch)
-            if reused:  # (the spare may be longer)
+            if longer > written:  # (a spare longer than what it holds now)
                 self.fs.truncate(fd, written)
         except BaseException as error:
             if isinstance(pieces, Generator):
@@ -203,7 +206,7 @@ class CommitSequence:
             self._private.add(path)
         if timings is not None:
             timings["write"] = round((time.perf_counter() - started) * 1000, 3)
-        return fd
+        return fd, path
 
     def write_placed(
         self,
@@ -334,20 +337,23 @@ class CommitSequence:
                 raise commit_error(checkpoint_id, "create", path, error) from None
             raise
 
-    def _reused(self, checkpoint_id: str, path: str) -> int | None:
-        """A spare renamed to ``path``, open to be written over, given the store's
-        mode; ``None`` when no spare is free (a reader holds it: it is unlinked)."""
+    def _reused(self, checkpoint_id: str) -> tuple[int, str, int] | None:
+        """A spare, open to be written over where it is (its name is a temporary
+        one already), given the store's mode: its descriptor, path and length;
+        ``None`` when no spare is free (a reader holds it: it is unlinked)."""
         while self._spares:
             spare = self._spares.pop()
             try:
-                fd = self.fs.reuse(spare, path)
+                reused = self.fs.reuse(spare)
             except OSError:  # (gone, or not ours to reuse: a new file instead)
                 self.unlink(spare)
                 continue
-            if fd is None:
+            if reused is None:
                 continue
-            self._given_mode(checkpoint_id, path, fd, self._file_mode)
-            return fd
+            fd, status = reused
+            if stat.S_IMODE(status.st_mode) != self._file_mode:
+                self._given_mode(checkpoint_id, spare, fd, self._file_mode)
+            return fd, spare, status.st_size
         return None
 
     def retire(self, path: str, byte_length: int | None, *, room: int) -> bool:

@@ -681,7 +681,9 @@ class SyncStore:
                 envelope_plan.digest(os.cpu_count() or 1, thread_setup=setup)
                 timings["digest"] = round((time.perf_counter() - hashing) * 1000, 3)
             pieces = envelope_plan.stream(thread_setup=setup)
-            fd = self._io.write_unsynced(checkpoint_id, temporary, pieces, timings, reuse=True)
+            fd, temporary = self._io.write_unsynced(
+                checkpoint_id, temporary, pieces, timings, reuse=True
+            )
         sealed = envelope_plan.sealed
         if sealed is None:  # stream() always seals before its footer; never reached
             self._io.unlink(temporary)
