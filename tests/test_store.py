@@ -1076,6 +1076,27 @@ def test_a_generation_rotated_out_as_it_is_opened_is_missing(tmp_path: Path) -> 
     os.close(FileSystem().open_generation(str(path)))  # (free again: opened)
 
 
+def test_a_spare_someone_widened_is_unlinked_never_written_over(tmp_path: Path) -> None:
+    """helper-38: the owner shared a generation for a moment (0644); another user
+    opened it without a lock. Rotated out, it became a spare and the next
+    generation was written over it: that user read a later checkpoint. A spare
+    whose mode lets anyone else in is unlinked instead."""
+    with SyncStore(tmp_path, keep=1) as store:
+        store.commit(*checkpoint(0))
+        shared = tmp_path / "ckpt-0.flysess"
+        shared.chmod(0o644)
+        inode = shared.stat().st_ino
+        held = shared.open("rb")  # (a reader without a lock)
+        try:
+            store.commit(*checkpoint(1))  # ckpt-0 rotated out
+            store.commit(*checkpoint(2))
+            assert (tmp_path / "ckpt-2.flysess").stat().st_ino != inode
+            assert held.read(8) == b"FLYSESS1" and os.fstat(held.fileno()).st_nlink == 0
+            assert store.verify().ok
+        finally:
+            held.close()
+
+
 def test_a_spare_whose_fsync_failed_is_unlinked_never_reused(tmp_path: Path) -> None:
     """A spare written over whose fsync fails is closed and unlinked like a new
     file (never fsynced again); the next commit writes another."""

@@ -351,6 +351,12 @@ class CommitSequence:
             if reused is None:
                 continue
             fd, status = reused
+            if status.st_mode & 0o077 or status.st_uid != os.geteuid():
+                # Widened since it was made (or given away): a reader may hold it unlocked.
+                with contextlib.suppress(OSError):
+                    self.fs.close(fd)
+                self.unlink(spare)
+                continue
             if stat.S_IMODE(status.st_mode) != self._file_mode:
                 self._given_mode(checkpoint_id, spare, fd, self._file_mode)
             return fd, spare, status.st_size
