@@ -326,6 +326,36 @@ async def test_a_host_that_goes_on_without_the_replicas_never_moves_the_pointer_
 
 
 @pytest.mark.asyncio
+async def test_an_operator_who_deletes_the_pointer_lets_a_held_host_replicate(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The deliberate way past a hold (operations.md): the operator deletes the
+    session's pointer, choosing to discard the other host's replicated state;
+    the held host's next commit is replicated."""
+    await leased_run(server.url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")],
+                     range(1, 4))  # fmt: skip
+    assert await leased_run(server.url, tmp_path / "b", [Part("world", b""),
+                            Part("agent-a", b"a")], range(4, 7)) == 3  # fmt: skip
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+            Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            step = (await host.resume()).step or 0  # (its own disk alone: held)
+            await host.checkpoint(step + 1)
+            await caught_up(replicator)
+            assert replicator.statistics().awaiting == ("s1",)
+            kv = await bus.client.jetstream().key_value(POINTERS_BUCKET)
+            await kv.delete("s1")  # nats kv del CKPT_REPLICAS s1
+            await host.checkpoint(step + 2)
+            await caught_up(replicator)
+            assert replicator.statistics().awaiting == ()
+    assert await pointer_boundary(server.url) == str(step + 2)
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("disk", ["old", "empty"])
 async def test_the_hold_outlasts_the_lease_renewals(
     server: EmbeddedServer, tmp_path: Path, disk: str
