@@ -35,7 +35,7 @@ from .events import (
     Timings,
 )
 from .ids import U64, Id
-from .presence import Deafness, Presence, liveness
+from .presence import Deafness, Presence, epoch_seconds, liveness
 from .wire import read_any_json, read_json
 
 if TYPE_CHECKING:
@@ -378,7 +378,9 @@ def _fold(
     # late behind other kinds of event still does.
     newest = state.high_water is None or (seq > 0 and seq >= state.high_water_seq)
     if isinstance(event, Restored | _ReadRestored):
-        text = _restore_text(event, unannounced_loss(state, event, seq))
+        text = _restore_text(
+            event, unannounced_loss(state, event, seq), state.replicated_high_water
+        )
         changes.update(restores=state.restores + 1, last_restore=text)
         if newest:  # the store's high water is the checkpoint restored now
             changes.update(
@@ -576,9 +578,14 @@ def unannounced_loss(
     return (high_water, str(seen)) if high_water is not None and seen > restored else None
 
 
-def _restore_text(event: Restored | _ReadRestored, unannounced: tuple[str, str] | None) -> str:
+def _restore_text(
+    event: Restored | _ReadRestored, unannounced: tuple[str, str] | None, replicated: str | None
+) -> str:
     if event.abandoned_from is not None:
         lost = f"abandoned {event.previous_epoch} steps {event.abandoned_from}-{event.abandoned_to}"
+    elif unannounced is not None and unannounced[0] == replicated:  # (a host gone on alone)
+        lost = (f"{unannounced[0]} (step {unannounced[1]}) was committed before it and is not "
+                "on this timeline: the replicated tier holds it")  # fmt: skip
     elif unannounced is not None:
         lost = f"{unannounced[0]} (step {unannounced[1]}) was committed before it and is lost"
     else:
@@ -817,7 +824,7 @@ def render(
             str(session.failed),
             session.last_failure or "",
             session.last_restore or "",
-            session.replicated_high_water or "-",
+            _replicated_cell(session, now),
             _not_adopted(session),
         )
     table.caption = _caption(state, len(ranked) - len(ranked[: max(0, limit)]), dropped)
@@ -828,6 +835,19 @@ def render(
         table.caption = f"{unheard}; {table.caption}" if table.caption else unheard
     table.caption_justify = "left"
     return table
+
+
+def _replicated_cell(session: SessionState, now: float) -> str:
+    """The replicated checkpoint, and how far the tier is behind the host's commits
+    (in commits, and since the first of them, by the host's clock)."""
+    replicated = session.replicated_high_water
+    if replicated is None:
+        return "-"
+    if not session.unreplicated:
+        return replicated
+    since = epoch_seconds(session.oldest_unreplicated_time or "")
+    age = "" if since is None else f", {max(0.0, now - since):.0f} s"
+    return f"{replicated} ({session.unreplicated} behind{age})"
 
 
 def _not_adopted(session: SessionState) -> str:

@@ -210,6 +210,32 @@ def test_a_take_over_past_commits_its_disk_never_held_says_what_the_bus_saw_lost
     assert marks == {"e1-620": False, "e1-630": True}
 
 
+def test_a_host_gone_on_alone_past_the_replicated_state_is_told_apart_from_a_loss() -> None:
+    """An operator's read (helper-37's scenario): A back with its old disk resumed
+    its own 3 while B had replicated 6, and went on; A's replicator holds the
+    pointer at B's 6. watch said B's 6 "is lost", and the replicated column
+    showed B's 6 alone, with nothing about A's commits going unreplicated."""
+    from rich.console import Console
+
+    from coordinator.monitor import SaveState, render
+
+    identity = identity_of(sample_body("e1-3"))
+    restore = Restored(previous_epoch="e2", reason="recovery", abandoned_from=None,
+                       abandoned_to=None, identity=identity,
+                       **common("s", "e1-3", 4, 4, "e3"))  # type: ignore[arg-type]  # fmt: skip
+    events = [committed("s", "e1-3", 1, 1), committed("s", "e2-6", 2, 2, "e2"),
+              replicated("s", "e2-6", 3, 3), restore,
+              committed("s", "e3-4", 5, 5, "e3"), committed("s", "e3-5", 6, 6, "e3")]  # fmt: skip
+    library = SaveState()
+    for event in events:
+        library = library.apply(event)
+    text = library.sessions["s"].last_restore or ""
+    assert "e2-6 (step 6) was committed before it and is not on this timeline" in text, text
+    console = Console(width=400, record=True)
+    console.print(render(library, now=NOW + 66))
+    assert "e2-6 (3 behind, 62 s)" in console.export_text()
+
+
 def test_a_restore_stored_late_behind_a_later_commit_names_nothing_lost() -> None:
     """helper-35: a `restored` folded after the commit that came after it (stored
     late) was taken for a take-over past that commit: "e3-4 (step 4) was
