@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from coordinator.server import find_nats_server
@@ -824,6 +825,44 @@ def human_click(page: Any, selector: str) -> None:
     page.mouse.down()
     page.wait_for_timeout(150)
     page.mouse.up()
+
+
+def test_a_session_gone_on_past_the_replicated_state_says_so_not_lost(
+    nats_server: Nats, ready_dashboard: str, browser: Any
+) -> None:
+    """A host back with its old disk resumed its own 3 while another host had
+    replicated 6 (its replicator holds the pointer there): the page said 6 "was
+    committed before it and is lost", and struck it through."""
+    from coordinator.events import Replicated, Restored
+    from coordinator.identity import identity_of
+    from coordinator.sample import sample_body
+
+    def fields(checkpoint: str, epoch: str, kind: str) -> dict[str, Any]:
+        return {"seq": 0, "event_id": f"held:{epoch}:{checkpoint}:{kind}", "time": now_text(),
+                "checkpoint_id": checkpoint, "session_id": "held", "epoch": epoch,
+                "episode_id": "episode-1", "boundary": checkpoint.rsplit("-", 1)[-1],
+                "byte_length": "4096"}  # fmt: skip
+
+    six = msgspec.structs.replace(committed("held", 6), checkpoint_id="e2-6", epoch="e2",
+                                  event_id="held:e2:e2-6:committed", high_water="e2-6")  # fmt: skip
+    events = [
+        committed("held", 3), six,
+        Replicated(generation="e2-6.flysess", envelope_digest="0" * 64, envelope_bytes="8192",
+                   object="o", pointer_revision=7, **fields("e2-6", "e2", "replicated")),
+        Restored(previous_epoch="e1", reason="recovery", abandoned_from=None, abandoned_to=None,
+                 identity=identity_of(sample_body("e1-3")), **fields("e1-3", "e3", "restored")),
+    ]  # fmt: skip
+    publish(nats_server.url, events)
+    page = browser.new_page()
+    page.goto(f"{ready_dashboard}sessions/held")
+    page.wait_for_selector("#detail h2:has-text('session held')", timeout=10_000)
+    page.wait_for_function(
+        "() => document.querySelector('#detail').innerText.includes('restored e1-3')",
+        timeout=10_000,
+    )
+    text = page.locator("#detail").inner_text()
+    assert "e2-6 (step 6) was committed before it and is not on this timeline" in text, text
+    assert "is lost" not in text
 
 
 def test_a_click_is_never_lost_while_events_flow(

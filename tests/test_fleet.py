@@ -234,6 +234,12 @@ def test_a_host_gone_on_alone_past_the_replicated_state_is_told_apart_from_a_los
     console = Console(width=400, record=True)
     console.print(render(library, now=NOW + 66))
     assert "e2-6 (3 behind, 62 s)" in console.export_text()
+    board = Dashboard()  # (the dashboard struck B's 6 through as lost)
+    for event in events:
+        board.apply(event)
+    view = board.session("s", NOW + 66)
+    assert view is not None and view["restores"][-1]["stillReplicated"] is True
+    assert not any(row["abandoned"] for row in view["history"])
 
 
 def test_a_restore_stored_late_behind_a_later_commit_names_nothing_lost() -> None:

@@ -458,7 +458,8 @@ class Dashboard:
         self.touch()
         when = self._note_times(session, event, before, late)
         if isinstance(event, Restored):
-            self._restored(session, event, unannounced_loss(before, event, event.seq))
+            unannounced = unannounced_loss(before, event, event.seq)
+            self._restored(session, event, unannounced, before.replicated_high_water)
             return
         row = session.history.get(event.checkpoint_id)
         if row is None and late:
@@ -517,15 +518,23 @@ class Dashboard:
         return when
 
     def _restored(
-        self, session: Session, event: Restored, unannounced: tuple[str, str] | None
+        self,
+        session: Session,
+        event: Restored,
+        unannounced: tuple[str, str] | None,
+        replicated: str | None,
     ) -> None:
+        # Past the replicated checkpoint itself: a host gone on from its own disk alone,
+        # the other's state still the replicated one (its replicator holds the pointer).
+        held = unannounced is not None and unannounced[0] == replicated
         session.restores.append({
             "checkpointId": event.checkpoint_id, "epoch": event.epoch,
             "previousEpoch": event.previous_epoch, "reason": event.reason,
             "time": event.time[:64], "abandoned": [event.abandoned_from, event.abandoned_to],
             "lostUnannounced": list(unannounced) if unannounced else None,
+            "stillReplicated": held,
         })  # fmt: skip
-        if unannounced is not None and unannounced[0] in session.history:
+        if unannounced is not None and not held and unannounced[0] in session.history:
             session.history[unannounced[0]].abandoned = True  # (the bus's account)
         if event.abandoned_from is None or event.abandoned_to is None:
             return
