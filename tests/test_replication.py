@@ -327,47 +327,6 @@ async def test_a_host_that_goes_on_without_the_replicas_never_moves_the_pointer_
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("took_over", [True, False], ids=["b-resumed-it", "alone"])
-async def test_a_disk_put_back_behind_what_it_replicated_never_moves_the_pointer_back(
-    server: EmbeddedServer, tmp_path: Path, took_over: bool
-) -> None:
-    """helper-39: A replicated 3 of its epoch; its disk was put back as it was at 2
-    (a backup); B took over from 3 and stopped before committing (or nobody did).
-    The disk knows the epoch of 3, but never held 3: its replicator moved the
-    pointer back to 2, then on to the disk's own 4: the replicated 3 abandoned."""
-    a_parts = [Part("world", b""), Part("agent-a", b"a")]
-    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
-        async with (
-            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
-            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
-            Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host,
-        ):
-            for step in (1, 2):
-                await host.checkpoint(step)
-            await caught_up(replicator)
-            shutil.copytree(tmp_path / "a", tmp_path / "backup")  # (the disk as it was at 2)
-            await host.checkpoint(3)
-            await caught_up(replicator)
-    if took_over:
-        assert await leased_run(server.url, tmp_path / "b", [Part("world", b""),
-                                Part("agent-a", b"a")], range(4, 4)) == 3  # fmt: skip
-    async with NatsBus(server.url) as bus, FileStore(tmp_path / "backup") as store:
-        async with (
-            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
-            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
-            Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host,
-        ):
-            assert (await host.resume()).step == 2  # (its own disk alone)
-            await host.checkpoint(3)
-            await host.checkpoint(4)
-            await caught_up(replicator)
-            assert replicator.statistics().awaiting == ("s1",)
-    async with NatsBus(server.url) as bus:
-        with await Replicas(bus).fetch("s1") as stored:
-            assert stored.record.boundary == "3" and stored.record.epoch.startswith("e1-")
-
-
-@pytest.mark.asyncio
 async def test_a_held_session_that_is_then_taken_over_is_fenced_not_awaiting(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:

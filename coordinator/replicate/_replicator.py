@@ -344,47 +344,25 @@ class Replicator:
         await self._announce(pointer, moved, target, sent, (self._clock() - started) * 1000)
 
     def _never_saw(self, session_id: str, current: ReplicaPointer) -> bool:
-        """Whether the pointer names a state this store never saw. Another host took
-        the session over and went on: neither the epoch the state became the
-        session's in nor its generation's epoch was opened here or taken in. Or
-        this disk is behind what it replicated itself (put back from a backup): it
-        knows the generation's epoch but never held the generation, and its own
-        timeline in that epoch stops short of it (``_stops_short``). Whatever this
-        store's state, moving the pointer to it would abandon that work. (A store
-        that took in a restore's state holds its generation's epoch, not the
-        restore's.) A move under an older lease than the one this host took the
-        session with (a host that lost it, moving since this replicator stamped
-        the pointer) is gone over, as any such move; renewals raise the lease's
-        revision, not the one it was taken at."""
+        """Whether the pointer names a state that became the session's in an epoch
+        this store never opened (nor took in), and whose generation's epoch it
+        never saw either: another host took the session over and went on (or this
+        disk is older than that epoch), and this store did not resume from it (a
+        host back with its old disk, or on an empty one, whether it resumed from
+        its own disk alone or not yet). Whatever this store's state, moving the
+        pointer to it would abandon that work. (A store that took in a restore's
+        state holds its generation's epoch, not the restore's.) A move under an
+        older lease than the one this host took the session with (a host that
+        lost it, moving since this replicator stamped the pointer) is gone over,
+        as any such move; renewals raise the lease's revision, not the one it was
+        taken at. Not told apart: a disk put back behind what it replicated within
+        epochs it knows (step numbers are no position on a timeline)."""
         if current.lease_revision < self._taken_at.get(session_id, 0):
             return False
         session = self.store.session(session_id)
-        if session is None:
-            return True
-        if not (session.knows(current.epoch) or session.knows(current.generation.epoch)):
-            return True
-        return self._stops_short(session, current.generation)
-
-    def _stops_short(self, session: SessionRecord, named: ReplicatedGeneration) -> bool:
-        """Whether this store's own timeline in ``named``'s epoch is known to end
-        before it: the store does not hold it, and what it lists of that epoch,
-        and what its restores forked or abandoned of it, all lie before its step.
-        With nothing to tell (the epoch's records retired): not short."""
-        held = self.store.lookup(named.checkpoint_id, session_id=session.session_id)
-        if held is not None and held.envelope_digest == named.envelope_digest:
-            return False
-        reached = [
-            int(record.boundary)
-            for record in self.store.generations
-            if record.session_id == session.session_id and record.epoch == named.epoch
-        ]
-        for record in session.epochs:
-            fork = record.fork
-            if fork is not None and record.parent == named.epoch:
-                reached.append(int(fork.step))
-            if fork is not None and fork.previous_epoch == named.epoch and fork.abandoned_to:
-                reached.append(int(fork.abandoned_to))
-        return bool(reached) and max(reached) < int(named.boundary)
+        return session is None or not (
+            session.knows(current.epoch) or session.knows(current.generation.epoch)
+        )
 
     async def _already(self, named: ReplicatedGeneration, record: GenerationRecord) -> bool:
         """Whether ``named`` is exactly what replicating ``record`` would make (not a
