@@ -145,7 +145,7 @@ def record_groups(folder: Path, groups: int) -> list[tuple[Any, ...]]:
 
 @pytest.mark.parametrize(
     ("groups", "least"),
-    [(3, 4000), pytest.param(5, 25000, marks=pytest.mark.slow)],
+    [(3, 3500), pytest.param(5, 6000, marks=pytest.mark.slow)],
     ids=["3-groups", "5-groups"],
 )
 def test_every_crash_state_of_group_commits_shows_whole_groups(
