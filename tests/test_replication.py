@@ -152,6 +152,15 @@ async def leased_run(
     return resumed
 
 
+async def taken_over_to_six(url: str, tmp_path: Path) -> list[Part]:
+    """A (store ``a``) replicated 1-3 and went away; B (store ``b``) took the session
+    over at 3 and replicated 4-6. Returns B's participants (its state at 6)."""
+    await leased_run(url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")], range(1, 4))
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(url, tmp_path / "b", b_parts, range(4, 7)) == 3
+    return b_parts
+
+
 async def stream_bytes(bus: NatsBus, name: str) -> int:
     return int((await bus.client.jetstream().stream_info(name)).state.bytes)
 
@@ -304,9 +313,7 @@ async def test_a_host_that_goes_on_without_the_replicas_never_moves_the_pointer_
     B's replicated 4-6. The pointer names a state this store never saw: it stays,
     the replicator says so, and B's 6 is still what a restore gets."""
     a_parts = [Part("world", b""), Part("agent-a", b"a")]
-    await leased_run(server.url, tmp_path / "a", a_parts, range(1, 4))
-    b_parts = [Part("world", b""), Part("agent-a", b"a")]
-    assert await leased_run(server.url, tmp_path / "b", b_parts, range(4, 7)) == 3
+    await taken_over_to_six(server.url, tmp_path)
     own = tmp_path / ("a" if disk == "old" else "new")
     caplog.set_level(logging.WARNING, "coordinator.replicate")
     async with NatsBus(server.url) as bus, FileStore(own) as store:
@@ -332,10 +339,7 @@ async def test_a_held_session_that_is_then_taken_over_is_fenced_not_awaiting(
 ) -> None:
     """helper-39: a held session whose lease another host then took was listed both
     as fenced and as awaiting, for good."""
-    await leased_run(server.url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")],
-                     range(1, 4))  # fmt: skip
-    assert await leased_run(server.url, tmp_path / "b", [Part("world", b""),
-                            Part("agent-a", b"a")], range(4, 7)) == 3  # fmt: skip
+    await taken_over_to_six(server.url, tmp_path)
     a_parts = [Part("world", b""), Part("agent-a", b"a")]
     async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
         async with (
@@ -360,10 +364,7 @@ async def test_an_operator_who_deletes_the_pointer_lets_a_held_host_replicate(
     """The deliberate way past a hold (operations.md): the operator deletes the
     session's pointer, choosing to discard the other host's replicated state;
     the held host's next commit is replicated."""
-    await leased_run(server.url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")],
-                     range(1, 4))  # fmt: skip
-    assert await leased_run(server.url, tmp_path / "b", [Part("world", b""),
-                            Part("agent-a", b"a")], range(4, 7)) == 3  # fmt: skip
+    await taken_over_to_six(server.url, tmp_path)
     a_parts = [Part("world", b""), Part("agent-a", b"a")]
     async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
         async with (
@@ -392,10 +393,7 @@ async def test_the_hold_outlasts_the_lease_renewals(
     raises the lease's revision, and the pointer, stamped with the take-over's,
     then looked like a lost lease's move, which the owner goes over: A's next
     commit moved it over B's 4-6."""
-    await leased_run(server.url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")],
-                     range(1, 4))  # fmt: skip
-    b_parts = [Part("world", b""), Part("agent-a", b"a")]
-    assert await leased_run(server.url, tmp_path / "b", b_parts, range(4, 7)) == 3
+    await taken_over_to_six(server.url, tmp_path)
     a_parts = [Part("world", b""), Part("agent-a", b"a")]
     own = tmp_path / ("a" if disk == "old" else "new")
     async with NatsBus(server.url) as bus, FileStore(own) as store:
@@ -422,10 +420,7 @@ async def test_a_host_that_waits_past_a_renewal_before_it_resumes_still_takes_in
     before resume(source=): its replicator moved the pointer back to A's 3 as
     the host opened its epoch, and resume(source=) then followed it: B's 4-6
     lost. It resumes at 6."""
-    await leased_run(server.url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")],
-                     range(1, 4))  # fmt: skip
-    b_parts = [Part("world", b""), Part("agent-a", b"a")]
-    assert await leased_run(server.url, tmp_path / "b", b_parts, range(4, 7)) == 3
+    b_parts = await taken_over_to_six(server.url, tmp_path)
     back = [Part("world", b""), Part("agent-a", b"a")]
     async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
         async with (
