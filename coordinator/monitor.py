@@ -35,7 +35,7 @@ from .events import (
     Timings,
 )
 from .ids import U64, Id
-from .presence import Deafness, Presence, epoch_seconds, liveness
+from .presence import FUTURE_S, Deafness, Presence, epoch_seconds, liveness
 from .wire import read_any_json, read_json
 
 if TYPE_CHECKING:
@@ -846,8 +846,9 @@ def _replicated_cell(session: SessionState, now: float) -> str:
     if not session.unreplicated:
         return replicated
     since = epoch_seconds(session.oldest_unreplicated_time or "")
-    age = "" if since is None else f", {max(0.0, now - since):.0f} s"
-    return f"{replicated} ({session.unreplicated} behind{age})"
+    if since is None or since > now + FUTURE_S:  # (ahead of this clock: no age to tell)
+        return f"{replicated} ({session.unreplicated} behind)"
+    return f"{replicated} ({session.unreplicated} behind, {max(0.0, now - since):.0f} s)"
 
 
 def _not_adopted(session: SessionState) -> str:

@@ -234,6 +234,9 @@ def test_a_host_gone_on_alone_past_the_replicated_state_is_told_apart_from_a_los
     console = Console(width=400, record=True)
     console.print(render(library, now=NOW + 66))
     assert "e2-6 (3 behind, 62 s)" in console.export_text()
+    ahead = Console(width=400, record=True)  # (helper-41: a time ahead read "0 s")
+    ahead.print(render(library, now=NOW - 3600))
+    assert "e2-6 (3 behind)" in ahead.export_text()
     board = Dashboard()  # (the dashboard struck B's 6 through as lost)
     for event in events:
         board.apply(event)
