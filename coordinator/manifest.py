@@ -19,7 +19,7 @@ import msgspec
 
 from .buffers import BytesLike, sha256_of
 from .canonical import MAX_SAFE_INTEGER
-from .errors import ManifestError
+from .errors import ManifestError, UsageError
 from .ids import U64, Digest, Id
 
 __all__ = [
@@ -183,7 +183,16 @@ def payload_records(payloads: Sequence[tuple[str, BytesLike]]) -> list[PayloadRe
     """Name, length and SHA-256 of each payload, in order (hashes every byte)."""
     records = []
     for name, data in payloads:
-        with memoryview(data) as view:
+        try:
+            view = memoryview(data)
+        except TypeError:
+            kind = type(data).__name__
+            raise UsageError(f"payload {name!r} is a {kind}: pass bytes or a buffer") from None
+        with view:
+            if not view.c_contiguous:
+                raise UsageError(
+                    f"payload {name!r} is not contiguous in memory: pass bytes (or a copy)"
+                )
             digest = sha256_of(view).hexdigest()
             length = view.nbytes
         records.append(PayloadRecord(name=name, byte_length=str(length), digest=digest))

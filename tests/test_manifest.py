@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from coordinator import ManifestError, envelope
+from coordinator import ManifestError, UsageError, envelope
 from coordinator.sample import sample_body, sample_payload_names
 from coordinator.manifest import (
     CheckpointManifest,
@@ -127,3 +127,19 @@ def test_builder_validates_like_a_reader(change: dict[str, Any]) -> None:
     payloads = [(n, b"") for n in sample_payload_names(["fly-a"])]
     with pytest.raises(ManifestError):
         build_manifest(body, payloads)
+
+
+@pytest.mark.parametrize(
+    ("payload", "says"),
+    [("text", "is a str"), (memoryview(bytes(range(16)))[::2], "not contiguous")],
+)
+def test_builder_refuses_a_payload_it_cannot_hash_with_a_typed_error(
+    payload: Any, says: str
+) -> None:
+    """A string or a strided view is a host's mistake: ``UsageError`` (code
+    ``usage``), not the BufferError or TypeError memoryview raises."""
+    names = sample_payload_names(["fly-a"])
+    payloads = [(name, payload if name == names[0] else b"x") for name in names]
+    with pytest.raises(UsageError, match=says) as caught:
+        build_manifest(sample_body("e1-1"), payloads)
+    assert caught.value.code == "usage"
