@@ -82,6 +82,9 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     recent_commits: tuple[tuple[str, str], ...] = ()  # (checkpointId, time), newest last
     restores: int = 0
     last_restore: str | None = None  # "<checkpoint> into <epoch> (<reason>; abandoned a-b)"
+    # The latest restore's event and what the bus saw committed past it, while the
+    # replicated tier is not known to hold that: a `replicated` of it may come later.
+    restore_lost: tuple[Restored | _ReadRestored, tuple[str, str]] | None = None
     replicated: int = 0  # generations that reached the replicated tier
     replicated_high_water: str | None = None
     replicated_seq: int = 0
@@ -378,28 +381,9 @@ def _fold(
     # late behind other kinds of event still does.
     newest = state.high_water is None or (seq > 0 and seq >= state.high_water_seq)
     if isinstance(event, Restored | _ReadRestored):
-        text = _restore_text(
-            event, unannounced_loss(state, event, seq), state.replicated_high_water
-        )
-        changes.update(restores=state.restores + 1, last_restore=text)
-        if newest:  # the store's high water is the checkpoint restored now
-            changes.update(
-                high_water=event.checkpoint_id,
-                high_water_boundary=event.boundary,
-                high_water_seq=seq,
-            )
-            # The abandoned commits are no lag: the tier is to hold the restored one.
-            held = state.replicated_high_water == event.checkpoint_id
-            changes.update(
-                recent_commits=((event.checkpoint_id, when or ""),),
-                unreplicated=0 if held else 1,
-                oldest_unreplicated_time=None if held else when,
-            )
+        changes.update(_restored(state, event, seq, newest, when))
     elif kind == "replicated":
-        changes["replicated"] = state.replicated + 1
-        if state.replicated_high_water is None or (seq > 0 and seq >= state.replicated_seq):
-            changes.update(replicated_high_water=event.checkpoint_id, replicated_seq=seq)
-            changes.update(_behind(state.recent_commits, event.checkpoint_id))
+        changes.update(_replicated(state, event, seq))
         changes["in_flight"] = state.in_flight
         return msgspec.structs.replace(state, **changes)
     elif kind == "captured":
@@ -517,6 +501,45 @@ def _newest_commit(
         "unreplicated": state.unreplicated + 1,
         "oldest_unreplicated_time": state.oldest_unreplicated_time or when,
     }
+
+
+def _restored(
+    state: SessionState, event: Restored | _ReadRestored, seq: int, newest: bool, when: str | None
+) -> dict[str, object]:
+    unannounced = unannounced_loss(state, event, seq)
+    held = unannounced is None or unannounced[0] == state.replicated_high_water
+    changes: dict[str, object] = {
+        "restores": state.restores + 1,
+        "last_restore": _restore_text(event, unannounced, state.replicated_high_water),
+        "restore_lost": None if held else (event, unannounced),
+    }
+    if newest:  # the store's high water is the checkpoint restored now
+        # The abandoned commits are no lag: the tier is to hold the restored one.
+        held = state.replicated_high_water == event.checkpoint_id
+        changes.update(
+            high_water=event.checkpoint_id,
+            high_water_boundary=event.boundary,
+            high_water_seq=seq,
+            recent_commits=((event.checkpoint_id, when or ""),),
+            unreplicated=0 if held else 1,
+            oldest_unreplicated_time=None if held else when,
+        )
+    return changes
+
+
+def _replicated(state: SessionState, event: Event | _Read, seq: int) -> dict[str, object]:
+    changes: dict[str, object] = {"replicated": state.replicated + 1}
+    if state.replicated_high_water is None or (seq > 0 and seq >= state.replicated_seq):
+        changes.update(replicated_high_water=event.checkpoint_id, replicated_seq=seq)
+        changes.update(_behind(state.recent_commits, event.checkpoint_id))
+    lost = state.restore_lost
+    if lost is not None and lost[1][0] == event.checkpoint_id:  # (it came after the restore)
+        restore, unannounced = lost
+        changes.update(
+            last_restore=_restore_text(restore, unannounced, event.checkpoint_id),
+            restore_lost=None,
+        )
+    return changes
 
 
 def _behind(commits: tuple[tuple[str, str], ...], replicated: str) -> dict[str, object]:

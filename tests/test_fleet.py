@@ -245,6 +245,36 @@ def test_a_host_gone_on_alone_past_the_replicated_state_is_told_apart_from_a_los
     assert not any(row["abandoned"] for row in view["history"])
 
 
+@pytest.mark.parametrize("replicated_seq", [3, 5])
+def test_a_replicated_event_after_the_restore_still_tells_the_replicated_tier_holds_it(
+    replicated_seq: int,
+) -> None:
+    """The same take-over, with B's `replicated` of 6 reaching the bus after A's
+    restore (stored late, seq 3, or published late, seq 5): watch's text was made
+    when the restore was folded, "e2-6 ... is lost", and stayed so; the
+    dashboard struck 6 through. Once the tier is known to hold 6, both say so."""
+    from coordinator.monitor import SaveState
+
+    identity = identity_of(sample_body("e1-3"))
+    restore = Restored(previous_epoch="e2", reason="recovery", abandoned_from=None,
+                       abandoned_to=None, identity=identity,
+                       **common("s", "e1-3", 4, 4, "e3"))  # type: ignore[arg-type]  # fmt: skip
+    events = [committed("s", "e1-3", 1, 1), committed("s", "e2-6", 2, 2, "e2"), restore,
+              replicated("s", "e2-6", replicated_seq, 3)]  # fmt: skip
+    board, library = Dashboard(), SaveState()
+    for event in events:
+        board.apply(event)
+        library = library.apply(event)
+    text = library.sessions["s"].last_restore or ""
+    assert "e2-6 (step 6) was committed before it and is not on this timeline" in text, text
+    view = board.session("s", NOW + 5)
+    assert view is not None and view["restores"][-1]["stillReplicated"] is True
+    assert not any(row["abandoned"] for row in view["history"])
+    board.apply(committed("s", "e3-4", 6, 5, "e3"))  # (the next restore's text is its own)
+    library = library.apply(committed("s", "e3-4", 6, 5, "e3"))
+    assert library.sessions["s"].last_restore == text
+
+
 def test_a_restore_stored_late_behind_a_later_commit_names_nothing_lost() -> None:
     """helper-35: a `restored` folded after the commit that came after it (stored
     late) was taken for a take-over past that commit: "e3-4 (step 4) was

@@ -461,6 +461,8 @@ class Dashboard:
             unannounced = unannounced_loss(before, event, event.seq)
             self._restored(session, event, unannounced, before.replicated_high_water)
             return
+        if isinstance(event, Replicated):
+            _replicated_after_restore(session, event.checkpoint_id)
         row = session.history.get(event.checkpoint_id)
         if row is None and late:
             return  # a checkpoint already aggregated (or never seen): not the newest row
@@ -697,6 +699,18 @@ def _not_adopted(state: SessionState) -> dict[str, Any] | None:
         return None
     return {"contradicting": state.contradicting, "invalid": state.invalid,
             "rebased": state.rebased, "last": state.last_contradiction}  # fmt: skip
+
+
+def _replicated_after_restore(session: Session, checkpoint_id: str) -> None:
+    """A `replicated` of what a restore took for lost, come after it: the
+    replicated tier holds it (as ``_restored`` tells one that came before)."""
+    for restore in session.restores:
+        lost = restore["lostUnannounced"]
+        if lost is not None and lost[0] == checkpoint_id and not restore["stillReplicated"]:
+            restore["stillReplicated"] = True
+            row = session.history.get(checkpoint_id)
+            if row is not None:
+                row.abandoned = _abandoned(session, row.epoch, row.boundary)
 
 
 def _abandoned(session: Session, epoch: str, boundary: str) -> bool:
