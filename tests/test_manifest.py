@@ -143,3 +143,29 @@ def test_builder_refuses_a_payload_it_cannot_hash_with_a_typed_error(
     with pytest.raises(UsageError, match=says) as caught:
         build_manifest(sample_body("e1-1"), payloads)
     assert caught.value.code == "usage"
+
+
+def test_a_body_built_before_is_checked_again_where_it_changed() -> None:
+    """Every build checks the whole body and every record (a cache of checked
+    fields was tried, and refused: it shared a host's lists with queued
+    manifests): a list the host appended to, a tuple for a list, a record it
+    made itself are each checked, and refused as a reader would."""
+    from coordinator.manifest import PayloadRecord, manifest_with_records
+
+    payloads = [(n, b"") for n in sample_payload_names(["fly-a"])]
+    body = sample_body("ckpt-1")
+    first = build_manifest(body, payloads)
+    assert build_manifest(body, payloads) == first
+    body.agents.append(msgspec.structs.replace(body.agents[0], agent_id="Not An Id"))
+    with pytest.raises(ManifestError, match="agentId"):
+        build_manifest(body, payloads)
+    body.agents.pop()
+    looser = msgspec.structs.replace(body, port_map=tuple(body.port_map))  # type: ignore[arg-type]
+    assert build_manifest(looser, payloads) == first  # (checked: a list again)
+    records = list(first.payloads)
+    records[0] = PayloadRecord(name="world", byte_length="01", digest=records[0].digest)
+    with pytest.raises(ManifestError, match="byteLength"):
+        manifest_with_records(body, records)
+    records[0] = PayloadRecord(name="world", byte_length="0", digest="AB" * 32)
+    with pytest.raises(ManifestError, match="digest"):
+        manifest_with_records(body, records)
