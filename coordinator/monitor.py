@@ -82,9 +82,10 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     recent_commits: tuple[tuple[str, str], ...] = ()  # (checkpointId, time), newest last
     restores: int = 0
     last_restore: str | None = None  # "<checkpoint> into <epoch> (<reason>; abandoned a-b)"
-    # The latest restore's event and what the bus saw committed past it, while the
-    # replicated tier is not known to hold that: a `replicated` of it may come later.
-    restore_lost: tuple[Restored | _ReadRestored, tuple[str, str]] | None = None
+    # What the latest restore took for lost, while the replicated tier is not known
+    # to hold it (a `replicated` of it may come later): (its id, the seq of its
+    # `committed`, the text that says the tier holds it). Texts only: never a message.
+    restore_lost: tuple[str, int, str] | None = None
     replicated: int = 0  # generations that reached the replicated tier
     replicated_high_water: str | None = None
     replicated_seq: int = 0
@@ -507,11 +508,13 @@ def _restored(
     state: SessionState, event: Restored | _ReadRestored, seq: int, newest: bool, when: str | None
 ) -> dict[str, object]:
     unannounced = unannounced_loss(state, event, seq)
-    held = unannounced is None or unannounced[0] == state.replicated_high_water
+    held = unannounced is not None and unannounced[0] == state.replicated_high_water
     changes: dict[str, object] = {
         "restores": state.restores + 1,
-        "last_restore": _restore_text(event, unannounced, state.replicated_high_water),
-        "restore_lost": None if held else (event, unannounced),
+        "last_restore": _restore_text(event, unannounced, held=held),
+        "restore_lost": None
+        if held or unannounced is None  # (the bus's high water: its `committed` seq is known)
+        else (unannounced[0], state.high_water_seq, _restore_text(event, unannounced, held=True)),
     }
     if newest:  # the store's high water is the checkpoint restored now
         # The abandoned commits are no lag: the tier is to hold the restored one.
@@ -529,16 +532,15 @@ def _restored(
 
 def _replicated(state: SessionState, event: Event | _Read, seq: int) -> dict[str, object]:
     changes: dict[str, object] = {"replicated": state.replicated + 1}
-    if state.replicated_high_water is None or (seq > 0 and seq >= state.replicated_seq):
+    newest = seq > 0 and seq >= state.replicated_seq
+    if state.replicated_high_water is None or newest:
         changes.update(replicated_high_water=event.checkpoint_id, replicated_seq=seq)
         changes.update(_behind(state.recent_commits, event.checkpoint_id))
     lost = state.restore_lost
-    if lost is not None and lost[1][0] == event.checkpoint_id:  # (it came after the restore)
-        restore, unannounced = lost
-        changes.update(
-            last_restore=_restore_text(restore, unannounced, event.checkpoint_id),
-            restore_lost=None,
-        )
+    # A `replicated` of what a restore took for lost, come after the restore: the tier
+    # holds it if it is the newest replicated, and after its own `committed`.
+    if lost is not None and lost[0] == event.checkpoint_id and newest and seq > lost[1]:
+        changes.update(last_restore=lost[2], restore_lost=None)
     return changes
 
 
@@ -602,11 +604,12 @@ def unannounced_loss(
 
 
 def _restore_text(
-    event: Restored | _ReadRestored, unannounced: tuple[str, str] | None, replicated: str | None
+    event: Restored | _ReadRestored, unannounced: tuple[str, str] | None, *, held: bool
 ) -> str:
+    """A restore's words; ``held``: the replicated tier holds ``unannounced``."""
     if event.abandoned_from is not None:
         lost = f"abandoned {event.previous_epoch} steps {event.abandoned_from}-{event.abandoned_to}"
-    elif unannounced is not None and unannounced[0] == replicated:  # (a host gone on alone)
+    elif unannounced is not None and held:  # (a host gone on alone)
         lost = (f"{unannounced[0]} (step {unannounced[1]}) was committed before it and is not "
                 "on this timeline: the replicated tier holds it")  # fmt: skip
     elif unannounced is not None:

@@ -15,6 +15,7 @@ import time
 import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -273,6 +274,115 @@ def test_a_replicated_event_after_the_restore_still_tells_the_replicated_tier_ho
     board.apply(committed("s", "e3-4", 6, 5, "e3"))  # (the next restore's text is its own)
     library = library.apply(committed("s", "e3-4", 6, 5, "e3"))
     assert library.sessions["s"].last_restore == text
+
+
+def take_over(checkpoint: str, seq: int) -> Restored:
+    """A restore from the new host's own disk, naming nothing abandoned."""
+    identity = identity_of(sample_body(checkpoint))
+    return Restored(previous_epoch="e2", reason="recovery", abandoned_from=None,
+                    abandoned_to=None, identity=identity,
+                    **common("s", checkpoint, seq, seq, "e3"))  # type: ignore[arg-type]  # fmt: skip
+
+
+def fold_both(events: list[object]) -> tuple[Any, dict[str, Any]]:
+    board, library = Dashboard(), SaveState()
+    for event in events:
+        if isinstance(event, bytes):
+            board.apply_message(event)
+            library = library.apply_message(event)
+        else:
+            board.apply(event)  # type: ignore[arg-type]
+            library = library.apply(event)  # type: ignore[arg-type]
+    view = board.session("s", NOW + 100)
+    assert view is not None
+    return library.sessions["s"], view
+
+
+def test_a_replicated_event_older_than_the_newest_replicated_does_not_make_a_loss_held() -> None:
+    """helper-43 (B1): the tier replicated 6 (seq 3), then 3 (seq 4), and a host
+    restored 3: 6 is lost, and the replicated column says 3. With 6's `replicated`
+    stored late (folded after the restore), watch said the tier holds 6."""
+    c3, c6 = committed("s", "e1-3", 1, 1), committed("s", "e2-6", 2, 2, "e2")
+    rep6, rep3 = replicated("s", "e2-6", 3, 3), replicated("s", "e1-3", 4, 4)
+    for order in ([c3, c6, rep6, rep3, take_over("e1-3", 5)],
+                  [c3, c6, rep3, take_over("e1-3", 5), rep6]):  # fmt: skip
+        state, view = fold_both(order)  # type: ignore[arg-type]
+        assert "e2-6 (step 6) was committed before it and is lost" in (state.last_restore or "")
+        assert state.replicated_high_water == "e1-3"
+        assert view["restores"][-1]["stillReplicated"] is False
+
+
+@pytest.mark.parametrize("seq", [0, 2])
+def test_a_replicated_event_outside_the_sequence_or_before_its_commit_makes_no_loss_held(
+    seq: int,
+) -> None:
+    """helper-43 (B4): a `replicated` of the lost 6 at seq 0 (no version writes one
+    there) or below 6's own `committed` (a replicated comes after it) turned
+    "is lost" into "the replicated tier holds it", with no mark anywhere."""
+    events = [committed("s", "e1-3", 1, 1), committed("s", "e2-6", 3, 2, "e2"),
+              take_over("e1-3", 4), committed("s", "e3-4", 5, 5, "e3"),
+              replicated("s", "e2-6", seq, 99)]  # fmt: skip
+    state, view = fold_both(events)  # type: ignore[arg-type]
+    assert "e2-6 (step 6) was committed before it and is lost" in (state.last_restore or "")
+    assert view["restores"][-1]["stillReplicated"] is False
+
+
+def test_a_replicated_message_this_version_cannot_decode_tells_the_dashboard_too() -> None:
+    """helper-43 (B2): a `replicated` of 6 after the restore in a newer version's
+    form (a field this one does not know) is an event of its kind to the fold:
+    watch said the tier holds 6, the dashboard (which folds it as a loose message)
+    kept 6 struck through as lost."""
+    from coordinator.events import encode_event
+    from coordinator.monitor import Fleet
+
+    newer = msgspec.json.decode(encode_event(replicated("s", "e2-6", 5, 5)))
+    newer["cause"] = "migration"
+    messages = [encode_event(committed("s", "e1-3", 1, 1)),
+                encode_event(committed("s", "e2-6", 2, 2, "e2")),
+                encode_event(take_over("e1-3", 4)), msgspec.json.encode(newer)]  # fmt: skip
+    watch = Fleet()
+    for data in messages:
+        watch.receive(data)
+    state, view = fold_both(messages)  # type: ignore[arg-type]
+    held = "e2-6 (step 6) was committed before it and is not on this timeline"
+    assert held in (watch.sessions["s"].last_restore or "")
+    assert held in (state.last_restore or "")
+    assert view["restores"][-1]["stillReplicated"] is True
+    assert not any(row["abandoned"] for row in view["history"])
+
+
+def test_what_a_restore_keeps_for_a_later_replicated_event_is_text_not_the_message() -> None:
+    """helper-43 (B3): the fold kept the restore itself, read off the wire, for a
+    later `replicated`: its time a view into the whole message, a 900 KiB field
+    nobody reads with it (177 MiB for 200 sessions; docs/operations.md: memory is
+    bounded whatever anyone publishes). It keeps texts, cut as the text is."""
+    import gc
+    import json
+    import tracemalloc
+
+    from coordinator.monitor import Fleet
+
+    pad = "x" * (900 << 10)
+    watch = Fleet()
+    tracemalloc.start()
+    try:
+        for number in range(20):
+            base = {"sessionId": f"s{number}", "time": "2026-01-01T00:00:00.000000Z",
+                    "episodeId": "ep", "byteLength": "10"}  # fmt: skip
+            watch.receive(json.dumps({**base, "event": "committed", "seq": 1,
+                "eventId": f"s{number}:1", "checkpointId": "c-100", "epoch": "e1",
+                "highWater": "c-100", "boundary": "100"}).encode())  # fmt: skip
+            watch.receive(json.dumps({**base, "event": "restored", "seq": 2,
+                "eventId": f"s{number}:2", "checkpointId": "c-1", "epoch": "e2",
+                "boundary": "1", "reason": "r" * 2000, "previousEpoch": "e1",
+                "abandonedFrom": None, "abandonedTo": None, "pad": pad}).encode())  # fmt: skip
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert "c-100 (step 100) was committed before it and is lost" in (
+        watch.sessions["s0"].last_restore or "")  # fmt: skip
+    assert held < 4 << 20, f"{held / 2**20:.1f} MiB held for 20 sessions"
 
 
 def test_a_restore_stored_late_behind_a_later_commit_names_nothing_lost() -> None:

@@ -394,6 +394,9 @@ class Dashboard:
             session.forget()
             self.touch()
             return False
+        lost = before.restore_lost
+        if lost is not None and after.restore_lost is None and after.restores == before.restores:
+            _replicated_after_restore(session, lost[0])  # (the fold found the tier holds it)
         return True
 
     def apply_all(self, events: Iterable[Event | bytes]) -> None:
@@ -461,8 +464,6 @@ class Dashboard:
             unannounced = unannounced_loss(before, event, event.seq)
             self._restored(session, event, unannounced, before.replicated_high_water)
             return
-        if isinstance(event, Replicated):
-            _replicated_after_restore(session, event.checkpoint_id)
         row = session.history.get(event.checkpoint_id)
         if row is None and late:
             return  # a checkpoint already aggregated (or never seen): not the newest row
@@ -531,7 +532,7 @@ class Dashboard:
         held = unannounced is not None and unannounced[0] == replicated
         session.restores.append({
             "checkpointId": event.checkpoint_id, "epoch": event.epoch,
-            "previousEpoch": event.previous_epoch, "reason": event.reason,
+            "previousEpoch": event.previous_epoch, "reason": event.reason[:MAX_TEXT],
             "time": event.time[:64], "abandoned": [event.abandoned_from, event.abandoned_to],
             "lostUnannounced": list(unannounced) if unannounced else None,
             "stillReplicated": held,
@@ -702,15 +703,16 @@ def _not_adopted(state: SessionState) -> dict[str, Any] | None:
 
 
 def _replicated_after_restore(session: Session, checkpoint_id: str) -> None:
-    """A `replicated` of what a restore took for lost, come after it: the
-    replicated tier holds it (as ``_restored`` tells one that came before)."""
-    for restore in session.restores:
-        lost = restore["lostUnannounced"]
-        if lost is not None and lost[0] == checkpoint_id and not restore["stillReplicated"]:
-            restore["stillReplicated"] = True
-            row = session.history.get(checkpoint_id)
-            if row is not None:
-                row.abandoned = _abandoned(session, row.epoch, row.boundary)
+    """The fold found a `replicated` of what the latest restore took for lost,
+    come after it: the replicated tier holds it (as ``_restored`` tells one that
+    came before). Any other message folded may end ``restore_lost``: this one only."""
+    restore = session.restores[-1] if session.restores else None
+    if restore is None or (restore["lostUnannounced"] or [None])[0] != checkpoint_id:
+        return
+    restore["stillReplicated"] = True
+    row = session.history.get(checkpoint_id)
+    if row is not None:
+        row.abandoned = _abandoned(session, row.epoch, row.boundary)
 
 
 def _abandoned(session: Session, epoch: str, boundary: str) -> bool:
