@@ -63,13 +63,16 @@ async def publish_raw(url: str, subject: str, data: bytes) -> None:
 
 
 async def run_host(url: str, store_path: Path, steps: range, epoch: str) -> dict[str, int]:
-    async with (
-        NatsBus(url) as bus,
-        FileStore(store_path) as store,
-        Coordinator(store, bus, parts(), session_id="s1", epoch=epoch, describe=describe) as host,
-    ):
-        for step in steps:
-            await host.checkpoint(step)
+    """The bus's counts once every event of the run went out and was checked. A
+    checkpoint's ticket resolves before the writer's outbox task hands its
+    `committed` to the bus (``bus.pending`` is 0 meanwhile): the host's close
+    flushes that outbox into the bus, whose lanes are then awaited."""
+    async with NatsBus(url) as bus, FileStore(store_path) as store:
+        async with Coordinator(
+            store, bus, parts(), session_id="s1", epoch=epoch, describe=describe
+        ) as host:
+            for step in steps:
+                await host.checkpoint(step)
         await wait_until(lambda: not bus.pending, timeout=20)
         return dict(bus.counts())
 
