@@ -6,11 +6,14 @@ nats.js example on one real stream."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +59,16 @@ def node() -> str:
     binary, npm = shutil.which("node"), shutil.which("npm")
     if binary is None or npm is None:
         pytest.skip("node and npm are not installed here (CI has them)")
-    if not all((ROOT / "node_modules" / name).exists() for name in ("ajv", "nats")):
-        done = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
+    # The suite's workers (pytest -n 2) each ask: one installs, the other waits for it
+    # (npm ci empties node_modules first: two at once break each other's).
+    tag = hashlib.sha256(bytes(ROOT)).hexdigest()[:16]
+    lock = Path(tempfile.gettempdir()) / f"coordinator-npm-{tag}.lock"
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if not all((ROOT / "node_modules" / name).exists() for name in ("ajv", "nats")):
+            done = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+            assert done.returncode == 0, done.stderr[-2000:]
     return binary
 
 
