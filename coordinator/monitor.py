@@ -82,6 +82,7 @@ class SessionState(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     recent_commits: tuple[tuple[str, str], ...] = ()  # (checkpointId, time), newest last
     restores: int = 0
     last_restore: str | None = None  # "<checkpoint> into <epoch> (<reason>; abandoned a-b)"
+    last_restore_seq: int = 0  # the seq of the restore it tells (a later-stored older one: not)
     # What the latest restore took for lost, while the replicated tier is not known
     # to hold it (a `replicated` of it may come later): (its id, the seq of its
     # `committed`, the text that says the tier holds it). Texts only: never a message.
@@ -451,8 +452,8 @@ def _contradiction(state: SessionState, seq: int) -> tuple[SessionState, bool]:
     seqs = tuple(0 if folded > seq else folded for folded in state.folded_seqs)
     return msgspec.structs.replace(
         state, last_seq=0, missing=frozenset(), lost=state.lost + len(state.missing),
-        high_water_seq=0, replicated_seq=0, rebased=state.rebased + 1, stray_seq=0,
-        stray_run=0, folded_seqs=seqs,
+        high_water_seq=0, replicated_seq=0, last_restore_seq=0, rebased=state.rebased + 1,
+        stray_seq=0, stray_run=0, folded_seqs=seqs,
     ), False  # fmt: skip
 
 
@@ -507,15 +508,21 @@ def _newest_commit(
 def _restored(
     state: SessionState, event: Restored | _ReadRestored, seq: int, newest: bool, when: str | None
 ) -> dict[str, object]:
-    unannounced = unannounced_loss(state, event, seq)
-    held = unannounced is not None and unannounced[0] == state.replicated_high_water
-    changes: dict[str, object] = {
-        "restores": state.restores + 1,
-        "last_restore": _restore_text(event, unannounced, held=held),
-        "restore_lost": None
-        if held or unannounced is None  # (the bus's high water: its `committed` seq is known)
-        else (unannounced[0], state.high_water_seq, _restore_text(event, unannounced, held=True)),
-    }
+    changes: dict[str, object] = {"restores": state.restores + 1}
+    if state.last_restore is None or (seq > 0 and seq >= state.last_restore_seq):
+        unannounced = unannounced_loss(state, event, seq)
+        held = unannounced is not None and unannounced[0] == state.replicated_high_water
+        changes.update(
+            last_restore=_restore_text(event, unannounced, held=held),
+            last_restore_seq=seq,
+            restore_lost=None
+            if held or unannounced is None  # (the bus's high water: its `committed` seq known)
+            else (
+                unannounced[0],
+                state.high_water_seq,
+                _restore_text(event, unannounced, held=True),
+            ),
+        )
     if newest:  # the store's high water is the checkpoint restored now
         # The abandoned commits are no lag: the tier is to hold the restored one.
         held = state.replicated_high_water == event.checkpoint_id

@@ -385,6 +385,22 @@ def test_what_a_restore_keeps_for_a_later_replicated_event_is_text_not_the_messa
     assert held < 4 << 20, f"{held / 2**20:.1f} MiB held for 20 sessions"
 
 
+def test_a_restore_stored_late_behind_a_newer_restore_is_not_the_last_restore() -> None:
+    """helper-43: a rollback at seq 3 folded after the take-over at seq 5 became
+    watch's "last restore" (docs/operations.md: the newest restore); counted, it
+    stays behind the newer one, as a late commit stays behind the high water."""
+    identity = identity_of(sample_body("e1-2"))
+    rollback = Restored(previous_epoch="e1", reason="rollback", abandoned_from="3",
+                        abandoned_to="3", identity=identity,
+                        **common("s", "e1-2", 3, 3, "e9"))  # type: ignore[arg-type]  # fmt: skip
+    events = [committed("s", "e1-2", 1, 1), committed("s", "e1-3", 2, 2),
+              committed("s", "e2-6", 4, 4, "e2"), take_over("e1-3", 5), rollback]  # fmt: skip
+    state, _ = fold_both(events)  # type: ignore[arg-type]
+    assert state.restores == 2
+    assert (state.last_restore or "").startswith("e1-3 into e3 (recovery; e2-6 (step 6)"), (
+        state.last_restore)  # fmt: skip
+
+
 def test_a_restore_stored_late_behind_a_later_commit_names_nothing_lost() -> None:
     """helper-35: a `restored` folded after the commit that came after it (stored
     late) was taken for a take-over past that commit: "e3-4 (step 4) was
