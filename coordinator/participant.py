@@ -145,7 +145,9 @@ class StagesInPlace(Protocol):
     it, verifies it there, and only then calls ``stage_restore`` with a view of
     that very memory, which the participant adopts: one copy of the state, no
     more. A refused restore drops the memory unused; so does a restore that
-    fails before staging. The view handed to ``stage_restore`` stays valid."""
+    fails before staging. The view handed to ``stage_restore`` is released after
+    the restore, as every payload view is; the memory it viewed (the object
+    ``restore_buffer`` returned) is the participant's to keep."""
 
     def restore_buffer(self, byte_length: int, scope: RestoreScope) -> Any: ...
 

@@ -940,23 +940,7 @@ class Coordinator:
                     timeline = self.store.timeline(self.session_id)
                     candidates = [r.checkpoint_id for r in timeline if r.checkpoint_id not in seen]
                 continue
-            try:
-                look = staged.unverified_manifest()
-                buffers: dict[str, memoryview] = {}
-                # Memory is asked for unless the head shows another host's generation
-                # (skipped unread by a participant; the checks below still run).
-                if (
-                    look is None
-                    or allow_incompatible
-                    or not identity_differences(expected, identity_of(look))
-                ):
-                    buffers = self._staging_buffers(staged, new_epoch)
-                stored = await self.store.read_staged(staged, buffers)
-            except BaseException as error:
-                release_frames(error)  # their locals hold the memory participants gave
-                staged.close()
-                self.store.unpin(staged.record.checkpoint_id)
-                raise
+            stored = await self._read_candidate(staged, expected, allow_incompatible, new_epoch)
             differences = identity_differences(expected, identity_of(stored.manifest))
             if not differences or allow_incompatible:
                 return stored, differences, tuple(skipped)
@@ -971,6 +955,35 @@ class Coordinator:
             )
         tried = tuple(s.checkpoint_id for s in skipped) if checkpoint_id is None else ()
         raise IncompatibleStateError(skipped[0].checkpoint_id, skipped[0].differences, tried)
+
+    async def _read_candidate(
+        self, staged: StagedRead, expected: Identity, allow_incompatible: bool, new_epoch: str
+    ) -> StoredCheckpoint:
+        """``staged`` read and verified, each payload into the memory its
+        participant provides, unless the head shows another host's generation
+        (skipped unread by a participant; every check still runs). Closed and
+        unpinned if it fails."""
+        try:
+            look = staged.unverified_manifest()
+            buffers: dict[str, memoryview] = {}
+            if (
+                look is None
+                or allow_incompatible
+                or not identity_differences(expected, identity_of(look))
+            ):
+                try:
+                    buffers = self._staging_buffers(staged, new_epoch)
+                except RestoreFailedError:  # the head's length is unverified: the
+                    await self.store.check_staged(staged)  # file's fault, if corrupt
+                    raise
+            return await self.store.read_staged(staged, buffers)
+        except BaseException as error:
+            release_frames(error)  # their locals hold the memory participants gave
+            staged.close()
+            self.store.unpin(staged.record.checkpoint_id)
+            if isinstance(error, MemoryError):  # (memory of its own for a payload)
+                raise RestoreFailedError("(the store)", str(error), ()) from None
+            raise
 
     def _staging_buffers(self, staged: StagedRead, new_epoch: str) -> dict[str, memoryview]:
         """The memory each participant with a ``restore_buffer`` provides for its

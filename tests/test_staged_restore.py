@@ -644,3 +644,119 @@ async def test_a_read_error_in_a_damaged_heads_checks_is_typed(
         monkeypatch.undo()
         assert refused.value.check == "read" and "Input/output error" in str(refused.value)
         assert generation_fds() == []
+
+
+class Grid:
+    """docs/host.md's numpy world: its restore_buffer is an array like its own."""
+
+    name = "world"
+
+    def __init__(self, grid: Any) -> None:
+        self.grid, self.asked = grid, []
+
+    async def capture(self, scope: Any) -> Any:
+        return self.grid
+
+    def restore_buffer(self, byte_length: int, scope: RestoreScope) -> Any:
+        self.asked.append(byte_length)
+        self.incoming = np.empty_like(self.grid)
+        return self.incoming
+
+    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Any:
+        return self.incoming
+
+    async def activate_restore(self, token: Any) -> None:
+        self.grid = token
+
+    async def abort_restore(self, token: Any) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_a_corrupt_length_in_the_table_is_the_files_fault_not_the_participants(
+    tmp_path: Path,
+) -> None:
+    """helper-45: a bit flipped in the last payload's table length (9801 -> 9800)
+    still lays out (alignment's slack before the footer), so restore_buffer was
+    asked for 9800 bytes, its array of 9801 was refused, and resume() blamed the
+    participant (restore.failed) with no older checkpoint named. The file is
+    checked before a participant is blamed: store.corrupt, naming the older one."""
+    from coordinator import HostDescription
+    from coordinator.bus import MemoryBus
+
+    def host(store: FileStore, world: Grid, epoch: str) -> Coordinator:
+        return Coordinator(store, MemoryBus(), [world], session_id="s", epoch=epoch,
+                           describe=HostDescription(agents=[]))  # fmt: skip
+
+    first = Grid(np.ones((99, 99), np.uint8))
+    async with FileStore(tmp_path) as store, host(store, first, "e1") as h:
+        await h.checkpoint(1)
+        await h.checkpoint(2)
+    newest = sorted(tmp_path.glob("*.flysess"), key=lambda p: p.stat().st_mtime)[-1]
+    data = bytearray(newest.read_bytes())
+    _, _, table_offset = struct.unpack_from("<3I", data, 16)
+    data[table_offset + 72] ^= 0x01  # the length field of entry 0 (8 bytes at 72)
+    newest.write_bytes(data)
+    world = Grid(np.ones((99, 99), np.uint8))
+    async with FileStore(tmp_path) as store, host(store, world, "e2") as h:
+        with pytest.raises(GenerationCorruptError) as caught:
+            await h.resume()
+    assert caught.value.check == "envelope-digest" and caught.value.older == ("e1-1",)
+    assert world.asked == [9800]  # (asked, then checked: a participant saw no byte)
+
+
+NO_MEMORY_CHILD = """
+import asyncio, resource, sys
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+from hostkit import Part
+from coordinator import Coordinator, CoordinatorError, FileStore, HostDescription
+from coordinator.bus import MemoryBus
+
+class Plain(Part):
+    pass
+
+def vm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+
+async def main(folder, size, epoch, limit):
+    world = Plain("world")
+    world.state = b"live" if limit else bytes(size)
+    async with FileStore(folder) as store, Coordinator(
+        store, MemoryBus(), [world], session_id="s", epoch=epoch,
+        describe=HostDescription(agents=[])) as host:
+        if not limit:
+            await host.checkpoint(1)
+            return
+        resource.setrlimit(resource.RLIMIT_AS, (vm() + (128 << 20), resource.RLIM_INFINITY))
+        try:
+            await host.resume()
+        except CoordinatorError as error:
+            print(error.code, str(error))
+        except BaseException as error:
+            print("untyped", type(error).__name__, error)
+        print("live", world.state[:8])
+
+asyncio.run(main(sys.argv[1], 256 << 20, sys.argv[4], sys.argv[4] == "e2"))
+"""
+
+
+def test_a_payload_too_large_for_the_memory_left_is_a_typed_refusal(tmp_path: Path) -> None:
+    """helper-45: a payload with no restore_buffer is read into memory of the
+    store's own; with too little left (RLIMIT_AS in a child) resume() raised the
+    OS's bare OSError (ENOMEM). It is restore.failed, and the live state stays."""
+    import subprocess
+    import sys
+
+    tests = Path(__file__).parent
+    for epoch in ("e1", "e2"):
+        done = subprocess.run(
+            [sys.executable, "-c", NO_MEMORY_CHILD, str(tmp_path), str(tests),
+             str(tests.parent), epoch],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("restore.failed "), done.stdout
+    assert "no memory to read payload 'world'" in done.stdout
+    assert "live b'live'" in done.stdout

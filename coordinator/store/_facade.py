@@ -484,6 +484,11 @@ class FileStore:
                 self.core.pin(record.checkpoint_id)
         return staged
 
+    async def check_staged(self, staged: StagedRead) -> None:
+        """``GenerationCorruptError`` unless ``staged``'s file is the one its commit
+        recorded (``StagedRead.check_intact``, in a worker thread)."""
+        await self._run(staged.check_intact)
+
     async def read_staged(
         self, staged: StagedRead, buffers: Mapping[str, memoryview] | None = None
     ) -> StoredCheckpoint:

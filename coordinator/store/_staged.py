@@ -94,7 +94,8 @@ class StagedRead:
         its length; fresh anonymous memory for a name not given), hash behind
         the read, and run every check (``checked_generation``). The checkpoint's
         payloads are views of those buffers; a name not given gets a read-only
-        view of memory of its own, which stays valid after ``close``."""
+        view of memory of its own, which stays valid after ``close``.
+        ``MemoryError`` if that memory cannot be had."""
         size = int(self.record.byte_length)
         own: list[mmap.mmap] = []
         views: list[memoryview] = []  # every view of our own memory, released on close
@@ -114,7 +115,7 @@ class StagedRead:
                 raise ValueError(f"the buffer for {name} is not {length} writable bytes")
             if view is None:
                 # private: a fork()ed child never shares what a participant is given
-                memory = mmap.mmap(-1, max(length, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                memory = _anonymous(name, length, views, own)
                 own.append(memory)
                 whole = memoryview(memory)
                 view = whole[:length]
@@ -185,11 +186,42 @@ class StagedRead:
         )
         return checked_generation(self.record, self.path, pieces, close, known=known)
 
+    def check_intact(self) -> None:
+        """The whole file's SHA-256 against the one its commit recorded, streamed
+        (a small buffer): ``GenerationCorruptError`` if it differs. For a reader
+        about to blame a participant for a length the head states, which only
+        this says is genuine."""
+        try:
+            digest = _file_digest(self._fs, self._fd, int(self.record.byte_length))
+        except OSError as error:
+            raise GenerationCorruptError(
+                self.record.checkpoint_id, self.path, "read", error.strerror or str(error)
+            ) from None
+        if digest != self.record.envelope_digest:
+            raise GenerationCorruptError(
+                self.record.checkpoint_id, self.path, "envelope-digest", NOT_COMMITTED
+            )
+
     def close(self) -> None:
         """Close the file (idempotent)."""
         if self._fd >= 0:
             self._fs.close(self._fd)
             self._fd = -1
+
+
+def _anonymous(name: str, length: int, views: list[memoryview], own: list[mmap.mmap]) -> mmap.mmap:
+    """Private anonymous memory for payload ``name``; ``MemoryError`` (the
+    ``views`` and ``own`` memory so far let go) if there is none to have."""
+    try:
+        return mmap.mmap(-1, max(length, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as error:  # (ENOMEM: nothing is wrong with the file)
+        for view in views:
+            view.release()
+        for memory in own:
+            memory.close()
+        raise MemoryError(
+            f"no memory to read payload {name!r} into ({length} bytes): {error.strerror or error}"
+        ) from None
 
 
 def open_staged(fs: FileSystem, path: str, record: GenerationRecord) -> StagedRead:
