@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -110,6 +111,8 @@ from .events import (
 from .manifest import CheckpointManifest
 from .sealed import is_owned, seal_copy
 from .store import CommitReceipt, FileStore, run_in_bulk_thread
+
+_log = logging.getLogger("coordinator.writer")
 
 __all__ = [
     "JobState",
@@ -228,7 +231,9 @@ class Ticket:
         return self.outcome
 
     def add_done_callback(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once the outcome is known (at once if it is)."""
+        """Call ``callback`` once the outcome is known (at once if it is). One that
+        raises then is logged (``coordinator.writer``), as asyncio's callbacks are:
+        the outcome and the other callbacks stand."""
         if self.done():
             callback()
         else:
@@ -239,7 +244,10 @@ class Ticket:
         self._done.set()
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
-            callback()
+            try:
+                callback()
+            except Exception:  # a host's bug is its own: never its group's outcome
+                _log.exception("a done callback of checkpoint %s raised", self.checkpoint_id)
 
 
 class Reservation:

@@ -207,6 +207,8 @@ async def test_a_failed_directory_fsync_fails_the_whole_group(tmp_path: Path, wh
         assert {o.code for o in outcomes} == {code}  # type: ignore[union-attr]
         durable = {o.durable for o in outcomes}  # type: ignore[union-attr]
         assert durable == ({False} if where == "files" else {"unknown"})
+        for outcome in outcomes:  # (helper-44: each said "commit of epoch-1-2")
+            assert outcome.reason.startswith(f"commit of {outcome.checkpoint_id}"), outcome  # type: ignore[union-attr]
         assert store.poisoned is not None
         failure = c.writer.take_failure()
         assert isinstance(failure, SaveFailedError) and failure.checkpoint_id == "epoch-1-6"
@@ -488,3 +490,29 @@ async def test_the_facade_groups_one_callers_checkpoints_and_defers_a_repeated_i
         assert listed(store)[-2:] == ["ckpt-2", "ckpt-3"]
         record = store.lookup("ckpt-2")  # written beside the listed one, named apart
         assert record is not None and record.file != "ckpt-2.flysess"
+
+
+@pytest.mark.asyncio
+async def test_a_done_callback_that_raises_fails_no_checkpoint_of_its_group(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """helper-44: a host's done callback raising on the first member of a group
+    left Ticket._resolve, and the writer's handler for its own bugs failed the
+    rest of the group: failed, durable false, for checkpoints the store had
+    committed (listed, verifying). A callback's error is logged, as asyncio's are;
+    every checkpoint of the group is committed."""
+    fs = GateFS()
+    bus = RecordingBus()
+    async with FileStore(tmp_path, fs=fs) as store, coordinator(store, parts(), bus) as c:
+        first, rest = await queue_behind_a_held_commit(c, fs, range(1, 6))
+
+        def broken() -> None:
+            raise RuntimeError("a host's callback bug")
+
+        rest[0].add_done_callback(broken)
+        fs.open_all()
+        outcomes = [await t.wait() for t in (first, *rest)]
+        assert all(isinstance(o, Committed) and o.durable for o in outcomes), outcomes
+        await c.checkpoint(6)  # (no SaveFailedError: nothing failed)
+    assert "a done callback of checkpoint epoch-1-2 raised" in caplog.text
+    assert not terminal_order(bus, Failed)

@@ -899,5 +899,9 @@ def _as_member(error: CoordinatorError, checkpoint_id: str, group: Sequence[str]
         return error
     shared = type(error).__new__(type(error))  # (their __init__ takes other arguments)
     shared.__dict__.update(vars(error), checkpoint_id=checkpoint_id)
-    shared.args = (f"{error} (committed as one group: {', '.join(group)})",)
+    told, said = f"commit of {checkpoint_id}", str(error)
+    first = f"commit of {getattr(error, 'checkpoint_id', '')}"  # (how every such error begins)
+    if said.startswith(first):
+        said = told + said[len(first) :]
+    shared.args = (f"{said} (committed as one group: {', '.join(group)})",)
     return shared
