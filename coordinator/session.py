@@ -966,6 +966,7 @@ class Coordinator:
         try:
             look = staged.unverified_manifest()
             buffers: dict[str, memoryview] = {}
+            kept: set[str] = set()  # (what no participant takes is verified, not kept)
             if (
                 look is None
                 or allow_incompatible
@@ -976,7 +977,8 @@ class Coordinator:
                 except RestoreFailedError:  # the head's length is unverified: the
                     await self.store.check_staged(staged)  # file's fault, if corrupt
                     raise
-            return await self.store.read_staged(staged, buffers)
+                kept = {participant.name for participant in self.participants}
+            return await self.store.read_staged(staged, buffers, keep=kept)
         except BaseException as error:
             release_frames(error)  # their locals hold the memory participants gave
             staged.close()

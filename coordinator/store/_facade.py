@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -490,14 +490,20 @@ class FileStore:
         await self._run(staged.check_intact)
 
     async def read_staged(
-        self, staged: StagedRead, buffers: Mapping[str, memoryview] | None = None
+        self,
+        staged: StagedRead,
+        buffers: Mapping[str, memoryview] | None = None,
+        *,
+        keep: Collection[str] | None = None,
     ) -> StoredCheckpoint:
         """Read ``staged`` once, each payload into ``buffers[name]`` (a writable
         byte view of exactly its length; fresh memory for a name not given),
         and verify it there with every check ``read`` makes: the digests follow
-        the read, on two threads. The file is closed either way."""
+        the read, on two threads. With ``keep``, a payload named in neither is
+        verified and passed over, in bounded memory (``StagedRead.read``): its
+        view is for no reader. The file is closed either way."""
         try:  # (the file is closed once its threads are done, however it ends)
-            reading = functools.partial(staged.read, buffers or {})
+            reading = functools.partial(staged.read, buffers or {}, keep)
             stored: StoredCheckpoint = await self._run_whole(StoredCheckpoint.close, reading)
         finally:
             staged.close()

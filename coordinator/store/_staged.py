@@ -21,7 +21,7 @@ import mmap
 import queue
 import struct
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -49,6 +49,8 @@ _HEAD = struct.Struct("<8s6I")
 _ENTRY = struct.Struct("<64sQQ32s")
 # Read (and hashed) in chunks of this size; the hashers follow one chunk behind.
 _CHUNK = 8 << 20
+# A payload nobody keeps is read through two chunks of this size in turn.
+_SCRATCH_CHUNK = 1 << 20
 # Below this many bytes the two hashing threads cost more than they save.
 _THREADED_MIN = 1 << 20
 
@@ -89,17 +91,22 @@ class StagedRead:
         except (ManifestError, msgspec.DecodeError, ValueError, RecursionError):
             return None  # (msgspec refuses nesting past 1000 with RecursionError)
 
-    def read(self, buffers: Mapping[str, memoryview]) -> StoredCheckpoint:
+    def read(
+        self, buffers: Mapping[str, memoryview], keep: Collection[str] | None = None
+    ) -> StoredCheckpoint:
         """Fill every payload (``buffers[name]``, a writable byte view of exactly
         its length; fresh anonymous memory for a name not given), hash behind
         the read, and run every check (``checked_generation``). The checkpoint's
         payloads are views of those buffers; a name not given gets a read-only
         view of memory of its own, which stays valid after ``close``.
-        ``MemoryError`` if that memory cannot be had."""
+        ``MemoryError`` if that memory cannot be had. With ``keep``, a name in
+        neither is passed over: read and verified through a bounded buffer, its
+        view memory never written (zeros: for no reader)."""
         size = int(self.record.byte_length)
         own: list[mmap.mmap] = []
         views: list[memoryview] = []  # every view of our own memory, released on close
         fill: list[tuple[int, memoryview, Any]] = [(0, memoryview(self._head), None)]
+        passed: set[int] = set()  # the indexes in ``fill`` read through the scratch
         shown: list[tuple[int, memoryview]] = [(0, memoryview(self._head))]
         hashers = []
         end = len(self._head)
@@ -114,6 +121,8 @@ class StagedRead:
             if view is not None and (len(view) != length or view.readonly):
                 raise ValueError(f"the buffer for {name} is not {length} writable bytes")
             if view is None:
+                if keep is not None and name not in keep:
+                    passed.add(len(fill))
                 # private: a fork()ed child never shares what a participant is given
                 memory = _anonymous(name, length, views, own)
                 own.append(memory)
@@ -144,7 +153,7 @@ class StagedRead:
                     memory.close()
 
         try:
-            return self._read_and_check(fill, footer, pieces, hashers, close)
+            return self._read_and_check(fill, footer, pieces, hashers, close, passed=passed)
         except BaseException as error:
             release_frames(error)  # its frames hold views of the memory closed here
             close()
@@ -157,12 +166,14 @@ class StagedRead:
         pieces: Scattered,
         hashers: list[Any],
         close: Callable[[], None],
+        *,
+        passed: set[int],
     ) -> StoredCheckpoint:
         size = int(self.record.byte_length)
         footer_offset = size - FOOTER_BYTES
         body = hashlib.sha256()
         try:
-            whole = _fill_behind(self._fs, self._fd, fill, body)
+            whole = _fill_behind(self._fs, self._fd, fill, body, passed)
             whole = whole and self._fs.read_into(self._fd, footer, footer_offset) == FOOTER_BYTES
             grown = self._fs.size(self._fd) != size
         except OSError as error:
@@ -325,12 +336,18 @@ def _read(fs: FileSystem, fd: int, size: int, offset: int) -> bytes:
 
 
 def _fill_behind(
-    fs: FileSystem, fd: int, pieces: list[tuple[int, memoryview, Any]], body: Any
+    fs: FileSystem,
+    fd: int,
+    pieces: list[tuple[int, memoryview, Any]],
+    body: Any,
+    passed: Collection[int] = (),
 ) -> bool:
     """Read every piece not yet filled (all but the first, the head), in file
     order, feeding ``body`` every piece and each payload's hasher its own, one
-    chunk behind the read on two threads (hashlib releases the GIL). ``False``
-    if the file ended first."""
+    chunk behind the read on two threads (hashlib releases the GIL). The pieces
+    ``passed`` over go through two chunks of scratch memory (1 MiB) in turn instead
+    (each reused once both threads hashed it): their own memory is not written.
+    ``False`` if the file ended first."""
     total = sum(len(view) for _, view, _ in pieces)
     threaded = total >= _THREADED_MIN
     streams: list[queue.SimpleQueue[Callable[[], object] | None]] = []
@@ -355,19 +372,48 @@ def _fill_behind(
         if hasher is not None:
             streams[1].put(functools.partial(hasher.update, body_part))
 
+    scratch = _Scratch(streams) if passed else None
     try:
         for index, (offset, view, hasher) in enumerate(pieces):
-            for low in range(0, len(view), _CHUNK):
-                part = view[low : low + _CHUNK]
+            step = _SCRATCH_CHUNK if index in passed else _CHUNK
+            for low in range(0, len(view), step):
+                part = view[low : low + step]
+                if scratch is not None and index in passed:
+                    part = scratch.next(len(part))
                 if index > 0 and fs.read_into(fd, part, offset + low) != len(part):
                     return False
                 hash_later(part, hasher)
+                if scratch is not None and index in passed:
+                    scratch.hashed()
     finally:
         for jobs in streams:
             jobs.put(None)
         for worker in workers:
             worker.join()
     return True
+
+
+class _Scratch:
+    """Two chunks of memory a passed-over payload is read through in turn: a chunk
+    is reused only once every hashing thread is done with it."""
+
+    def __init__(self, streams: list[queue.SimpleQueue[Callable[[], object] | None]]) -> None:
+        self._streams = streams
+        self._chunks = [memoryview(bytearray(_SCRATCH_CHUNK)) for _ in range(2)]
+        self._done: list[list[threading.Event]] = [[], []]
+        self._turn = 1
+
+    def next(self, size: int) -> memoryview:
+        self._turn ^= 1
+        for done in self._done[self._turn]:
+            done.wait()
+        return self._chunks[self._turn][:size]
+
+    def hashed(self) -> None:
+        """After the current chunk's hashing was queued: note when it is done."""
+        self._done[self._turn] = [threading.Event() for _ in self._streams]
+        for jobs, done in zip(self._streams, self._done[self._turn], strict=True):
+            jobs.put(done.set)
 
 
 def _follow(jobs: queue.SimpleQueue[Callable[[], object] | None]) -> None:
