@@ -984,7 +984,8 @@ class Coordinator:
             staged.close()
             self.store.unpin(staged.record.checkpoint_id)
             if isinstance(error, MemoryError):  # (memory of its own for a payload)
-                raise RestoreFailedError("(the store)", str(error), ()) from None
+                reason = str(error) or "no memory for the restore's own buffers"
+                raise RestoreFailedError("(the store)", reason, ()) from None
             raise
 
     def _staging_buffers(self, staged: StagedRead, new_epoch: str) -> dict[str, memoryview]:

@@ -788,13 +788,13 @@ async def saved_with_an_orphan(tmp_path: Path, size: int = ORPHAN) -> bytes:
     return orphan
 
 
-async def resume_without_the_orphan(tmp_path: Path) -> Grid:
+async def resume_without_the_orphan(tmp_path: Path, epoch: str = "e2") -> Grid:
     from coordinator import HostDescription
     from coordinator.bus import MemoryBus
 
     world = Grid(np.zeros(1 << 16, dtype=np.uint8))
     async with FileStore(tmp_path) as store, Coordinator(
-        store, MemoryBus(), [world], session_id="s", epoch="e2",
+        store, MemoryBus(), [world], session_id="s", epoch=epoch,
         describe=HostDescription(agents=[])) as host:  # fmt: skip
         await host.resume()
     return world
@@ -858,3 +858,75 @@ async def test_a_payload_no_participant_takes_adds_at_most_the_scratch_to_the_pe
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout) < 16, done.stdout  # (MiB: the scratch, threads, the grid)
+
+
+@pytest.mark.asyncio
+async def test_no_memory_for_the_scratch_leaves_no_hashing_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """helper-46: the two hashing threads were started before the scratch was
+    allocated, outside the block that stops them: each restore refused for want
+    of that memory left two threads blocked for good (and said nothing: a bare
+    MemoryError has no text)."""
+    import threading
+
+    from coordinator.store import _staged
+
+    def no_memory(self: Any, streams: Any) -> None:
+        raise MemoryError
+
+    await saved_with_an_orphan(tmp_path)
+    monkeypatch.setattr(_staged._Scratch, "__init__", no_memory)
+    for epoch in ("e2", "e3"):
+        with pytest.raises(RestoreFailedError, match="no memory for the restore's own buffers"):
+            await resume_without_the_orphan(tmp_path, epoch)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("restore-")]
+
+
+HASH_FAILS_CHILD = """
+import asyncio, hashlib, sys, threading, types
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+from pathlib import Path
+from coordinator.store import _staged
+from test_staged_restore import resume_without_the_orphan
+
+class FailsOnce:
+    armed = True
+    def __init__(self, inner=None):
+        self.inner = inner or hashlib.sha256()
+    def update(self, data):
+        if FailsOnce.armed and threading.current_thread().name == "restore-payloads":
+            FailsOnce.armed = False
+            raise MemoryError
+        self.inner.update(data)
+    def copy(self):
+        return FailsOnce(self.inner.copy())
+    def digest(self):
+        return self.inner.digest()
+
+_staged.hashlib = types.SimpleNamespace(sha256=FailsOnce)
+try:
+    asyncio.run(resume_without_the_orphan(Path(sys.argv[1])))
+except Exception as error:
+    print(getattr(error, "code", type(error).__name__))
+"""
+
+
+@pytest.mark.asyncio
+async def test_a_hashing_threads_error_ends_the_restore_with_it(tmp_path: Path) -> None:
+    """helper-46: a job of a hashing thread that raised (a MemoryError in its
+    update) killed the thread; with a payload passed over, the read waited for
+    good on a chunk the dead thread would never say it was done with (and could
+    not be cancelled). The thread goes on; its error ends the restore: here
+    restore.failed. (In a child: a hang must not hang the suite.)"""
+    import subprocess
+    import sys
+
+    await saved_with_an_orphan(tmp_path)
+    tests = Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-c", HASH_FAILS_CHILD, str(tmp_path), str(tests), str(tests.parent)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "restore.failed", done.stdout

@@ -352,12 +352,16 @@ def _fill_behind(
     threaded = total >= _THREADED_MIN
     streams: list[queue.SimpleQueue[Callable[[], object] | None]] = []
     workers: list[threading.Thread] = []
+    scratch = _Scratch(streams) if passed else None  # (first: it may fail, with no thread)
+    errors: list[BaseException] = []  # a hashing thread's, raised once both are done
     if threaded:
         for name in ("body", "payloads"):
             jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
             streams.append(jobs)
             workers.append(
-                threading.Thread(target=_follow, args=(jobs,), name=f"restore-{name}", daemon=True)
+                threading.Thread(
+                    target=_follow, args=(jobs, errors), name=f"restore-{name}", daemon=True
+                )
             )
         for worker in workers:
             worker.start()
@@ -372,7 +376,6 @@ def _fill_behind(
         if hasher is not None:
             streams[1].put(functools.partial(hasher.update, body_part))
 
-    scratch = _Scratch(streams) if passed else None
     try:
         for index, (offset, view, hasher) in enumerate(pieces):
             step = _SCRATCH_CHUNK if index in passed else _CHUNK
@@ -390,6 +393,8 @@ def _fill_behind(
             jobs.put(None)
         for worker in workers:
             worker.join()
+        if errors:  # (a digest it could not finish: no answer about the file)
+            raise errors[0]
     return True
 
 
@@ -416,6 +421,13 @@ class _Scratch:
             jobs.put(done.set)
 
 
-def _follow(jobs: queue.SimpleQueue[Callable[[], object] | None]) -> None:
+def _follow(
+    jobs: queue.SimpleQueue[Callable[[], object] | None], errors: list[BaseException]
+) -> None:
+    """Run ``jobs`` until ``None``; one that raises is noted in ``errors`` and the
+    rest still run (the read waits on a chunk's last job, which must come)."""
     while (job := jobs.get()) is not None:
-        job()
+        try:
+            job()
+        except BaseException as error:
+            errors.append(error)
