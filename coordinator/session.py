@@ -1110,6 +1110,10 @@ class Coordinator:
         self.writer.fence_epoch(old_epoch, restored=record.checkpoint_id, new_epoch=new_epoch)
         try:
             await self.writer.wait_written(old_epoch)
+            # An anyio cancellation held off by a shield (the read's) is delivered at
+            # the next wait: maybe none before step 3 (a stage_restore that never
+            # waits, nothing being written). It is asked for here.
+            await anyio.lowlevel.checkpoint_if_cancelled()
         except BaseException:
             self.writer.readmit_epoch(old_epoch)
             await self._abort(staged)

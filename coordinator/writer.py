@@ -233,9 +233,10 @@ class Ticket:
     def add_done_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once the outcome is known (at once if it is). One that
         raises then is logged (``coordinator.writer``), as asyncio's callbacks are:
-        the outcome and the other callbacks stand."""
+        the outcome and the other callbacks stand. As in asyncio, ``SystemExit``
+        and ``KeyboardInterrupt`` are raised (they stop the writer)."""
         if self.done():
-            callback()
+            self._call(callback)
         else:
             self._callbacks.append(callback)
 
@@ -244,10 +245,15 @@ class Ticket:
         self._done.set()
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # a host's bug is its own: never its group's outcome
-                _log.exception("a done callback of checkpoint %s raised", self.checkpoint_id)
+            self._call(callback)
+
+    def _call(self, callback: Callable[[], None]) -> None:
+        try:
+            callback()
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException:  # a host's bug is its own: never its group's outcome
+            _log.exception("a done callback of checkpoint %s raised", self.checkpoint_id)
 
 
 class Reservation:

@@ -6,6 +6,8 @@ watches, and injects the faults asked for)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import errno
 import os
 import threading
@@ -493,26 +495,32 @@ async def test_the_facade_groups_one_callers_checkpoints_and_defers_a_repeated_i
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("error", [RuntimeError, asyncio.CancelledError])
 async def test_a_done_callback_that_raises_fails_no_checkpoint_of_its_group(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, error: type[BaseException]
 ) -> None:
     """helper-44: a host's done callback raising on the first member of a group
     left Ticket._resolve, and the writer's handler for its own bugs failed the
     rest of the group: failed, durable false, for checkpoints the store had
     committed (listed, verifying). A callback's error is logged, as asyncio's are;
-    every checkpoint of the group is committed."""
+    every checkpoint of the group is committed. helper-47: a CancelledError (a
+    callback reading a cancelled future's result) did the same, and ended the
+    host's block with it; and a callback added once the outcome was known raised
+    into the host."""
     fs = GateFS()
     bus = RecordingBus()
     async with FileStore(tmp_path, fs=fs) as store, coordinator(store, parts(), bus) as c:
         first, rest = await queue_behind_a_held_commit(c, fs, range(1, 6))
 
         def broken() -> None:
-            raise RuntimeError("a host's callback bug")
+            raise error("a host's callback bug")
 
         rest[0].add_done_callback(broken)
         fs.open_all()
         outcomes = [await t.wait() for t in (first, *rest)]
         assert all(isinstance(o, Committed) and o.durable for o in outcomes), outcomes
+        rest[1].add_done_callback(broken)  # (known already: called at once, logged)
         await c.checkpoint(6)  # (no SaveFailedError: nothing failed)
     assert "a done callback of checkpoint epoch-1-2 raised" in caplog.text
+    assert "a done callback of checkpoint epoch-1-3 raised" in caplog.text
     assert not terminal_order(bus, Failed)

@@ -930,3 +930,62 @@ async def test_a_hashing_threads_error_ends_the_restore_with_it(tmp_path: Path) 
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "restore.failed", done.stdout
+
+
+class StagesWithoutWaiting(Grid):
+    """docs/host.md's world, whose stage_restore never waits: it cancels the
+    caller's anyio scope (``scope``) as it stages."""
+
+    scope: Any = None
+
+    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Any:
+        if self.scope is not None:
+            self.scope.cancel()
+        return self.incoming
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("when", ["read", "stage"])
+async def test_an_anyio_cancel_before_step_3_aborts_when_nothing_waits_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """helper-47 (c4): a scope cancelled while a worker thread read the file (or
+    while a participant staged) was to be delivered again after the shield, at
+    the next wait. With none before step 3 (a stage_restore that never waits),
+    the restore installed, and the scope never learned it was cancelled. Before
+    step 3 a cancellation aborts and changes nothing (docs/runtime.md)."""
+    import anyio
+    from coordinator import HostDescription
+    from coordinator.bus import MemoryBus
+    from coordinator.store import _staged
+
+    await saved_with_an_orphan(tmp_path, 1 << 20)
+    reading, go_on = threading.Event(), threading.Event()
+    real_read = _staged.StagedRead.read
+
+    def held_read(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reading.set()
+        go_on.wait(10)
+        return real_read(self, *args, **kwargs)
+
+    if when == "read":
+        monkeypatch.setattr(_staged.StagedRead, "read", held_read)
+    world = StagesWithoutWaiting(np.full(1 << 16, 9, dtype=np.uint8))
+    async with FileStore(tmp_path) as store, Coordinator(
+        store, MemoryBus(), [world], session_id="s", epoch="e2",
+        describe=HostDescription(agents=[])) as host:  # fmt: skip
+        with anyio.CancelScope() as scope:
+            if when == "read":
+                async with anyio.create_task_group() as group:
+                    group.start_soon(host.resume)
+                    await anyio.to_thread.run_sync(reading.wait)
+                    scope.cancel()
+                    go_on.set()
+            else:
+                world.scope = scope
+                await host.resume()
+        assert scope.cancelled_caught
+        assert host.epoch == "e2" and bytes(world.grid) == bytes([9]) * (1 << 16)
+        assert isinstance(await host.checkpoint(5), Committed)  # the old epoch goes on
+    assert [t.name for t in threading.enumerate() if t.name.startswith("restore-")] == []
+    assert generation_fds() == []
