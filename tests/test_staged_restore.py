@@ -989,3 +989,36 @@ async def test_an_anyio_cancel_before_step_3_aborts_when_nothing_waits_after_it(
         assert isinstance(await host.checkpoint(5), Committed)  # the old epoch goes on
     assert [t.name for t in threading.enumerate() if t.name.startswith("restore-")] == []
     assert generation_fds() == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("flip", [None, (2 << 20) + 7])
+async def test_a_hashing_thread_that_cannot_start_leaves_none_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flip: int | None
+) -> None:
+    """helper-47 (c2): the hashing threads were started outside the block that
+    stops them: the second refused ("can't start new thread": a thread limit)
+    left the first waiting for good, and the restore raised a bare RuntimeError.
+    The read hashes in its own thread then, as a small read does; every byte is
+    still verified."""
+    orphan = await saved_with_an_orphan(tmp_path, 3 << 20)
+    if flip is not None:
+        generation = file_of(tmp_path)
+        data = bytearray(generation.read_bytes())
+        data[data.index(orphan[:4096]) + flip] ^= 0x10
+        generation.write_bytes(data)
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "restore-payloads":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    if flip is None:
+        world = await resume_without_the_orphan(tmp_path)
+        assert bytes(world.grid) == bytes(np.arange(1 << 16, dtype=np.uint8))
+    else:
+        with pytest.raises(GenerationCorruptError):
+            await resume_without_the_orphan(tmp_path)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("restore-")] == []

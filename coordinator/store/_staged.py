@@ -363,8 +363,19 @@ def _fill_behind(
                     target=_follow, args=(jobs, errors), name=f"restore-{name}", daemon=True
                 )
             )
-        for worker in workers:
-            worker.start()
+        started: list[threading.Thread] = []
+        try:
+            for worker in workers:
+                worker.start()
+                started.append(worker)
+        except RuntimeError:  # no thread to be had (a limit): hashed here, as a small read is
+            for jobs in streams[: len(started)]:
+                jobs.put(None)
+            for worker in started:
+                worker.join()
+            streams.clear()  # (the scratch then waits for no thread)
+            workers.clear()
+            threaded = False
 
     def hash_later(body_part: memoryview, hasher: Any) -> None:
         if not threaded:
