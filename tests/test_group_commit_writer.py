@@ -524,3 +524,18 @@ async def test_a_done_callback_that_raises_fails_no_checkpoint_of_its_group(
     assert "a done callback of checkpoint epoch-1-2 raised" in caplog.text
     assert "a done callback of checkpoint epoch-1-3 raised" in caplog.text
     assert not terminal_order(bus, Failed)
+
+
+def test_a_group_failure_that_names_no_checkpoint_is_told_as_each_members() -> None:
+    """helper-47 (b3): a store's error naming no checkpoint (its LOCK replaced
+    during a group's commit) reached every member as the same text, its own id
+    only in the group's list. Each member's message begins with its own."""
+    from coordinator.errors import StoreLockedError
+    from coordinator.store._sync import _as_member
+
+    lost = StoreLockedError("/s", "LOCK was unlinked or replaced: another writer may hold it")
+    group = ["epoch-1-2", "epoch-1-3"]
+    told = [_as_member(lost, member, group) for member in group]
+    assert [str(t).split(":")[0] for t in told] == ["commit of epoch-1-2", "commit of epoch-1-3"]
+    assert all(isinstance(t, StoreLockedError) and t.code == "store.locked" for t in told)
+    assert all("LOCK was unlinked" in str(t) and "epoch-1-2, epoch-1-3" in str(t) for t in told)

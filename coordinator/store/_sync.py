@@ -901,7 +901,7 @@ def _as_member(error: CoordinatorError, checkpoint_id: str, group: Sequence[str]
     shared.__dict__.update(vars(error), checkpoint_id=checkpoint_id)
     told, said = f"commit of {checkpoint_id}", str(error)
     first = f"commit of {getattr(error, 'checkpoint_id', '')}"  # (how every such error begins)
-    if said.startswith(first):
-        said = told + said[len(first) :]
+    # (one of the store's own, such as a lost lock, names no checkpoint)
+    said = told + said[len(first) :] if said.startswith(first) else f"{told}: {said}"
     shared.args = (f"{said} (committed as one group: {', '.join(group)})",)
     return shared
