@@ -44,12 +44,14 @@ if TYPE_CHECKING:
 __all__ = [
     "Fleet",
     "Notices",
+    "ReadRestored",
     "Recency",
     "SaveState",
     "SessionState",
     "fold_event",
     "fold_invalid",
     "fold_message",
+    "loose",
     "named_session",
     "read_message",
     "render",
@@ -284,7 +286,7 @@ class _Read(msgspec.Struct, frozen=True, kw_only=True, rename="camel", tag_field
 
     checkpoint_id: Id
     epoch: Id
-    # Read as it is, and only later (``_loose``): any JSON here, 1e400 too, is no reason
+    # Read as it is, and only later (``loose``): any JSON here, 1e400 too, is no reason
     # for rule 4 (msgspec refuses a number out of a float's range even into Any).
     time: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # read when a string
 
@@ -316,7 +318,9 @@ class _ReadFailed(_Read, frozen=True, kw_only=True, tag="failed"):
     reason: str
 
 
-class _ReadRestored(_Read, frozen=True, kw_only=True, tag="restored"):
+class ReadRestored(_Read, frozen=True, kw_only=True, tag="restored"):
+    """A ``restored`` event's fields as the fold reads a message loosely."""
+
     boundary: U64
     reason: str
     previous_epoch: Id
@@ -334,7 +338,7 @@ _READ = msgspec.json.Decoder(
     | _ReadSuperseded
     | _ReadCommitted
     | _ReadFailed
-    | _ReadRestored
+    | ReadRestored
     | _ReadReplicated
 )
 
@@ -368,7 +372,7 @@ def _fold(
         return msgspec.structs.replace(state, **changes)
     kind = _kind(event)
     open_ids = state.in_flight  # a new set only where it changes (at most MAX_IN_FLIGHT)
-    stamp = _loose(event.time)
+    stamp = loose(event.time)
     when = stamp if isinstance(stamp, str) and len(stamp) <= MAX_TIME else None
     current = not late and seq > 0
     if current and kind != "replicated":  # the host's epoch, not the replica's
@@ -382,7 +386,7 @@ def _fold(
     # re-announcement (outside the sequence), never moves it back. One stored
     # late behind other kinds of event still does.
     newest = state.high_water is None or (seq > 0 and seq >= state.high_water_seq)
-    if isinstance(event, Restored | _ReadRestored):
+    if isinstance(event, Restored | ReadRestored):
         changes.update(_restored(state, event, seq, newest, when))
     elif kind == "replicated":
         changes.update(_replicated(state, event, seq))
@@ -496,8 +500,8 @@ def _newest_commit(
         "high_water": event.high_water,
         "high_water_boundary": event.boundary,
         "high_water_seq": seq,
-        "last_committed_ms": _total_ms(_loose(event.timings)),
-        "last_committed_bytes": _count(_loose(event.envelope_bytes)),
+        "last_committed_ms": _total_ms(loose(event.timings)),
+        "last_committed_bytes": _count(loose(event.envelope_bytes)),
         "last_committed_time": when,
         "recent_commits": recent,
         "unreplicated": state.unreplicated + 1,
@@ -506,7 +510,7 @@ def _newest_commit(
 
 
 def _restored(
-    state: SessionState, event: Restored | _ReadRestored, seq: int, newest: bool, when: str | None
+    state: SessionState, event: Restored | ReadRestored, seq: int, newest: bool, when: str | None
 ) -> dict[str, object]:
     changes: dict[str, object] = {"restores": state.restores + 1}
     if state.last_restore is None or (seq > 0 and seq >= state.last_restore_seq):
@@ -575,7 +579,7 @@ def _total_ms(timings: object) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _loose(value: Any) -> Any:
+def loose(value: Any) -> Any:
     """A field rule 6 reads only when it has its form: an event's own value, or the
     raw JSON of one read loosely (``None`` when absent or unreadable)."""
     if not isinstance(value, msgspec.Raw):
@@ -594,7 +598,7 @@ def _count(value: object) -> int | None:
 
 
 def unannounced_loss(
-    before: SessionState, event: Restored | _ReadRestored, seq: int
+    before: SessionState, event: Restored | ReadRestored, seq: int
 ) -> tuple[str, str] | None:
     """The checkpoint the bus saw committed beyond a restore that names nothing
     abandoned (``(id, step)``): its host's disk never held it (a take-over from
@@ -611,7 +615,7 @@ def unannounced_loss(
 
 
 def _restore_text(
-    event: Restored | _ReadRestored, unannounced: tuple[str, str] | None, *, held: bool
+    event: Restored | ReadRestored, unannounced: tuple[str, str] | None, *, held: bool
 ) -> str:
     """A restore's words; ``held``: the replicated tier holds ``unannounced``."""
     if event.abandoned_from is not None:

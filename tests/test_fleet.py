@@ -395,10 +395,36 @@ def test_a_restore_stored_late_behind_a_newer_restore_is_not_the_last_restore() 
                         **common("s", "e1-2", 3, 3, "e9"))  # type: ignore[arg-type]  # fmt: skip
     events = [committed("s", "e1-2", 1, 1), committed("s", "e1-3", 2, 2),
               committed("s", "e2-6", 4, 4, "e2"), take_over("e1-3", 5), rollback]  # fmt: skip
-    state, _ = fold_both(events)  # type: ignore[arg-type]
+    state, view = fold_both(events)  # type: ignore[arg-type]
     assert state.restores == 2
     assert (state.last_restore or "").startswith("e1-3 into e3 (recovery; e2-6 (step 6)"), (
         state.last_restore)  # fmt: skip
+    assert [r["checkpointId"] for r in view["restores"]] == ["e1-2", "e1-3"]  # (seq order)
+    # helper-47: the dashboard looked for the loss in the restore folded last (the
+    # rollback): a replicated 6 then rewrote watch's text and not the dashboard's.
+    state, view = fold_both([*events, replicated("s", "e2-6", 6, 6)])  # type: ignore[arg-type]
+    assert "the replicated tier holds it" in (state.last_restore or "")
+    assert view["restores"][-1]["stillReplicated"] is True
+    assert not [h for h in view["history"] if h["checkpointId"] == "e2-6"][0]["abandoned"]
+
+
+def test_a_restore_read_loosely_is_in_the_dashboards_restores_as_in_watch() -> None:
+    """helper-47: a restore only the loose reader takes (``"seq": 5.0``, which rule 1
+    says is 5) was folded by both, and watch told it as the last restore, but the
+    dashboard's restores never listed it."""
+    import json
+
+    from coordinator.events import encode_event
+
+    loose = json.loads(encode_event(take_over("e1-3", 5)))
+    loose["seq"], loose["time"] = 5.0, 12  # (a time that is no string: none shown)
+    events = [committed("s", "e1-2", 1, 1), committed("s", "e1-3", 2, 2),
+              committed("s", "e2-6", 4, 4, "e2"), json.dumps(loose).encode()]  # fmt: skip
+    state, view = fold_both(events)
+    assert state.restores == 1 and (state.last_restore or "").startswith("e1-3 into e3")
+    [restore] = view["restores"]
+    assert restore["checkpointId"] == "e1-3" and restore["time"] == ""
+    assert restore["lostUnannounced"] == ["e2-6", "6"] and restore["stillReplicated"] is False
 
 
 def test_a_restore_stored_late_behind_a_later_commit_names_nothing_lost() -> None:

@@ -50,11 +50,13 @@ from ..monitor import (
     MIN_MISSING,
     MISSING_BUDGET,
     Notices,
+    ReadRestored,
     Recency,
     SessionState,
     fold_event,
     fold_invalid,
     fold_message,
+    loose,
     named_session,
     read_message,
     share,
@@ -442,6 +444,10 @@ class Dashboard:
         session.forget()
         self.events += 1
         self.touch()
+        restored = read[3]
+        if isinstance(restored, ReadRestored):  # (watch tells it too: rule 6 read it)
+            unannounced = unannounced_loss(before, restored, read[1])
+            self._restored(session, restored, read[1], unannounced, before.replicated_high_water)
 
     def apply(self, event: Event) -> None:
         session = self._session(event.session_id)
@@ -462,7 +468,7 @@ class Dashboard:
         when = self._note_times(session, event, before, late)
         if isinstance(event, Restored):
             unannounced = unannounced_loss(before, event, event.seq)
-            self._restored(session, event, unannounced, before.replicated_high_water)
+            self._restored(session, event, event.seq, unannounced, before.replicated_high_water)
             return
         row = session.history.get(event.checkpoint_id)
         if row is None and late:
@@ -523,20 +529,26 @@ class Dashboard:
     def _restored(
         self,
         session: Session,
-        event: Restored,
+        event: Restored | ReadRestored,
+        seq: int,
         unannounced: tuple[str, str] | None,
         replicated: str | None,
     ) -> None:
         # Past the replicated checkpoint itself: a host gone on from its own disk alone,
         # the other's state still the replicated one (its replicator holds the pointer).
         held = unannounced is not None and unannounced[0] == replicated
-        session.restores.append({
+        when = event.time if isinstance(event, Restored) else loose(event.time)
+        entry = {
             "checkpointId": event.checkpoint_id, "epoch": event.epoch,
             "previousEpoch": event.previous_epoch, "reason": event.reason[:MAX_TEXT],
-            "time": event.time[:64], "abandoned": [event.abandoned_from, event.abandoned_to],
+            "time": when[:64] if isinstance(when, str) else "",
+            "abandoned": [event.abandoned_from, event.abandoned_to],
             "lostUnannounced": list(unannounced) if unannounced else None,
-            "stillReplicated": held,
-        })  # fmt: skip
+            "stillReplicated": held, "seq": seq,
+        }  # fmt: skip
+        # In sequence order, as watch tells the newest: one stored late goes before.
+        ordered = sorted([*session.restores, entry], key=lambda restore: restore["seq"])
+        session.restores = collections.deque(ordered[-RESTORES:], maxlen=RESTORES)
         if unannounced is not None and not held and unannounced[0] in session.history:
             session.history[unannounced[0]].abandoned = True  # (the bus's account)
         if event.abandoned_from is None or event.abandoned_to is None:
@@ -706,9 +718,10 @@ def _replicated_after_restore(session: Session, checkpoint_id: str) -> None:
     """The fold found a `replicated` of what the latest restore took for lost,
     come after it: the replicated tier holds it (as ``_restored`` tells one that
     came before). Any other message folded may end ``restore_lost``: this one only."""
-    restore = session.restores[-1] if session.restores else None
-    if restore is None or (restore["lostUnannounced"] or [None])[0] != checkpoint_id:
+    told = [r for r in session.restores if (r["lostUnannounced"] or [None])[0] == checkpoint_id]
+    if not told:
         return
+    restore = told[-1]
     restore["stillReplicated"] = True
     row = session.history.get(checkpoint_id)
     if row is not None:
