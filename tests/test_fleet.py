@@ -408,6 +408,23 @@ def test_a_restore_stored_late_behind_a_newer_restore_is_not_the_last_restore() 
     assert not [h for h in view["history"] if h["checkpointId"] == "e2-6"][0]["abandoned"]
 
 
+def test_a_rebased_streams_restore_is_the_dashboards_newest_as_watchs() -> None:
+    """helper-48: the dashboard ordered restores by seq across a rebase (rule 3: a
+    new stream's seq starts again): ten of the old stream's at 10000+ kept the new
+    stream's restore at seq 20, watch's last restore, off its list."""
+    def restore(checkpoint: str, seq: int, epoch: str) -> Restored:
+        return Restored(previous_epoch="e1", reason="rollback", abandoned_from=None,
+                        abandoned_to=None, identity=identity_of(sample_body(checkpoint)),
+                        **common("s", checkpoint, seq, seq % 1000, epoch))  # type: ignore[arg-type]  # fmt: skip
+
+    events: list[object] = [restore(f"e1-{i}", 10000 + i, f"old{i}") for i in range(10)]
+    events += [captured("s", f"n1-{k}", k, 50, epoch="n1") for k in range(1, 17)]  # a rebase
+    events.append(restore("n1-5", 20, "n2"))
+    state, view = fold_both(events)
+    assert state.rebased == 1 and (state.last_restore or "").startswith("n1-5 into n2")
+    assert len(view["restores"]) == 10 and view["restores"][-1]["checkpointId"] == "n1-5"
+
+
 def test_a_restore_read_loosely_is_in_the_dashboards_restores_as_in_watch() -> None:
     """helper-47: a restore only the loose reader takes (``"seq": 5.0``, which rule 1
     says is 5) was folded by both, and watch told it as the last restore, but the

@@ -933,19 +933,25 @@ async def test_a_hashing_threads_error_ends_the_restore_with_it(tmp_path: Path) 
 
 
 class StagesWithoutWaiting(Grid):
-    """docs/host.md's world, whose stage_restore never waits: it cancels the
-    caller's anyio scope (``scope``) as it stages."""
+    """docs/host.md's world, whose stage_restore (or activate_restore, with
+    ``at_activate``) never waits: it cancels the caller's anyio scope (``scope``)."""
 
     scope: Any = None
+    at_activate = False
 
     async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> Any:
-        if self.scope is not None:
+        if self.scope is not None and not self.at_activate:
             self.scope.cancel()
         return self.incoming
 
+    async def activate_restore(self, token: Any) -> None:
+        if self.scope is not None and self.at_activate:
+            self.scope.cancel()
+        self.grid = token
+
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("when", ["read", "stage"])
+@pytest.mark.parametrize("when", ["read", "stage", "activate"])
 async def test_an_anyio_cancel_before_step_3_aborts_when_nothing_waits_after_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
 ) -> None:
@@ -953,7 +959,8 @@ async def test_an_anyio_cancel_before_step_3_aborts_when_nothing_waits_after_it(
     while a participant staged) was to be delivered again after the shield, at
     the next wait. With none before step 3 (a stage_restore that never waits),
     the restore installed, and the scope never learned it was cancelled. Before
-    step 3 a cancellation aborts and changes nothing (docs/runtime.md)."""
+    step 3 a cancellation aborts and changes nothing (docs/runtime.md). helper-48:
+    one from step 3 on was never raised either; it is, after step 5."""
     import anyio
     from coordinator import HostDescription
     from coordinator.bus import MemoryBus
@@ -982,25 +989,31 @@ async def test_an_anyio_cancel_before_step_3_aborts_when_nothing_waits_after_it(
                     scope.cancel()
                     go_on.set()
             else:
-                world.scope = scope
+                world.scope, world.at_activate = scope, when == "activate"
                 await host.resume()
         assert scope.cancelled_caught
-        assert host.epoch == "e2" and bytes(world.grid) == bytes([9]) * (1 << 16)
+        if when == "activate":  # taken whole: restored, then the cancellation raised
+            assert host.epoch != "e2" and bytes(world.grid) == bytes(range(256)) * 256
+        else:
+            assert host.epoch == "e2" and bytes(world.grid) == bytes([9]) * (1 << 16)
         assert isinstance(await host.checkpoint(5), Committed)  # the old epoch goes on
     assert [t.name for t in threading.enumerate() if t.name.startswith("restore-")] == []
     assert generation_fds() == []
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("flip", [None, (2 << 20) + 7])
+@pytest.mark.parametrize(
+    ("flip", "refusal"), [(None, RuntimeError), ((2 << 20) + 7, RuntimeError), (None, MemoryError)]
+)
 async def test_a_hashing_thread_that_cannot_start_leaves_none_behind(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flip: int | None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flip: int | None, refusal: type[Exception]
 ) -> None:
     """helper-47 (c2): the hashing threads were started outside the block that
     stops them: the second refused ("can't start new thread": a thread limit)
     left the first waiting for good, and the restore raised a bare RuntimeError.
     The read hashes in its own thread then, as a small read does; every byte is
-    still verified."""
+    still verified. helper-48: CPython's start() raises MemoryError too (no memory
+    for the thread's start-up)."""
     orphan = await saved_with_an_orphan(tmp_path, 3 << 20)
     if flip is not None:
         generation = file_of(tmp_path)
@@ -1011,7 +1024,7 @@ async def test_a_hashing_thread_that_cannot_start_leaves_none_behind(
 
     def start(thread: threading.Thread) -> None:
         if thread.name == "restore-payloads":
-            raise RuntimeError("can't start new thread")
+            raise refusal("can't start new thread")
         real_start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", start)

@@ -544,10 +544,13 @@ class Dashboard:
             "time": when[:64] if isinstance(when, str) else "",
             "abandoned": [event.abandoned_from, event.abandoned_to],
             "lostUnannounced": list(unannounced) if unannounced else None,
-            "stillReplicated": held, "seq": seq,
+            "stillReplicated": held, "seq": seq, "stream": session.state.rebased,
         }  # fmt: skip
-        # In sequence order, as watch tells the newest: one stored late goes before.
-        ordered = sorted([*session.restores, entry], key=lambda restore: restore["seq"])
+        # In sequence order, as watch tells the newest: one stored late goes before,
+        # and a rebased stream's (rule 3: its seq starts again) after the old one's.
+        ordered = sorted(
+            [*session.restores, entry], key=lambda restore: (restore["stream"], restore["seq"])
+        )
         session.restores = collections.deque(ordered[-RESTORES:], maxlen=RESTORES)
         if unannounced is not None and not held and unannounced[0] in session.history:
             session.history[unannounced[0]].abandoned = True  # (the bus's account)

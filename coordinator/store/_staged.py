@@ -368,7 +368,7 @@ def _fill_behind(
             for worker in workers:
                 worker.start()
                 started.append(worker)
-        except RuntimeError:  # no thread to be had (a limit): hashed here, as a small read is
+        except (RuntimeError, MemoryError):  # no thread to be had: hashed here, as a small read is
             for jobs in streams[: len(started)]:
                 jobs.put(None)
             for worker in started:
