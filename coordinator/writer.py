@@ -382,9 +382,9 @@ class Writer:
         self._digests_wake = _Wake()
         self._digests_scope = anyio.CancelScope(shield=True)
         self._digests_done = anyio.Event()
-        # epoch -> (why, the checkpoint restored), the newest ABANDONED_KEPT: an older
-        # one's capture still in flight is refused by the store at its commit.
-        self._abandoned: dict[str, tuple[str, str]] = {}
+        # epoch -> (why, the checkpoint restored, the new epoch), the newest ABANDONED_KEPT:
+        # an older one's capture still in flight is refused by the store at its commit.
+        self._abandoned: dict[str, tuple[str, str, str]] = {}
         self._to_release: collections.deque[
             tuple[Sequence[ArtifactHandle], Callable[[], None] | None, anyio.Event | None]
         ] = collections.deque()
@@ -704,16 +704,19 @@ class Writer:
         a capture of it submitted from now on is refused. What is queued waits for
         the restore's outcome (``abandon_epoch``, or ``readmit_epoch``); the one
         being written finishes (``wait_written`` waits for it)."""
-        reason = f"restore of {restored} into epoch {new_epoch} abandoned epoch {epoch}"
+        # (said until its outcome: a restore given up before step 3 abandons nothing)
+        reason = f"a restore of {restored} into epoch {new_epoch} is under way from epoch {epoch}"
         self._abandoned.pop(epoch, None)
-        self._abandoned[epoch] = (reason, restored)
+        self._abandoned[epoch] = (reason, restored, new_epoch)
         while len(self._abandoned) > ABANDONED_KEPT:  # a host that restores for days
             del self._abandoned[next(iter(self._abandoned))]
 
     def abandon_epoch(self, epoch: str) -> None:
         """The restore happened: the fenced epoch's queued captures are superseded
         (``supersededBy`` the checkpoint restored, and the reason)."""
-        reason, restored = self._abandoned[epoch]
+        _, restored, new_epoch = self._abandoned[epoch]
+        reason = f"restore of {restored} into epoch {new_epoch} abandoned epoch {epoch}"
+        self._abandoned[epoch] = (reason, restored, new_epoch)
         for job in [j for j in self._queue if j.epoch == epoch]:
             self._supersede(job, superseded_by=restored, reason=reason)
 

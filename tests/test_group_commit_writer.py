@@ -539,3 +539,34 @@ def test_a_group_failure_that_names_no_checkpoint_is_told_as_each_members() -> N
     assert [str(t).split(":")[0] for t in told] == ["commit of epoch-1-2", "commit of epoch-1-3"]
     assert all(isinstance(t, StoreLockedError) and t.code == "store.locked" for t in told)
     assert all("LOCK was unlinked" in str(t) and "epoch-1-2, epoch-1-3" in str(t) for t in told)
+
+
+
+
+
+@pytest.mark.asyncio
+async def test_a_capture_refused_by_a_restore_given_up_is_not_told_it_was_abandoned(
+    tmp_path: Path,
+) -> None:
+    """helper-49: a capture submitted while a restore waited at step 2 (fenced)
+    was refused with "restore of ... abandoned epoch-1"; the restore was then
+    given up (cancelled before step 3), and the epoch went on, never abandoned.
+    Refused while a restore is under way, it says so; once one abandons the
+    epoch, that is what a capture of it is told."""
+    from coordinator.errors import EpochFencedError
+
+    async with FileStore(tmp_path) as store, coordinator(store, parts()) as c:
+        await c.checkpoint(1)
+        c.writer.fence_epoch("epoch-1", restored="epoch-1-1", new_epoch="e9")
+        with pytest.raises(EpochFencedError) as refused:
+            await c.capture(2)
+        assert "a restore of epoch-1-1 into epoch e9 is under way from epoch epoch-1" in str(
+            refused.value
+        ) and "abandoned" not in str(refused.value)
+        c.writer.readmit_epoch("epoch-1")  # given up
+        assert isinstance(await c.checkpoint(3), Committed)
+        c.writer.fence_epoch("epoch-1", restored="epoch-1-1", new_epoch="e9")
+        c.writer.abandon_epoch("epoch-1")  # it happened
+        with pytest.raises(EpochFencedError) as refused:
+            await c.capture(4)
+        assert "restore of epoch-1-1 into epoch e9 abandoned epoch epoch-1" in str(refused.value)
