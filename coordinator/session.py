@@ -43,6 +43,7 @@ it, and a lost reply, from the store manifest, and never saves again.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import os
 import secrets
@@ -313,6 +314,12 @@ class Coordinator:
         task group included (a coordinator entered by hand ends here). Anywhere
         else the group waits for the block's end, or for ``aclose()`` there: a
         task group belongs to the task, and the nesting, that entered it."""
+        if self._restoring is not None and _RESTORING.get() is self:
+            raise UsageError(
+                "aclose() inside this coordinator's restore (a participant's stage_restore, "
+                "activate_restore or install) would wait for that restore for ever: raise "
+                "to fail the restore instead, and close once it has returned"
+            )
         try:
             await self._shut_down(None)
         finally:
@@ -859,6 +866,7 @@ class Coordinator:
         self._restored = anyio.Event()
         self.writer.pause()  # what is queued waits for the outcome
         report: RestoreReport | None = None
+        inside = _RESTORING.set(self)
         try:
             with self._restoring:
                 expected = self._host_identity()
@@ -882,6 +890,7 @@ class Coordinator:
             if report is None:
                 raise WriterClosedError("the coordinator was closed during the restore")
         finally:
+            _RESTORING.reset(inside)
             self._restoring = None
             self._restored.set()
             self.writer.resume()
@@ -1178,6 +1187,12 @@ class Coordinator:
             )
 
         return await whole(take)
+
+
+# The coordinator whose restore this code runs inside (a participant's stage,
+# activate or install, and the tasks they start): its aclose() there would wait
+# for that very restore.
+_RESTORING: contextvars.ContextVar[object] = contextvars.ContextVar("restoring", default=None)
 
 
 # Room for "-<step>" (up to 20 digits) in a default checkpoint id of 64 characters.

@@ -1035,3 +1035,54 @@ async def test_a_hashing_thread_that_cannot_start_leaves_none_behind(
         with pytest.raises(GenerationCorruptError):
             await resume_without_the_orphan(tmp_path)
     assert [t.name for t in threading.enumerate() if t.name.startswith("restore-")] == []
+
+
+class ClosesItsHost(Part):
+    """Closes the coordinator from inside its own stage_restore or activate_restore."""
+
+    def __init__(self, name: str, when: str) -> None:
+        super().__init__(name)
+        self.when, self.host, self.refused = when, None, []
+
+    async def _close(self) -> None:
+        try:
+            await self.host.aclose()  # type: ignore[attr-defined]
+        except Exception as error:
+            self.refused.append(error)
+            raise
+
+    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
+        if self.host is not None and self.when == "stage":
+            await self._close()
+        return await super().stage_restore(payload, scope)
+
+    async def activate_restore(self, token: bytes) -> None:
+        if self.host is not None and self.when == "activate":
+            await self._close()
+        await super().activate_restore(token)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("when", ["stage", "activate"])
+async def test_aclose_inside_its_own_restore_is_refused_not_a_hang(
+    tmp_path: Path, when: str
+) -> None:
+    """A participant closing the coordinator from inside its own restore waited
+    for that restore, which waited for it: for ever, and no deadline reached it
+    (the waits are shielded). It is a UsageError, and the restore fails as a
+    raising participant makes it fail."""
+    import anyio
+
+    from coordinator.errors import UsageError
+
+    participants: list[Any] = [ClosesItsHost(NAMES[0], when), *mixed()[1:]]
+    async with FileStore(tmp_path) as store, coordinator(store, participants, "e5") as host:
+        await host.checkpoint(1)
+        participants[0].host = host
+        with anyio.fail_after(10), pytest.raises(RestoreFailedError):
+            await host.restore("e5-1", new_epoch="e6")
+        assert [type(e) for e in participants[0].refused] == [UsageError]
+        participants[0].host = None
+        if when == "stage":  # aborted before step 3: the old epoch goes on
+            assert isinstance(await host.checkpoint(2), Committed)
+    await host.aclose()  # (closed: a second close returns)
