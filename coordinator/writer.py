@@ -382,9 +382,10 @@ class Writer:
         self._digests_wake = _Wake()
         self._digests_scope = anyio.CancelScope(shield=True)
         self._digests_done = anyio.Event()
-        # epoch -> (why, the checkpoint restored, the new epoch), the newest ABANDONED_KEPT:
-        # an older one's capture still in flight is refused by the store at its commit.
-        self._abandoned: dict[str, tuple[str, str, str]] = {}
+        # epoch -> (the checkpoint restored, the new epoch, whether the restore happened),
+        # the newest ABANDONED_KEPT: an older one's capture still in flight is refused by
+        # the store at its commit.
+        self._abandoned: dict[str, tuple[str, str, bool]] = {}
         self._to_release: collections.deque[
             tuple[Sequence[ArtifactHandle], Callable[[], None] | None, anyio.Event | None]
         ] = collections.deque()
@@ -672,8 +673,7 @@ class Writer:
             return WriterClosedError(f"the writer is closing; {checkpoint_id} was not queued")
         epoch = manifest.source_scope.epoch
         if epoch in self._abandoned:
-            reason = self._abandoned[epoch][0]
-            return EpochFencedError(f"{reason}; {checkpoint_id} was not queued")
+            return EpochFencedError(f"{self._fenced_reason(epoch)}; {checkpoint_id} was not queued")
         victim = self._victim(replaceable)
         freed = victim.byte_length if victim is not None else 0
         # A capture larger than the whole budget is taken when nothing else would
@@ -704,21 +704,27 @@ class Writer:
         a capture of it submitted from now on is refused. What is queued waits for
         the restore's outcome (``abandon_epoch``, or ``readmit_epoch``); the one
         being written finishes (``wait_written`` waits for it)."""
-        # (said until its outcome: a restore given up before step 3 abandons nothing)
-        reason = f"a restore of {restored} into epoch {new_epoch} is under way from epoch {epoch}"
         self._abandoned.pop(epoch, None)
-        self._abandoned[epoch] = (reason, restored, new_epoch)
+        self._abandoned[epoch] = (restored, new_epoch, False)
         while len(self._abandoned) > ABANDONED_KEPT:  # a host that restores for days
             del self._abandoned[next(iter(self._abandoned))]
 
     def abandon_epoch(self, epoch: str) -> None:
         """The restore happened: the fenced epoch's queued captures are superseded
         (``supersededBy`` the checkpoint restored, and the reason)."""
-        _, restored, new_epoch = self._abandoned[epoch]
-        reason = f"restore of {restored} into epoch {new_epoch} abandoned epoch {epoch}"
-        self._abandoned[epoch] = (reason, restored, new_epoch)
+        restored, new_epoch, _ = self._abandoned[epoch]
+        self._abandoned[epoch] = (restored, new_epoch, True)
+        reason = self._fenced_reason(epoch)
         for job in [j for j in self._queue if j.epoch == epoch]:
             self._supersede(job, superseded_by=restored, reason=reason)
+
+    def _fenced_reason(self, epoch: str) -> str:
+        """Why a capture of fenced ``epoch`` is refused: until the restore's outcome
+        it is under way (given up before step 3, it abandons nothing)."""
+        restored, new_epoch, happened = self._abandoned[epoch]
+        if happened:
+            return f"restore of {restored} into epoch {new_epoch} abandoned epoch {epoch}"
+        return f"a restore of {restored} into epoch {new_epoch} is under way from epoch {epoch}"
 
     def readmit_epoch(self, epoch: str) -> None:
         """The restore did not happen after all: ``epoch`` may capture again."""

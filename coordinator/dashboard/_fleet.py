@@ -721,10 +721,14 @@ def _replicated_after_restore(session: Session, checkpoint_id: str) -> None:
     """The fold found a `replicated` of what the latest restore took for lost,
     come after it: the replicated tier holds it (as ``_restored`` tells one that
     came before). Any other message folded may end ``restore_lost``: this one only."""
-    told = [r for r in session.restores if (r["lostUnannounced"] or [None])[0] == checkpoint_id]
-    if not told:
+    told = (
+        r
+        for r in reversed(session.restores)
+        if (r["lostUnannounced"] or [None])[0] == checkpoint_id
+    )
+    restore = next(told, None)
+    if restore is None:
         return
-    restore = told[-1]
     restore["stillReplicated"] = True
     row = session.history.get(checkpoint_id)
     if row is not None:
