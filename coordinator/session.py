@@ -299,6 +299,7 @@ class Coordinator:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self._check_outside_restore()
         try:
             await self._shut_down(exc)
         finally:
@@ -314,17 +315,23 @@ class Coordinator:
         task group included (a coordinator entered by hand ends here). Anywhere
         else the group waits for the block's end, or for ``aclose()`` there: a
         task group belongs to the task, and the nesting, that entered it."""
-        if self._restoring is not None and _RESTORING.get() is self:
-            raise UsageError(
-                "aclose() inside this coordinator's restore (a participant's stage_restore, "
-                "activate_restore or install) would wait for that restore for ever: raise "
-                "to fail the restore instead, and close once it has returned"
-            )
+        self._check_outside_restore()
         try:
             await self._shut_down(None)
         finally:
             await self.writer.leave_task_group()
         self._raise_unseen()
+
+    def _check_outside_restore(self) -> None:
+        """A close inside this coordinator's restore in progress (a participant's
+        stage_restore, activate_restore or install, or a task one started in it)
+        would wait for that restore, which waits for it: ``UsageError``."""
+        if self._restoring is not None and self._restored in _RESTORING.get():
+            raise UsageError(
+                "closing this coordinator inside its own restore (a participant's "
+                "stage_restore, activate_restore or install) would wait for that restore "
+                "for ever: raise to fail the restore instead, and close once it has returned"
+            )
 
     def _raise_unseen(self) -> None:
         earlier, self._earlier_failure = self._earlier_failure, None
@@ -866,7 +873,7 @@ class Coordinator:
         self._restored = anyio.Event()
         self.writer.pause()  # what is queued waits for the outcome
         report: RestoreReport | None = None
-        inside = _RESTORING.set(self)
+        inside = _RESTORING.set((*_RESTORING.get(), self._restored))  # (restores nest)
         try:
             with self._restoring:
                 expected = self._host_identity()
@@ -1189,10 +1196,12 @@ class Coordinator:
         return await whole(take)
 
 
-# The coordinator whose restore this code runs inside (a participant's stage,
-# activate or install, and the tasks they start): its aclose() there would wait
-# for that very restore.
-_RESTORING: contextvars.ContextVar[object] = contextvars.ContextVar("restoring", default=None)
+# The restores (each its ``_restored`` event) this code runs inside: a participant's
+# stage, activate or install, and the tasks they start. A close of that coordinator
+# there would wait for that very restore.
+_RESTORING: contextvars.ContextVar[tuple[object, ...]] = contextvars.ContextVar(
+    "restoring", default=()
+)
 
 
 # Room for "-<step>" (up to 20 digits) in a default checkpoint id of 64 characters.

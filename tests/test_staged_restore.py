@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from hostkit import NAMES, Part, RecordingBus, cancelled_soon, describe
 
-from coordinator import GenerationCorruptError, RestoreFailedError
+from coordinator import GenerationCorruptError, RestoreFailedError, WriterClosedError
 from coordinator.envelope import FOOTER_BYTES, HEADER_BYTES
 from coordinator.events import Committed
 from coordinator.session import Coordinator, RestoreScope
@@ -1040,13 +1040,16 @@ async def test_a_hashing_thread_that_cannot_start_leaves_none_behind(
 class ClosesItsHost(Part):
     """Closes the coordinator from inside its own stage_restore or activate_restore."""
 
-    def __init__(self, name: str, when: str) -> None:
+    def __init__(self, name: str, when: str, how: str = "aclose") -> None:
         super().__init__(name)
-        self.when, self.host, self.refused = when, None, []
+        self.when, self.how, self.host, self.refused = when, how, None, []
 
     async def _close(self) -> None:
         try:
-            await self.host.aclose()  # type: ignore[attr-defined]
+            if self.how == "aexit":  # (an AsyncExitStack that entered it, closed here)
+                await self.host.__aexit__(None, None, None)  # type: ignore[attr-defined]
+            else:
+                await self.host.aclose()  # type: ignore[attr-defined]
         except Exception as error:
             self.refused.append(error)
             raise
@@ -1063,19 +1066,22 @@ class ClosesItsHost(Part):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("when", ["stage", "activate"])
+@pytest.mark.parametrize(
+    ("when", "how"), [("stage", "aclose"), ("activate", "aclose"), ("stage", "aexit")]
+)
 async def test_aclose_inside_its_own_restore_is_refused_not_a_hang(
-    tmp_path: Path, when: str
+    tmp_path: Path, when: str, how: str
 ) -> None:
     """A participant closing the coordinator from inside its own restore waited
     for that restore, which waited for it: for ever, and no deadline reached it
     (the waits are shielded). It is a UsageError, and the restore fails as a
-    raising participant makes it fail."""
+    raising participant makes it fail. helper-50: the block's end (``__aexit__``)
+    there hung still."""
     import anyio
 
     from coordinator.errors import UsageError
 
-    participants: list[Any] = [ClosesItsHost(NAMES[0], when), *mixed()[1:]]
+    participants: list[Any] = [ClosesItsHost(NAMES[0], when, how), *mixed()[1:]]
     async with FileStore(tmp_path) as store, coordinator(store, participants, "e5") as host:
         await host.checkpoint(1)
         participants[0].host = host
@@ -1086,3 +1092,88 @@ async def test_aclose_inside_its_own_restore_is_refused_not_a_hang(
         if when == "stage":  # aborted before step 3: the old epoch goes on
             assert isinstance(await host.checkpoint(2), Committed)
     await host.aclose()  # (closed: a second close returns)
+
+
+class RestoresAnother(Part):
+    """Its stage_restore restores another coordinator (``other``) first."""
+
+    other: Any = None
+
+    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
+        if self.other is not None:
+            await self.other.restore("e5-1", new_epoch="e6")
+        return await super().stage_restore(payload, scope)
+
+
+@pytest.mark.asyncio
+async def test_a_close_inside_a_nested_restore_of_another_is_refused_not_a_hang(
+    tmp_path: Path,
+) -> None:
+    """helper-50: A's participant restored B, and B's participant closed A. The
+    context knew B's restore alone, so A's close waited for A's restore, which
+    waited for it: for ever. Every restore the code runs inside counts."""
+    import anyio
+
+    from coordinator.errors import UsageError
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    inner = ClosesItsHost(NAMES[0], "stage")
+    outer = RestoresAnother(NAMES[0])
+    hosts = []
+    for folder, first in (("a", outer), ("b", inner)):
+        store = await FileStore(tmp_path / folder).__aenter__()
+        host = await coordinator(store, [first, *mixed()[1:]], "e5").__aenter__()
+        await host.checkpoint(1)
+        hosts.append((store, host))
+    (_, a), (_, b) = hosts
+    inner.host, outer.other = a, b
+    with anyio.fail_after(10), pytest.raises(RestoreFailedError):  # (B's restore failed in it)
+        await a.restore("e5-1", new_epoch="e6")
+    assert [type(e) for e in inner.refused] == [UsageError]
+    for store, host in reversed(hosts):
+        await host.aclose()
+        await store.aclose()
+
+
+class LeavesACloser(Part):
+    """The first restore's stage leaves a task behind, which closes the host when
+    told (``go``); a later restore's stage waits (``staging``) a while."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.host: Any = None
+        self.go, self.staging = asyncio.Event(), asyncio.Event()
+        self.left: asyncio.Task[Any] | None = None
+
+    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
+        if self.left is None:
+            self.left = asyncio.ensure_future(self._close_later())
+        else:
+            self.staging.set()
+            await asyncio.sleep(0.5)
+        return await super().stage_restore(payload, scope)
+
+    async def _close_later(self) -> str:
+        await self.go.wait()
+        await self.host.aclose()
+        return "closed"
+
+
+@pytest.mark.asyncio
+async def test_a_task_left_by_an_earlier_restore_may_close_during_a_later_one(
+    tmp_path: Path,
+) -> None:
+    """helper-50: a task a participant started in restore 1 inherited its context,
+    and its aclose() during restore 2 (which it is no part of) was refused."""
+    participant = LeavesACloser(NAMES[0])
+    async with FileStore(tmp_path) as store:
+        host = coordinator(store, [participant, *mixed()[1:]], "e5")
+        participant.host = await host.__aenter__()
+        await host.checkpoint(1)
+        await host.restore("e5-1", new_epoch="e6")
+        second = asyncio.ensure_future(host.restore("e5-1", new_epoch="e7"))
+        await participant.staging.wait()
+        participant.go.set()
+        assert participant.left is not None and await participant.left == "closed"
+        with pytest.raises(WriterClosedError):  # (the close found it before step 3)
+            await second
