@@ -213,13 +213,40 @@ class _Wake:
         await self._event.wait()
 
 
+class _Flag:
+    """A one-shot event as ``anyio.Event`` is, whose waiters' event is made only
+    when someone waits: most tickets and jobs are done before anyone does, and an
+    anyio event costs a backend lookup to make."""
+
+    __slots__ = ("_event", "_is_set")
+
+    def __init__(self) -> None:
+        self._is_set = False
+        self._event: anyio.Event | None = None
+
+    def is_set(self) -> bool:
+        return self._is_set
+
+    def set(self) -> None:
+        self._is_set = True
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
+            if self._is_set:
+                self._event.set()
+        await self._event.wait()  # (a checkpoint when set already, as anyio's)
+
+
 class Ticket:
     """The host's handle on one accepted checkpoint: ``await ticket.wait()``."""
 
     def __init__(self, checkpoint_id: str) -> None:
         self.checkpoint_id = checkpoint_id
         self.outcome: Outcome | None = None
-        self._done = anyio.Event()
+        self._done = _Flag()
         self._callbacks: list[Callable[[], None]] = []
 
     def done(self) -> bool:
@@ -302,7 +329,7 @@ class _Job:
     # Handles whose digest the writer computes (their records hold a placeholder
     # until then), and when that is over, well or not.
     pending: tuple[int, ...] = ()
-    digested: anyio.Event = field(default_factory=anyio.Event)
+    digested: _Flag = field(default_factory=_Flag)
     digest_failure: CoordinatorError | None = None
     digest_started: bool = False  # the digest task took it up
     # Pending digests the store computes as it writes (the job was taken before the
@@ -387,7 +414,7 @@ class Writer:
         # the store at its commit.
         self._abandoned: dict[str, tuple[str, str, bool]] = {}
         self._to_release: collections.deque[
-            tuple[Sequence[ArtifactHandle], Callable[[], None] | None, anyio.Event | None]
+            tuple[Sequence[ArtifactHandle], Callable[[], None] | None, _Flag | None]
         ] = collections.deque()
         self._releases_done = anyio.Event()
         self._counts = collections.Counter[str]()
@@ -1115,7 +1142,7 @@ class Writer:
         handles: Sequence[ArtifactHandle],
         *,
         then: Callable[[], None] | None = None,
-        after: anyio.Event | None = None,
+        after: _Flag | None = None,
     ) -> None:
         """Release ``handles`` in the writer's release task (large ones off the
         loop), once ``after`` is set (their digests are no longer being computed),

@@ -66,6 +66,35 @@ async def test_a_checkpoint_is_captured_queued_and_committed(tmp_path: Path) -> 
 
 
 @pytest.mark.asyncio
+async def test_a_tickets_wait_is_an_anyio_wait_before_and_after_its_outcome(
+    tmp_path: Path,
+) -> None:
+    """Waiters before the outcome all wake; a wait after it returns at once, yet
+    is a checkpoint: a cancelled scope around it is delivered, as anyio's is."""
+    async with FileStore(tmp_path) as store, Writer(store, MemoryBus()) as writer:
+        reservation = writer.reserve()
+        manifest, handles = await make_job(1, writer.ledger)
+        woken: list[Any] = []
+
+        async def waiter() -> None:
+            woken.append(await ticket.wait())
+
+        async with anyio.create_task_group() as group:
+            ticket = writer.submit(reservation, manifest, handles, replaceable=False)
+            for _ in range(3):
+                group.start_soon(waiter)
+        assert len(woken) == 3 and all(isinstance(o, Committed) for o in woken)
+        assert ticket.done()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await ticket.wait()
+            pytest.fail("a wait on a done ticket let a cancelled scope through")
+        assert scope.cancelled_caught
+        with anyio.fail_after(5):
+            assert await ticket.wait() is woken[0]
+
+
+@pytest.mark.asyncio
 async def test_reserve_refuses_when_every_slot_is_taken(tmp_path: Path) -> None:
     """The outstanding bound is reserved before capture; busy is a refusal, not a failure."""
     fs = GateFS()
