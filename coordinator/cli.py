@@ -279,6 +279,7 @@ def _verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _verify_store(path: Path, out: TextIO, err: TextIO) -> int:
+    from .monitor import printable  # (file names are whoever wrote them: escaped)
     from .store import SPARE_PREFIX, SyncStore
 
     with SyncStore(path, read_only=True, create=False) as store:
@@ -291,7 +292,7 @@ def _verify_store(path: Path, out: TextIO, err: TextIO) -> int:
     spares = [name for name in report.temporaries if name.startswith(SPARE_PREFIX)]
     for name in report.temporaries:
         if name not in spares:
-            print(f"temporary (not a checkpoint): {name}", file=out)
+            print(f"temporary (not a checkpoint): {printable(name)}", file=out)
     if spares:  # (no problem: temporaries of a kind, see docs/store.md "Spares")
         print(
             f"spares: {len(spares)} (rotated-out files a writer keeps to write over; "
@@ -299,7 +300,7 @@ def _verify_store(path: Path, out: TextIO, err: TextIO) -> int:
             file=out,
         )
     for name in report.unreferenced:
-        print(f"unreferenced (not listed, never restored): {name}", file=out)
+        print(f"unreferenced (not listed, never restored): {printable(name)}", file=out)
     verdict = "ok" if report.ok else "FAILED"
     print(
         f"{path}: {verdict}, {len(report.verified)} of "
@@ -695,6 +696,9 @@ def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if target.resolve().is_relative_to(args.store.resolve()):
         print(f"coordinator: {target} is inside the store; restore writes elsewhere", file=err)
         return EXIT_USAGE
+    ids = {"--checkpoint": [args.checkpoint], "--session": [args.session]}
+    if _refused_ids("restore", ids, err):
+        return EXIT_USAGE
     with SyncStore(_store(args.store), read_only=True, create=False) as store:
         stored = store.read(store.select(args.checkpoint, session_id=args.session))
     with stored:
@@ -837,7 +841,7 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     from .bus import NatsBus
 
-    if _refused_session(args.session or [], err):
+    if _refused_ids("watch", {"--session": args.session or []}, err):
         return EXIT_USAGE
     connection = resolve(args)
     assert connection is not None
@@ -1011,13 +1015,15 @@ class _Feed:
             yield data
 
 
-def _refused_session(sessions: list[str], err: TextIO) -> bool:
-    """A --session that is no Id (a wildcard would follow other sessions): said."""
-    for session_id in sessions:
-        if not is_id(session_id):
-            error = InvalidScalarError("Id", session_id)
-            print(f"coordinator watch: FAILED [{error.code}] --session: {error}", file=err)
-            return True
+def _refused_ids(command: str, given: dict[str, list[str | None]], err: TextIO) -> bool:
+    """A flag's value that is no Id (a wildcard would follow other sessions; a path,
+    another file): said, as itself, not as an id nobody has."""
+    for flag, values in given.items():
+        for value in values:
+            if value is not None and not is_id(value):
+                error = InvalidScalarError("Id", value)
+                print(f"coordinator {command}: FAILED [{error.code}] {flag}: {error}", file=err)
+                return True
     return False
 
 
@@ -1072,7 +1078,8 @@ async def _sessions_on_stream(bus: Any, subjects: str | None = None) -> list[str
         return None
     head = f"{bus.prefix}."
     tokens = {subject.removeprefix(head).split(".")[0] for subject in info.state.subjects or {}}
-    return sorted(session_of_token(token) for token in tokens)
+    # (anyone may publish on a subject whose token is no Id, and holds escapes)
+    return sorted(s for s in map(session_of_token, tokens) if is_id(s))
 
 
 async def _follow_beats(bus: Any, screen: _Screen) -> None:

@@ -40,6 +40,7 @@ from .wire import read_any_json, read_json
 
 if TYPE_CHECKING:
     from rich.table import Table
+    from rich.text import Text
 
 __all__ = [
     "Fleet",
@@ -783,7 +784,7 @@ class Notices:
     def note(self, what: str, example: str | None = None, *, count: int = 1) -> None:
         self.counts[what] += count
         if example is not None:
-            self.example = example[:300]
+            self.example = printable(example[:300])
         if self.clock() >= self._next:
             self.flush()
 
@@ -808,6 +809,23 @@ class Notices:
 
 
 ROWS_SHOWN = 200  # a terminal holds no more: the rest are counted under the table
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on or not show (control,
+    format and bidirectional characters) written as its escape: what anyone may
+    publish never moves the cursor, styles or reorders the operator's screen."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _cells(*values: str) -> list[Text]:
+    """Table cells as literal text: rich reads no markup in them (an unmatched
+    "[/]" in a forged reason raised, and "[link=...]" made a link)."""
+    from rich.text import Text
+
+    return [Text(printable(value)) for value in values]
 
 
 def render(
@@ -847,7 +865,7 @@ def render(
             if beat is not None and beat.error:
                 seen = f"{seen} ({beat.error})"
             host = (seen,)
-        table.add_row(
+        table.add_row(*_cells(
             session.session_id,
             *host,
             session.high_water or "-",
@@ -863,7 +881,7 @@ def render(
             session.last_restore or "",
             _replicated_cell(session, now),
             _not_adopted(session),
-        )
+        ))  # fmt: skip
     table.caption = _caption(state, len(ranked) - len(ranked[: max(0, limit)]), dropped)
     lost = deafness.since if deafness is not None else None
     if lost is not None:

@@ -57,3 +57,43 @@ def test_events_stored_out_of_order_fill_their_gap() -> None:
     session = state.sessions["session-1"]
     assert session.gaps == 0 and session.last_seq == 4
     assert session.in_flight == frozenset()  # ckpt-7 committed at seq 4
+
+
+HOSTILE = "disk full [/bold] [/] [link=https://x.example]here \x1b[2J\x1b]0;owned\x07 \u202eevil"
+
+
+def shown(state: SaveState, **kwargs: object) -> str:
+    """The table as a terminal shows it, plain (no colour: any ESC in it is the input's)."""
+    import io
+
+    from rich.console import Console
+
+    from coordinator.monitor import render
+
+    out = io.StringIO()
+    Console(file=out, width=400, color_system=None).print(render(state, **kwargs))  # type: ignore[arg-type]
+    return out.getvalue()
+
+
+def test_forged_text_in_an_event_is_shown_as_text_never_as_markup_or_escapes() -> None:
+    """helper-52: a forged failure's reason with rich markup crashed `watch`
+    (MarkupError on "[/bold]"); one with escape sequences cleared the operator's
+    screen and set the window title. Every cell is literal text, with what
+    cannot be printed shown escaped."""
+    failed = msgspec.structs.replace(make("failed", 3), reason=HOSTILE)
+    state = SaveState().apply(make("captured", 1)).apply(failed)
+    text = shown(state)
+    assert "[/bold] [/] [link=https://x.example]here" in text
+    assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text
+    assert "\\x1b[2J\\x1b]0;owned\\x07 \\u202eevil" in text
+
+
+def test_a_forged_presence_error_is_shown_as_text() -> None:
+    """The host column's error comes from a beat anyone with KV rights may put."""
+    from coordinator.presence import Presence
+
+    state = SaveState().apply(make("captured", 1))
+    beat = Presence(session_id="session-1", epoch="epoch-1", state="running",
+                    time="2026-12-07T00:00:00Z", interval_s=5, error=HOSTILE)  # fmt: skip
+    text = shown(state, beats={"session-1": beat}, now=0.0)
+    assert "[/bold]" in text and "\x1b" not in text and "\\x1b[2J" in text

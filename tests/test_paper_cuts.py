@@ -359,3 +359,75 @@ def test_ctrl_c_ends_the_demo_within_seconds(tmp_path: Path, moment: str, twice:
     assert demo.returncode == 130, err
     assert time.monotonic() - began < 3
     assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_a_subject_that_names_no_session_is_not_echoed_to_the_terminal(tmp_path: Path) -> None:
+    """helper-52: anyone may publish on the event subjects, and a NATS subject
+    may hold ESC: `watch --session quiet` named the stream's sessions from its
+    subjects, and wrote that token's escape sequences raw to stderr (clearing
+    the operator's screen). Only tokens that spell an Id are sessions."""
+    import nats
+
+    server = EmbeddedServer(tmp_path / "nats")
+    anyio.run(server.start)
+    try:
+        code, _, err = run("setup", "--nats", server.url)
+        assert code == 0, err
+
+        async def forge() -> None:
+            client = await nats.connect(server.url)
+            try:
+                stream = client.jetstream()
+                await stream.publish("ckpt.\x1b]0;owned\x07\x1b[2J\x1b[31mEVIL.captured", b"junk")
+                await stream.publish("ckpt.real-one.captured", b"junk too")
+            finally:
+                await client.close()
+
+        anyio.run(forge)
+        code, out, err = run(
+            "watch", "--nats", server.url, "--session", "quiet", "--replay-only", "--json"
+        )
+        assert code == 0, err
+        assert "\x1b" not in err and "\x07" not in err, repr(err)
+        assert "(the stream holds real-one)" in err, err
+    finally:
+        anyio.run(server.stop)
+
+
+def test_verify_names_odd_files_in_the_store_without_their_escapes(tmp_path: Path) -> None:
+    """A file in the store directory is named by whoever can write there: `verify`
+    lists temporaries and unreferenced files by name, escaped as watch's cells."""
+    store = a_store(tmp_path / "s")
+    (store / "tmp+\x1b[2Jgone").write_bytes(b"x")
+    (store / "odd\x1b]0;owned\x07.flysess").write_bytes(b"x")
+    code, out, err = run("verify", str(store))
+    assert "\x1b" not in out + err and "\x07" not in out + err, repr(out + err)
+    assert "temporary (not a checkpoint): tmp+\\x1b[2Jgone" in out, out
+    assert "odd\\x1b]0;owned\\x07.flysess" in out, out
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint", "--session"])
+@pytest.mark.parametrize("bad", ["../x", "a/b", "\u00c9", "a" * 65, "", "A", "a\nb"])
+def test_restore_of_a_store_refuses_a_bad_id_as_one(tmp_path: Path, flag: str, bad: str) -> None:
+    """helper-52: on a store directory a bad id was 'not committed' (exit 1), where
+    a nats:// source and `watch --session` call it what it is (exit 2)."""
+    store = a_store(tmp_path / "s")
+    code, out, err = run("restore", str(store), flag, bad, "--to", str(tmp_path / "out"))
+    assert code == 2, (code, err)
+    assert f"FAILED [scalar.invalid] {flag}" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_store_api_refuses_a_bad_id_it_is_asked_to_select(tmp_path: Path) -> None:
+    from coordinator.errors import InvalidScalarError
+
+    with SyncStore(a_store(tmp_path / "s"), read_only=True) as store:
+        for call in (
+            lambda: store.select("../x"),
+            lambda: store.select(None, session_id=""),
+            lambda: store.select("ckpt-0", session_id="A"),
+            lambda: store.read_newest_valid(session_id="a/b"),
+        ):
+            with pytest.raises(InvalidScalarError):
+                call()
+        assert store.select("ckpt-0").checkpoint_id == "ckpt-0"

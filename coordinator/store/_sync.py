@@ -411,6 +411,9 @@ class SyncStore:
         session when none is named). No silent fallback: a caller who wants an
         older generation names it (see ``read_newest_valid``)."""
         self._check_open()
+        for named in (checkpoint_id, session_id):  # (a bad id is no id: never "not found")
+            if named is not None:
+                check_id(named)
         if checkpoint_id is None:
             session = self._only_session() if session_id is None else self.session(session_id)
             wanted = session.high_water if session is not None else None
@@ -484,7 +487,7 @@ class SyncStore:
         """The explicit fallback: the newest generation on the session's timeline
         that verifies."""
         self._check_open()
-        session = self._only_session() if session_id is None else self.session(session_id)
+        session = self._only_session() if session_id is None else self.session(check_id(session_id))
         errors: list[GenerationCorruptError] = []
         for record in self.timeline(session.session_id) if session is not None else ():
             try:
