@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import math
 import os
 import secrets
 import socket
@@ -217,6 +218,10 @@ class Coordinator:
         policy: CapturePolicy | None = None,
         install: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
     ) -> None:
+        seconds = capture_timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or math.isnan(seconds):
+            # (NaN: a plain capture would never expire, an async one fail untyped)
+            raise UsageError(f"capture_timeout is {seconds!r}: give a number of seconds")
         names = [check_id(p.name) for p in participants]
         if len(set(names)) != len(names):
             raise UsageError(f"participant names repeat: {names}")

@@ -248,6 +248,7 @@ class Ticket:
         self.outcome: Outcome | None = None
         self._done = _Flag()
         self._callbacks: list[Callable[[], None]] = []
+        self._resolving = False  # its callbacks are being run
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -261,8 +262,9 @@ class Ticket:
         """Call ``callback`` once the outcome is known (at once if it is). One that
         raises then is logged (``coordinator.writer``), as asyncio's callbacks are:
         the outcome and the other callbacks stand. As in asyncio, ``SystemExit``
-        and ``KeyboardInterrupt`` are raised (they stop the writer)."""
-        if self.done():
+        and ``KeyboardInterrupt`` are raised (they stop the writer), once every
+        other callback has run. One added while they run runs after them."""
+        if self.done() and not self._resolving:
             self._call(callback)
         else:
             self._callbacks.append(callback)
@@ -270,9 +272,18 @@ class Ticket:
     def _resolve(self, outcome: Outcome) -> None:
         self.outcome = outcome
         self._done.set()
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            self._call(callback)
+        self._resolving = True
+        stop: BaseException | None = None
+        try:
+            while self._callbacks:  # (one may add another: it joins the end)
+                try:
+                    self._call(self._callbacks.pop(0))
+                except (SystemExit, KeyboardInterrupt) as error:
+                    stop = stop or error
+        finally:
+            self._resolving = False
+        if stop is not None:
+            raise stop
 
     def _call(self, callback: Callable[[], None]) -> None:
         try:

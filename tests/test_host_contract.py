@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -313,3 +313,17 @@ async def test_a_stage_that_never_answers_is_bounded_by_the_capture_timeout(
     assert caught.value.participant == participants[2].name
     assert "did not answer within 0.3 s" in str(caught.value)
     assert caught.value.tainted == ()
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), "30", None])
+def test_a_capture_timeout_that_is_no_number_of_seconds_is_refused(timeout: Any) -> None:
+    """helper-51: NaN was taken: a plain capture then never expired, and an async
+    one failed with anyio's bare ValueError ('deadline must not be NaN')."""
+    from coordinator import Coordinator, UsageError
+    from coordinator.bus import MemoryBus
+
+    with pytest.raises(UsageError, match="capture_timeout"):
+        Coordinator(
+            cast(Any, None), MemoryBus(), [], session_id="s1",
+            describe=lambda scope: cast(Any, None), capture_timeout=timeout,
+        )  # fmt: skip

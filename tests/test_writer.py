@@ -94,6 +94,50 @@ async def test_a_tickets_wait_is_an_anyio_wait_before_and_after_its_outcome(
             assert await ticket.wait() is woken[0]
 
 
+def test_a_callback_added_while_the_ticket_resolves_runs_after_the_earlier_ones() -> None:
+    """helper-51: one added from inside an earlier callback ran at once, nested,
+    ahead of those registered before it (asyncio's futures run it after them)."""
+    from coordinator.writer import Ticket
+
+    ticket = Ticket("ckpt-1")
+    order: list[object] = []
+
+    def callback(index: int) -> Any:
+        def run() -> None:
+            order.append(index)
+            if index == 1:
+                ticket.add_done_callback(lambda: order.append("added by 1"))
+
+        return run
+
+    for index in range(4):
+        ticket.add_done_callback(callback(index))
+    ticket._resolve(cast(Any, "an outcome"))
+    assert order == [0, 1, 2, 3, "added by 1"]
+    ticket.add_done_callback(lambda: order.append("after"))  # done: at once
+    assert order[-1] == "after"
+
+
+@pytest.mark.parametrize("stop", [SystemExit, KeyboardInterrupt])
+def test_a_callback_that_stops_the_process_does_not_drop_the_others(stop: type) -> None:
+    """helper-51: a callback raising SystemExit left every later one unrun (the
+    list was taken already); they run, once each, and the stop is raised after."""
+    from coordinator.writer import Ticket
+
+    ticket = Ticket("ckpt-1")
+    ran: list[str] = []
+
+    def stopping() -> None:
+        ran.append("stopping")
+        raise stop
+
+    for callback in (lambda: ran.append("before"), stopping, lambda: ran.append("later")):
+        ticket.add_done_callback(callback)
+    with pytest.raises(stop):
+        ticket._resolve(cast(Any, "an outcome"))
+    assert ran == ["before", "stopping", "later"] and ticket.done()
+
+
 @pytest.mark.asyncio
 async def test_reserve_refuses_when_every_slot_is_taken(tmp_path: Path) -> None:
     """The outstanding bound is reserved before capture; busy is a refusal, not a failure."""
