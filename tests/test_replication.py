@@ -302,6 +302,42 @@ async def test_a_host_back_with_its_old_disk_never_moves_the_pointer_back_before
 
 
 @pytest.mark.asyncio
+async def test_a_host_back_with_a_branch_a_take_over_abandoned_never_replicates_it(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-54: A replicated 1-4, then made 5 and 6 alone (its link cut) and went
+    away; B took over on an empty disk and resumed at 4 (the pointer: 4, in B's
+    epoch). A back with its old disk: its replicator, before A resumed, moved the
+    pointer to A's 6, the branch B's take-over abandoned (it knew 4's epoch, its
+    own), and A, then C on an empty disk, and a restore all went on from 6. The
+    pointer's epoch is unknown to A's disk and A's timeline left that epoch after
+    4 on its own: held until A resumes, which goes on from 4."""
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            async with Replicator(bus, store, leases=[lease], sweep_every=None) as replicator:
+                for step in range(1, 5):
+                    a_parts[0].data = os.urandom(2000)
+                    await host.checkpoint(step)
+                await caught_up(replicator)
+            for step in (5, 6):  # (its replicator cut off from the cluster)
+                a_parts[0].data = os.urandom(2000)
+                await host.checkpoint(step)
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "b", b_parts, range(5, 5)) == 4
+    back, seen = [Part("world", b""), Part("agent-a", b"a")], []
+    assert await leased_run(server.url, tmp_path / "a", back, range(5, 5), wait=0.5,
+                            before_resume=seen) == 4  # fmt: skip
+    assert seen == ["4"] and back[0].data == b_parts[0].data
+    c_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "c", c_parts, range(5, 5)) == 4
+    assert c_parts[0].data == b_parts[0].data
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("disk", ["old", "empty"])
 async def test_a_host_that_goes_on_without_the_replicas_never_moves_the_pointer_over_them(
     server: EmbeddedServer, tmp_path: Path, disk: str, caplog: pytest.LogCaptureFixture

@@ -51,6 +51,7 @@ from ..store import (
     SessionRecord,
     StoredCheckpoint,
     established_in,
+    left_at,
     on_timeline,
 )
 from ._content import SweepReport
@@ -345,13 +346,15 @@ class Replicator:
 
     def _never_saw(self, session_id: str, current: ReplicaPointer) -> bool:
         """Whether the pointer names a state that became the session's in an epoch
-        this store never opened (nor took in), and whose generation's epoch it
-        never saw either: another host took the session over and went on (or this
-        disk is older than that epoch), and this store did not resume from it (a
-        host back with its old disk, or on an empty one, whether it resumed from
-        its own disk alone or not yet). Whatever this store's state, moving the
-        pointer to it would abandon that work. (A store that took in a restore's
-        state holds its generation's epoch, not the restore's.) A move under an
+        this store never opened (nor took in), and this store did not go on from
+        that very generation (``store.left_at``): another host took the session
+        over and went on (or this disk is older than that epoch), and this store
+        did not resume from it (a host back with its old disk, or on an empty one,
+        whether it resumed from its own disk alone or not yet; a disk that went on
+        in the generation's epoch past it is on a branch the take-over abandoned).
+        Whatever this store's state, moving the pointer to it would abandon that
+        work. (A store that took in a restore's state holds its generation's
+        epoch, not the restore's, and forked from it.) A move under an
         older lease than the one this host took the session with (a host that
         lost it, moving since this replicator stamped the pointer) is gone over,
         as any such move; renewals raise the lease's revision, not the one it was
@@ -360,9 +363,16 @@ class Replicator:
         if current.lease_revision < self._taken_at.get(session_id, 0):
             return False
         session = self.store.session(session_id)
-        return session is None or not (
-            session.knows(current.epoch) or session.knows(current.generation.epoch)
-        )
+        if session is None:
+            return True
+        if session.knows(current.epoch):
+            return False
+        # Another host's epoch, naming a generation of an epoch this store knows (its
+        # own, or taken in): seen only if this store went on from that very state.
+        # One that went on in that epoch past it made a branch the pointer's epoch
+        # abandoned (helper-54: a host back with its old disk, ahead of a take-over).
+        named = current.generation
+        return not left_at(session, named.epoch, named.checkpoint_id)
 
     async def _already(self, named: ReplicatedGeneration, record: GenerationRecord) -> bool:
         """Whether ``named`` is exactly what replicating ``record`` would make (not a
