@@ -892,7 +892,7 @@ class _Screen:
         from rich.live import Live
 
         from .monitor import Fleet, Notices, render
-        from .presence import Deafness, Presence
+        from .presence import Deafness, Presence, liveness
 
         self.json_lines, self.replay_only = json_lines, replay_only
         self.out, self.console = out, _console(out)
@@ -905,6 +905,8 @@ class _Screen:
                             transient=False)  # fmt: skip
         self.live_table = not json_lines and self.console.is_terminal
         self.drawn_at, self.pending = 0.0, False
+        self.liveness = liveness
+        self.hosts_drawn: dict[str, str] = {}  # each host's state in the last table
 
     def table(self) -> Any:
         beats = None if self.replay_only else self.beats
@@ -966,9 +968,18 @@ class _Screen:
             self._draw(self.table())
 
     def redraw(self) -> None:
-        """Each second while following: time alone moves a host's state."""
+        """Each second while following: time alone moves a host's state. A pipe
+        gets a table when a host's state changed since the last one (a host
+        going quiet is no event: a log's last word on a killed one was `alive`)."""
+        if not self.console.is_terminal and self._hosts() != self.hosts_drawn:
+            self.pending = True
         if self.console.is_terminal or self.pending:
             self._draw(self.table())
+
+    def _hosts(self) -> dict[str, str]:
+        """Each beating host's state as the table would show it now."""
+        now = time.time()
+        return {s: self.liveness(b, now, self.deafness) for s, b in self.beats.items()}
 
     def _draw(self, table: Any) -> None:
         if self.console.is_terminal:
@@ -976,6 +987,7 @@ class _Screen:
         elif self.pending:
             self.console.print(table)
         self.drawn_at, self.pending = time.monotonic(), False
+        self.hosts_drawn = self._hosts()
 
 
 class _Feed:
@@ -1095,10 +1107,15 @@ async def _follow_beats(bus: Any, screen: _Screen) -> None:
     beats = screen.beats
 
     async def follow() -> None:
-        with contextlib.suppress(Exception):  # (no right to read them: the column says -)
-            async for beat in bus.presence():
-                if beat.session_id in beats or len(beats) < MAX_SESSIONS:
-                    beats[beat.session_id] = as_read(beat, time.time())
+        """Asked again every 2 s while the server has no hosts' bucket (no host
+        beat on it yet; helper-53: a watch begun first showed `-` for good), or
+        the read fails (no right to read them: the column says -)."""
+        while True:
+            with contextlib.suppress(Exception):
+                async for beat in bus.presence():
+                    if beat.session_id in beats or len(beats) < MAX_SESSIONS:
+                        beats[beat.session_id] = as_read(beat, time.time())
+            await anyio.sleep(2)
 
     screen.deafness.answered(time.time())  # (the connection was just used: heard)
     async with anyio.create_task_group() as group:

@@ -1,0 +1,122 @@
+"""`coordinator watch`'s host column as an operator reads it, in a pipe (a log, an
+alert) as on a terminal: a host that stops beating turns `gone`, whenever the
+watch began (helper-53)."""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from test_dashboard import committed, now_text
+
+from coordinator.presence import Presence
+from coordinator.server import EmbeddedServer
+
+ROOT = Path(__file__).resolve().parent.parent
+INTERVAL_S = 0.5  # a beat each half second: gone after 1.5 s of silence
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    embedded = EmbeddedServer(tmp_path / "nats")
+    anyio.run(embedded.start)
+    try:
+        yield embedded
+    finally:
+        anyio.run(embedded.stop)
+
+
+class Output:
+    """A piped `coordinator watch`: its stdout, read as it comes."""
+
+    def __init__(self, url: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "watch", "--nats", url],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        )  # fmt: skip
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.text = ""
+        assert self.process.stdout is not None
+        stdout = self.process.stdout
+        threading.Thread(target=lambda: [self.lines.put(line) for line in stdout], daemon=True).start()
+
+    def until(self, found: Callable[[str], bool], timeout: float = 20) -> bool:
+        """Whether a line for which ``found`` holds comes within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self.text += line
+            if found(line):
+                return True
+        return False
+
+    def stop(self) -> str:
+        self.process.terminate()
+        _, err = self.process.communicate(timeout=10)
+        return err
+
+
+def host_row(state: str) -> Callable[[str], bool]:
+    return lambda line: "sim-1" in line and state in line
+
+
+def beats(url: str, alive_s: float) -> None:
+    """A host of session sim-1: its first commit, then beats made fresh for
+    ``alive_s`` seconds; then it dies (its beats stop changing, as a killed
+    host's do: the last one stays in the bucket)."""
+    from coordinator.bus import NatsBus
+
+    def presence(at: str) -> Presence:
+        return Presence(session_id="sim-1", epoch="e1", state="running", time=at,
+                        interval_s=INTERVAL_S, step="1", host="sim-host", pid=4242)  # fmt: skip
+
+    async def run() -> None:
+        async with NatsBus(url, heartbeat_s=INTERVAL_S) as bus:
+            await bus.publish(committed("sim-1", 1))
+            bus.keep_alive("sim-1", lambda: presence(now_text()))
+            await anyio.sleep(alive_s)
+            last = presence(now_text())
+            bus.keep_alive("sim-1", lambda: last)  # (frozen: the host is gone)
+            await anyio.sleep(4 * INTERVAL_S)
+
+    anyio.run(run)
+
+
+def test_a_piped_watch_shows_a_host_that_dies_as_gone(server: EmbeddedServer) -> None:
+    """helper-53: into a pipe, a table came only with an event, and a host going
+    quiet is none: the log's last word on a killed host stayed `alive`."""
+    beats(server.url, 0)  # (the buckets exist before the watch)
+    watch = Output(server.url)
+    try:
+        thread = threading.Thread(target=beats, args=(server.url, 3.0))
+        thread.start()
+        assert watch.until(host_row("alive")), watch.text
+        thread.join(30)
+        assert watch.until(host_row("gone")), watch.text
+    finally:
+        err = watch.stop()
+    assert "Traceback" not in err, err
+
+
+def test_a_watch_begun_before_any_host_shows_the_first_host(server: EmbeddedServer) -> None:
+    """helper-53: a watch begun on a server no host had used read the hosts'
+    bucket once, found none, and never asked again: the host column stayed `-`
+    for good, dead host or alive (the dashboard asks again every 2 s)."""
+    watch = Output(server.url)
+    try:
+        time.sleep(2)  # (the watch has looked for the bucket, and found none)
+        beats(server.url, 4.0)
+        assert watch.until(host_row("alive"), timeout=5), watch.text
+        assert watch.until(host_row("gone")), watch.text
+    finally:
+        watch.stop()
