@@ -359,3 +359,58 @@ async def test_a_stream_made_again_mid_window_is_said_when_it_stores_out_of_orde
         assert bus.counts()["out_of_order"] == 9
         assert "stored out of order" in caplog.text and "seq 3-11" in caplog.text
         assert await stored_ids(plain.url, "s") == [*(f"c{i}" for i in range(2, 11)), "c1"]
+
+
+@pytest.mark.asyncio
+async def test_a_host_makes_again_what_a_server_that_lost_its_data_lacks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """helper-53: NATS back without its data (a container with no volume): the
+    stream and buckets were gone, every live host showed `gone` on every page
+    (its beats had no bucket) and its events waited for ever, until someone ran
+    `coordinator setup`. A host makes what it made at start again (on a server
+    that lets it), as it found it missing, and says so."""
+    import nats
+    import nats.js.errors
+
+    from coordinator.bus import _nats as bus_nats
+    from coordinator.presence import Presence
+
+    monkeypatch.setattr(bus_nats, "NO_STREAM_WARN_S", 0.5)
+
+    def beat() -> Presence:
+        from test_dashboard import now_text
+
+        return Presence(session_id="s", epoch="e1", state="running", time=now_text(),
+                        interval_s=0.5)  # fmt: skip
+
+    async with EmbeddedServer(tmp_path / "plain") as plain:
+        async with NatsBus(plain.url, heartbeat_s=0.5) as bus:
+            bus.keep_alive("s", beat)
+            await bus.publish(captured_event("s", 0))
+            await wait_until(lambda: bus.statistics().published >= 1)
+            client = await nats.connect(plain.url)
+            try:
+                js = client.jetstream()
+                for stream in (bus.stream, f"KV_{bus.bucket}", f"KV_{bus.presence_bucket}"):
+                    await js.delete_stream(stream)
+                with caplog.at_level(logging.WARNING, logger="coordinator.bus"):
+                    for index in (1, 2):
+                        await bus.publish(captured_event("s", index))
+                    await wait_until(lambda: bus.statistics().published >= 3, timeout=15)
+                    hosts = await js.key_value(bus.presence_bucket)
+                    beats: list[bytes] = []
+
+                    async def beat_put() -> None:
+                        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                            beats.append((await hosts.get("s")).value or b"")
+
+                    with anyio.fail_after(10):
+                        while not beats:
+                            await beat_put()
+                            await anyio.sleep(0.1)
+                    assert b'"running"' in beats[0]
+                assert "made again" in caplog.text, caplog.text
+            finally:
+                await client.close()
+        assert await stored_ids(plain.url, "s") == ["c1", "c2"]

@@ -120,3 +120,34 @@ def test_a_watch_begun_before_any_host_shows_the_first_host(server: EmbeddedServ
         assert watch.until(host_row("gone")), watch.text
     finally:
         watch.stop()
+
+
+def test_the_dashboard_says_it_follows_the_beats_once_a_host_made_their_bucket(
+    server: EmbeddedServer,
+) -> None:
+    """helper-53: begun before any host, the dashboard said 'no presence bucket yet'
+    (its overview's `presence`) for good, while it showed the beats."""
+    from coordinator.bus import NatsBus
+    from coordinator.dashboard import Dashboard
+    from coordinator.dashboard._web import _follow_presence
+
+    async def run() -> list[str]:
+        board, said = Dashboard(), []
+        async with NatsBus(server.url, read_only=True) as reader, anyio.create_task_group() as group:
+            group.start_soon(_follow_presence, board, reader)
+            with anyio.fail_after(10):
+                while board.presence != "no presence bucket yet":
+                    await anyio.sleep(0.05)
+            said.append(board.presence)
+            async with NatsBus(server.url, heartbeat_s=INTERVAL_S) as host:
+                host.keep_alive("sim-1", lambda: Presence(
+                    session_id="sim-1", epoch="e1", state="running", time=now_text(),
+                    interval_s=INTERVAL_S))  # fmt: skip
+                with anyio.fail_after(10):
+                    while "sim-1" not in board.sessions or board.presence != "following":
+                        await anyio.sleep(0.05)
+            said.append(board.presence)
+            group.cancel_scope.cancel()
+        return said
+
+    assert anyio.run(run) == ["no presence bucket yet", "following"]

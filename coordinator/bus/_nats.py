@@ -193,6 +193,7 @@ class NatsBus:
         self._disconnects = 0
         self._closing = False
         self._no_stream_said = False  # for this outage of the stream, by any lane
+        self._remade_at = -math.inf  # when what is missing was last made again
         self._flush_deadline = 0.0
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
@@ -405,7 +406,9 @@ class NatsBus:
             async with self._beat_limit:
                 with anyio.fail_after(self.publish_timeout):
                     await self._presence.put(subject_token(beat.session_id), encode_presence(beat))
-        except Exception:  # the next beat tries again; a reader sees the host late
+        except Exception as error:  # the next beat tries again; a reader sees the host late
+            if isinstance(error, NoStreamResponseError):  # (its bucket is gone)
+                await self._make_again()
             return
         self._counts["presence_errors"] -= 1
         self._counts["presence"] += 1
@@ -616,10 +619,35 @@ class NatsBus:
                         return error
                 self._counts["retries"] += 1
                 unanswered = self._no_stream(error, connected, unanswered)
+                if unanswered == math.inf:
+                    await self._make_again()
             if self._closing and anyio.current_time() + backoff > self._flush_deadline:
                 raise _AbandonedError
             await anyio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
+
+    async def _make_again(self) -> None:
+        """What this bus made at start (the stream, its buckets), made again where
+        it is missing: a server back without its data (a container with no
+        volume), or a stream deleted under a running host. At most once every
+        ``NO_STREAM_WARN_S``; a reader makes nothing, and a user without the right
+        leaves it to ``coordinator setup`` (said once)."""
+        now = anyio.current_time()
+        if self.read_only or self._closing or now - self._remade_at < NO_STREAM_WARN_S:
+            return
+        self._remade_at = now
+        try:
+            with anyio.fail_after(self.connect_timeout):
+                await self._ensure_stream()
+                await self._ensure_bucket()
+                await self._ensure_presence_bucket()
+        except Exception as error:
+            _log.warning("stream %s or its buckets could not be made again here (%r): "
+                         "`coordinator setup` makes them", self.stream, error)  # fmt: skip
+        else:
+            _log.warning("stream %s and its buckets made again where missing (the "
+                         "server lost them: restarted without its data, or deleted)",
+                         self.stream)  # fmt: skip
 
     def _no_stream(self, error: Exception, connected: bool, since: float | None) -> float | None:
         """Says once, after ``NO_STREAM_WARN_S`` of it, that no stream answers while

@@ -126,6 +126,7 @@ async def _follow_presence(dashboard: Dashboard, bus: Any) -> None:
         try:
             async for presence in bus.presence():
                 dashboard.apply_presence(presence)
+                dashboard.presence = "following"  # (a bucket made since: said no more)
             dashboard.presence = "no presence bucket yet"
         except Exception as error:  # (no right to read it): the events are still followed
             dashboard.presence = f"unavailable: {type(error).__name__}: {error}"[:300]
