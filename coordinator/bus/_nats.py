@@ -194,6 +194,7 @@ class NatsBus:
         self._closing = False
         self._no_stream_said = False  # for this outage of the stream, by any lane
         self._remade_at = -math.inf  # when what is missing was last made again
+        self._remake_refused = False  # the last try to make it again failed (said)
         self._flush_deadline = 0.0
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
@@ -642,12 +643,15 @@ class NatsBus:
                 await self._ensure_bucket()
                 await self._ensure_presence_bucket()
         except Exception as error:
-            _log.warning("stream %s or its buckets could not be made again here (%r): "
-                         "`coordinator setup` makes them", self.stream, error)  # fmt: skip
+            if not self._remake_refused:  # (said once: it is tried again each period)
+                self._remake_refused = True
+                _log.warning("stream %s or its buckets could not be made again here (%r): "
+                             "`coordinator setup` makes them", self.stream, error)  # fmt: skip
         else:
-            _log.warning("stream %s and its buckets made again where missing (the "
-                         "server lost them: restarted without its data, or deleted)",
-                         self.stream)  # fmt: skip
+            self._remake_refused = False
+            _log.warning("no stream answered: stream %s and its buckets looked for, and "
+                         "made again where missing (a server restarted without its data, "
+                         "or a deletion)", self.stream)  # fmt: skip
 
     def _no_stream(self, error: Exception, connected: bool, since: float | None) -> float | None:
         """Says once, after ``NO_STREAM_WARN_S`` of it, that no stream answers while
