@@ -607,6 +607,65 @@ async def test_an_object_whose_bytes_are_not_its_name_is_refused_at_restore(
     assert list(target.parent.iterdir()) == []
 
 
+async def forge_object(url: str, data: bytes) -> None:
+    """What anyone who may publish on the content bucket's subjects can do (every
+    host-set user, one narrowed to another session too): a meta for ``data``'s
+    object naming a chunk of the right length, its nuid begun as ours are, that
+    holds other bytes."""
+    import base64
+    import json
+
+    from coordinator.remote import object_digest
+
+    digest = hashlib.sha256(data).hexdigest()
+    nuid = digest[:32] + "forged0000"
+    client = await nats.connect(url)
+    try:
+        js = client.jetstream()
+        await js.publish(f"$O.CKPT_CONTENT.C.{nuid}", bytes(len(data)))
+        meta = {"name": digest, "bucket": "CKPT_CONTENT", "nuid": nuid, "size": len(data),
+                "chunks": 1, "digest": object_digest(digest), "mtime": "2030-01-01T00:00:00Z",
+                "options": {"max_chunk_size": 1 << 20}}  # fmt: skip
+        subject = "$O.CKPT_CONTENT.M." + base64.urlsafe_b64encode(digest.encode()).decode()
+        await js.publish(subject, json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
+    finally:
+        await client.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("when", ["before the first upload", "over an uploaded object"])
+async def test_a_forged_object_is_never_reused_for_the_bytes_it_names(
+    server: EmbeddedServer, tmp_path: Path, when: str
+) -> None:
+    """helper-54: a forged meta over junk chunks, for a payload whose bytes do not
+    change (a predictable agent state), was taken for a whole object: reused
+    (touched) by every upload, `replicated` said, and the tier's generation never
+    verified (a take-over failed). An object this replicator did not make is
+    reused only once its bytes hash to its name; else it is made again."""
+    agent = b'{"agent": "a", "policy": "v1"}'
+    parts = [Part("world", b""), Part("agent-a", agent)]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "v") as store:
+        await Replicas(bus).open(create=True)
+        if when == "before the first upload":
+            await forge_object(server.url, agent)
+        async with (
+            SessionLease(bus, "s1", ttl=30) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+            Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            for step in (1, 2, 3):
+                parts[0].data = os.urandom(2000)
+                await host.checkpoint(step)
+                await caught_up(replicator)
+                if when == "over an uploaded object" and step == 1:
+                    await forge_object(server.url, agent)
+        with await Replicas(bus).fetch("s1") as stored:
+            assert stored.record.boundary == "3"
+    taken = [Part("world", b""), Part("agent-a", b"")]
+    assert await leased_run(server.url, tmp_path / "c", taken, range(4, 4)) == 3
+    assert taken[1].data == agent and taken[0].data == parts[0].data
+
+
 @pytest.mark.asyncio
 async def test_the_embedded_server_syncs_every_jetstream_write(tmp_path: Path) -> None:
     """The embedded server runs with ``sync_interval: always`` (JetStream would

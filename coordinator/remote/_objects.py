@@ -389,6 +389,32 @@ class ObjectBucket:
             return None
         return message.time
 
+    async def last_chunk_seq(self, nuid: str) -> int | None:
+        """The stream sequence of ``nuid``'s last chunk (``None``: it holds none): a
+        chunk published again under the same nuid has another."""
+        try:
+            message = await self._js.get_last_msg(self._store._stream, f"$O.{self.name}.C.{nuid}")
+        except nats.js.errors.NotFoundError:
+            return None
+        return message.seq
+
+    async def digest_of(self, info: api.ObjectInfo) -> str | None:
+        """The SHA-256 (hex) of what ``info``'s chunks hold, exactly the bytes it
+        declares (``None``: more or fewer, or they stall), hashed in a worker
+        thread as they come; none is kept."""
+        size = int(info.size or 0)
+        hasher = hashlib.sha256()
+        got = 0
+        try:
+            async for data in self._chunks(info, size):
+                got += len(data)
+                if got > size:
+                    return None
+                await anyio.to_thread.run_sync(hasher.update, data)
+        except _StalledError:
+            return None
+        return hasher.hexdigest() if got == size else None
+
     async def _send(self, subject: str, data: memoryview, chunk: int) -> int:
         """The chunks, ``_WINDOW`` of them awaiting their acks at a time."""
         in_flight: list[Any] = []

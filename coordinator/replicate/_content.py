@@ -45,6 +45,7 @@ __all__ = ["CONTENT_BUCKET", "ContentBucket", "SweepReport"]
 CONTENT_BUCKET = "CKPT_CONTENT"
 _ATTEMPTS = 4  # a touch or a make refused this often in a row: someone else keeps racing
 _ROUNDS = 64  # marks a sweep takes at most (each good for a quarter of the grace period)
+_PROVEN_KEPT = 4096  # objects whose bytes this process knows, by their chunks' identity
 
 
 class SweepReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,6 +66,10 @@ class ContentBucket:
     def __init__(self, objects: ObjectBucket, *, grace: float) -> None:
         self.objects = objects
         self.grace = grace
+        # digest -> (nuid, chunks, the last chunk's stream sequence) of an object whose
+        # bytes this process made or hashed: anyone who may publish a meta may point
+        # it at chunks of other bytes (helper-54), and only their hash tells
+        self._proven: collections.OrderedDict[str, tuple[str, int, int]] = collections.OrderedDict()
 
     async def ensure(self, digest: str, data: memoryview) -> int:
         """Make sure the bucket holds ``data`` (whose SHA-256 is ``digest``, verified
@@ -73,7 +78,7 @@ class ContentBucket:
         for _ in range(_ATTEMPTS):
             stored = await self.objects.stored(digest)
             if stored is not None and stored.info is not None and stored.live:
-                if self._holds(stored.info, digest, len(data)) and await self._whole(stored.info):
+                if await self._is(stored.info, digest, len(data)):
                     try:
                         await self.objects.write_meta(
                             _touched(stored.info), expected_meta_seq=stored.meta_seq
@@ -98,6 +103,7 @@ class ContentBucket:
             except MetaChangedError:
                 continue  # another host made it at the same moment: touch theirs
             if time.monotonic() - started <= self.grace / 2:
+                await self._remember(made.info, digest)
                 return len(data)
             # Too slow to trust: a sweep may have taken its chunks for a dead
             # upload's. Deleted (unless someone touched it since) and made again.
@@ -106,6 +112,43 @@ class ContentBucket:
             f"object {digest} could not be made or touched in {_ATTEMPTS} attempts (it kept "
             f"changing, or each upload took longer than half the {self.grace:g} s grace period)"
         )
+
+    async def _is(self, info: api.ObjectInfo, digest: str, size: int) -> bool:
+        """Whether ``info`` is object ``digest`` of ``size`` bytes, whole, and its
+        chunks hold those very bytes: hashed once (by the chunks' identity) unless
+        this process made them."""
+        if not (self._holds(info, digest, size) and await self._whole(info)):
+            return False
+        if not size:
+            return True
+        chunks = await self._chunks_of(info)
+        if chunks is None:
+            return False
+        if self._proven.get(digest) == chunks:
+            self._proven.move_to_end(digest)
+            return True
+        if await self.objects.digest_of(info) != digest:
+            return False
+        self._keep_proven(digest, chunks)
+        return True
+
+    async def _chunks_of(self, info: api.ObjectInfo) -> tuple[str, int, int] | None:
+        nuid = str(info.nuid)
+        last = await self.objects.last_chunk_seq(nuid)
+        return None if last is None else (nuid, int(info.chunks or 0), last)
+
+    async def _remember(self, info: api.ObjectInfo | None, digest: str) -> None:
+        """An object this process just made: its bytes are known."""
+        if info is not None and info.size:
+            chunks = await self._chunks_of(info)
+            if chunks is not None:
+                self._keep_proven(digest, chunks)
+
+    def _keep_proven(self, digest: str, chunks: tuple[str, int, int]) -> None:
+        self._proven[digest] = chunks
+        self._proven.move_to_end(digest)
+        while len(self._proven) > _PROVEN_KEPT:
+            self._proven.popitem(last=False)
 
     async def _whole(self, info: api.ObjectInfo) -> bool:
         """Whether every chunk the meta counts is in the stream (and it counts
@@ -130,7 +173,7 @@ class ContentBucket:
         """Whether the bucket holds ``digest``'s object now, whole."""
         stored = await self.objects.stored(digest)
         info = stored.info if stored is not None and stored.live else None
-        return info is not None and self._holds(info, digest, size) and await self._whole(info)
+        return info is not None and await self._is(info, digest, size)
 
     async def readable(self, digest: str, size: int) -> api.ObjectInfo:
         """Object ``digest``'s meta, if it names ``size`` bytes of that digest:
