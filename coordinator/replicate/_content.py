@@ -173,7 +173,10 @@ class ContentBucket:
         """Whether the bucket holds ``digest``'s object now, whole."""
         stored = await self.objects.stored(digest)
         info = stored.info if stored is not None and stored.live else None
-        return info is not None and await self._is(info, digest, size)
+        # (from its meta and chunk count alone: a replicator's start asks this of
+        # every object its pointers name, and hashing them would read every
+        # session's state back; an upload that reuses one proves it, ``ensure``)
+        return info is not None and self._holds(info, digest, size) and await self._whole(info)
 
     async def readable(self, digest: str, size: int) -> api.ObjectInfo:
         """Object ``digest``'s meta, if it names ``size`` bytes of that digest:
