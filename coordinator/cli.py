@@ -910,7 +910,10 @@ class _Screen:
 
     def table(self) -> Any:
         beats = None if self.replay_only else self.beats
-        return self.render(self.fleet, beats, dropped=self.feed.lost(), deafness=self.deafness)
+        width = self.console.width if self.console.is_terminal else None  # (a pipe: all)
+        return self.render(
+            self.fleet, beats, dropped=self.feed.lost(), deafness=self.deafness, width=width
+        )
 
     def hearing(self, connected: bool) -> None:
         """Whether the connection is up (and NATS answers round trips: the bus's

@@ -836,6 +836,7 @@ def render(
     limit: int = ROWS_SHOWN,
     dropped: int = 0,
     deafness: Deafness | None = None,
+    width: int | None = None,
 ) -> Table:
     """The live terminal view: one row per session (rich loads only when asked
     for), at most ``limit`` of them: those with something not adopted first,
@@ -843,29 +844,29 @@ def render(
     ``host`` column judged at ``now`` (seconds since 1970; default: the clock).
     ``dropped``: live messages the reader lost (shown under the table).
     ``deafness``: when the reader could not hear NATS (not counted against a
-    host's beats, and said under the table while it lasts)."""
+    host's beats, and said under the table while it lasts). ``width``: the
+    terminal's, for which the columns that matter least are left out (said
+    under the table) rather than all folded to shreds."""
     from rich.table import Table
 
-    table = Table(title="save state", title_justify="left")
-    columns = ("session", *(("host",) if beats is not None else ()), "high water", "step",
+    columns = ["session", *(["host"] if beats is not None else []), "high water", "step",
                "in flight", "queue", "committed", "last commit", "size", "superseded",
-               "failed", "last failure", "last restore", "replicated", "not adopted")  # fmt: skip
-    for column in columns:
-        table.add_column(column, overflow="fold")
+               "failed", "last failure", "last restore", "replicated", "not adopted"]  # fmt: skip
     now = time.time() if now is None else now
     ranked = sorted(state.sessions.values(),
                     key=lambda s: (not (s.contradicting or s.invalid), s.session_id))  # fmt: skip
+    rows: list[list[str]] = []
     for session in ranked[: max(0, limit)]:
         latency = session.last_committed_ms
         size = session.last_committed_bytes
-        host: tuple[str, ...] = ()
+        host: list[str] = []
         if beats is not None:
             beat = beats.get(session.session_id)
             seen: str = "-" if beat is None else liveness(beat, now, deafness)
             if beat is not None and beat.error:
                 seen = f"{seen} ({beat.error})"
-            host = (seen,)
-        table.add_row(*_cells(
+            host = [seen]
+        rows.append([printable(cell) for cell in (
             session.session_id,
             *host,
             session.high_water or "-",
@@ -881,8 +882,17 @@ def render(
             session.last_restore or "",
             _replicated_cell(session, now),
             _not_adopted(session),
-        ))  # fmt: skip
+        )])  # fmt: skip
+    kept = _fitting(columns, rows, width)
+    table = Table(title="save state", title_justify="left")
+    for index in kept:
+        table.add_column(columns[index], overflow="fold")
+    for row in rows:
+        table.add_row(*_cells(*(row[index] for index in kept)))
     table.caption = _caption(state, len(ranked) - len(ranked[: max(0, limit)]), dropped)
+    if len(kept) < len(columns):
+        left_out = f"{len(columns) - len(kept)} columns left out (a wider terminal shows them)"
+        table.caption = f"{table.caption}; {left_out}" if table.caption else left_out
     lost = deafness.since if deafness is not None else None
     if lost is not None:
         unheard = (f"NATS cannot be reached from here (for {max(0.0, now - lost):.0f} s): "
@@ -890,6 +900,29 @@ def render(
         table.caption = f"{unheard}; {table.caption}" if table.caption else unheard
     table.caption_justify = "left"
     return table
+
+
+# The columns a narrow terminal keeps, first to last (the others go first).
+_COLUMN_RANK = ("session", "host", "high water", "failed", "last failure", "not adopted",
+                "committed", "in flight", "step", "queue", "last commit", "replicated",
+                "last restore", "size", "superseded")  # fmt: skip
+
+
+def _fitting(columns: list[str], rows: list[list[str]], width: int | None) -> list[int]:
+    """The indices of the columns to show, in table order: all of them, or (for a
+    ``width``) the most telling ones whose widest cells fit beside each other
+    (rich's box takes 3 characters a column and 1 more)."""
+    keep = list(range(len(columns)))
+    if width is None:
+        return keep
+
+    def wide(index: int) -> int:  # (a long text folds within 40: it never takes the rest)
+        return min(40, max(len(columns[index]), *(len(row[index]) for row in rows))) + 3
+
+    by_rank = sorted(keep, key=lambda i: _COLUMN_RANK.index(columns[i]))
+    while len(keep) > 1 and sum(map(wide, keep)) + 1 > width:
+        keep.remove(by_rank.pop())
+    return keep
 
 
 def _replicated_cell(session: SessionState, now: float) -> str:

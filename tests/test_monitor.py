@@ -97,3 +97,28 @@ def test_a_forged_presence_error_is_shown_as_text() -> None:
                     time="2026-12-07T00:00:00Z", interval_s=5, error=HOSTILE)  # fmt: skip
     text = shown(state, beats={"session-1": beat}, now=0.0)
     assert "[/bold]" in text and "\x1b" not in text and "\\x1b[2J" in text
+
+
+def test_a_narrow_terminal_shows_the_columns_that_matter_whole() -> None:
+    """helper-53: on an 80-column terminal each of the 15 columns was folded into
+    fragments of two characters ('go', 'al/iv/e'). A table for a width keeps the
+    columns that matter most, whole, and says how many it left out."""
+    import io
+
+    from rich.console import Console
+
+    from coordinator.monitor import render
+
+    failed = msgspec.structs.replace(make("failed", 3), reason="No space left on device")
+    state = SaveState().apply(make("captured", 1)).apply(make("committed", 2)).apply(failed)
+    out = io.StringIO()
+    Console(file=out, width=80, color_system=None).print(render(state, width=80))
+    lines = out.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines), lines
+    body = "\n".join(lines)
+    for whole in ("session-1", "high water", "ckpt-7", "failed", "store.fsync"):
+        assert whole in body, body
+    assert "columns left out" in body and "wider terminal" in body, body
+    wide = io.StringIO()
+    Console(file=wide, width=400, color_system=None).print(render(state, width=400))
+    assert "columns left out" not in wide.getvalue() and "superseded" in wide.getvalue()
