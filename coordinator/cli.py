@@ -236,8 +236,10 @@ def _print_inspect(envelope: Envelope, path: Path, out: TextIO) -> None:
                 f"{entry.digest}",
                 file=out,
             )
+    from .monitor import printable_json  # (bidi overrides, C1 controls: escaped)
+
     print("manifest (canonical on disk, indented here):", file=out)
-    print(json.dumps(manifest, indent=2, ensure_ascii=False), file=out)
+    print(printable_json(json.dumps(manifest, indent=2, ensure_ascii=False)), file=out)
 
 
 def _report_failure(error: CoordinatorError, path: Path | str, err: TextIO) -> int:
@@ -252,11 +254,12 @@ def _report_failure(error: CoordinatorError, path: Path | str, err: TextIO) -> i
 
 
 def _inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .monitor import printable_json
+
     with _open_envelope(args.file) as envelope:
         if args.json:
-            print(
-                json.dumps(_describe(envelope, args.file), indent=2, ensure_ascii=False), file=out
-            )
+            described = json.dumps(_describe(envelope, args.file), indent=2, ensure_ascii=False)
+            print(printable_json(described), file=out)
         else:
             _print_inspect(envelope, args.file, out)
     return EXIT_OK
@@ -980,9 +983,11 @@ class _Screen:
             self._draw(self.table())
 
     def _hosts(self) -> dict[str, str]:
-        """Each beating host's state as the table would show it now."""
-        now = time.time()
-        return {s: self.liveness(b, now, self.deafness) for s, b in self.beats.items()}
+        """The state of each host the table shows (a session with a row: beats of
+        others, not followed or with no event, change nothing in it) as it would
+        show it now."""
+        now, rows = time.time(), self.fleet.sessions
+        return {s: self.liveness(b, now, self.deafness) for s, b in self.beats.items() if s in rows}
 
     def _draw(self, table: Any) -> None:
         if self.console.is_terminal:

@@ -820,6 +820,29 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def printable_json(dumped: str) -> str:
+    """JSON text (``json.dumps(..., ensure_ascii=False)``) with every character a
+    terminal would act on or not show, inside its strings, written as its JSON
+    escape (``\\u202e``): the same JSON, safe to print (json.dumps escapes only
+    what is below U+0020)."""
+    if dumped.isprintable():
+        return dumped
+    return "".join(
+        c if c.isprintable() or c == "\n" else "".join(
+            f"\\u{unit:04x}" for unit in _utf16_units(c)
+        )
+        for c in dumped
+    )  # fmt: skip
+
+
+def _utf16_units(c: str) -> tuple[int, ...]:
+    point = ord(c)
+    if point < 0x10000:
+        return (point,)
+    point -= 0x10000
+    return (0xD800 + (point >> 10), 0xDC00 + (point & 0x3FF))
+
+
 def _cells(*values: str) -> list[Text]:
     """Table cells as literal text: rich reads no markup in them (an unmatched
     "[/]" in a forged reason raised, and "[link=...]" made a link)."""

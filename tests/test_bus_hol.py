@@ -414,3 +414,42 @@ async def test_a_host_makes_again_what_a_server_that_lost_its_data_lacks(
             finally:
                 await client.close()
         assert await stored_ids(plain.url, "s") == ["c1", "c2"]
+
+
+@pytest.mark.asyncio
+async def test_a_refused_remake_is_said_once_and_never_claimed_done(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """helper-55: an account at its stream limit refused the beats' bucket made
+    again (an API error, which the bucket's maker logged and swallowed): each
+    period logged the refusal and claimed the remake done, for ever."""
+    import nats
+
+    from coordinator.bus import _nats as bus_nats
+    from coordinator.presence import Presence
+
+    monkeypatch.setattr(bus_nats, "NO_STREAM_WARN_S", 0.5)
+    config = "accounts { A: { jetstream: { max_streams: 3 }, users: [ {user: h, password: p} ] } }"
+
+    def beat() -> Presence:
+        from test_dashboard import now_text
+
+        return Presence(session_id="s1", epoch="e1", state="running", time=now_text(),
+                        interval_s=0.5)  # fmt: skip
+
+    async with EmbeddedServer(tmp_path / "limited", config=config) as server:
+        url = server.url.replace("nats://", "nats://h:p@")
+        async with NatsBus(url, heartbeat_s=0.5) as bus:
+            client = await nats.connect(url)
+            try:
+                js = client.jetstream()
+                with caplog.at_level(logging.INFO, logger="coordinator.bus"):
+                    await js.delete_key_value(bus.presence_bucket)
+                    await js.create_object_store("OTHER")  # (its slot taken)
+                    bus.keep_alive("s1", beat)  # (beating only now: the slot is gone first)
+                    await anyio.sleep(4)  # eight beats, several periods
+            finally:
+                await client.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "made again where missing" in m], said
+    assert len([m for m in said if "could not be made again" in m]) == 1, said

@@ -434,3 +434,27 @@ def test_the_dashboard_without_the_web_extra_says_how_to_install_it(
     assert main(argv, out=out, err=err) == 2
     assert "pip install 'coordinator[web]'" in err.getvalue()
     assert "prometheus_client missing" in err.getvalue() and "Traceback" not in err.getvalue()
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_inspect_escapes_bidi_overrides_and_c1_controls(tmp_path: Path, as_json: bool) -> None:
+    """helper-55: the manifest's dump (ensure_ascii=False) escaped only what is
+    below U+0020: a right-to-left override, the 8-bit CSI and DEL reached the
+    terminal raw. Written as JSON escapes now, so --json still parses the same."""
+    import json
+
+    from conftest import minimal_manifest
+
+    from coordinator import envelope
+
+    hostile = "ep\u202eevil\x9b2J\x7f\U000e0001"
+    payloads = [("p", b"x")]
+    manifest = minimal_manifest(payloads, episodeId=hostile, **{"\u202egnp.exe": 1})
+    path = tmp_path / "odd.flysess"
+    path.write_bytes(envelope.encode(manifest, payloads))
+    code, out, _ = run("inspect", *(["--json"] if as_json else []), str(path))
+    assert code == 0
+    assert not any(c in out for c in "\u202e\x9b\x7f\U000e0001"), repr(out)
+    assert "\\u202e" in out and "\\u009b" in out
+    if as_json:
+        assert json.loads(out)["manifest"]["episodeId"] == hostile

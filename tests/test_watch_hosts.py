@@ -36,16 +36,18 @@ def server(tmp_path: Path) -> Iterator[EmbeddedServer]:
 class Output:
     """A piped `coordinator watch`: its stdout, read as it comes."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *args: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "watch", "--nats", url],
+            [sys.executable, "-m", "coordinator", "watch", "--nats", url, *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         )  # fmt: skip
         self.lines: queue.Queue[str] = queue.Queue()
         self.text = ""
         assert self.process.stdout is not None
         stdout = self.process.stdout
-        threading.Thread(target=lambda: [self.lines.put(line) for line in stdout], daemon=True).start()
+        threading.Thread(
+            target=lambda: [self.lines.put(line) for line in stdout], daemon=True
+        ).start()
 
     def until(self, found: Callable[[str], bool], timeout: float = 20) -> bool:
         """Whether a line for which ``found`` holds comes within ``timeout``."""
@@ -133,7 +135,10 @@ def test_the_dashboard_says_it_follows_the_beats_once_a_host_made_their_bucket(
 
     async def run() -> list[str]:
         board, said = Dashboard(), []
-        async with NatsBus(server.url, read_only=True) as reader, anyio.create_task_group() as group:
+        async with (
+            NatsBus(server.url, read_only=True) as reader,
+            anyio.create_task_group() as group,
+        ):
             group.start_soon(_follow_presence, board, reader)
             with anyio.fail_after(10):
                 while board.presence != "no presence bucket yet":
@@ -151,3 +156,36 @@ def test_the_dashboard_says_it_follows_the_beats_once_a_host_made_their_bucket(
         return said
 
     assert anyio.run(run) == ["no presence bucket yet", "following"]
+
+
+def test_hosts_a_piped_watch_does_not_show_never_print_it_a_table(server: EmbeddedServer) -> None:
+    """helper-55: a piped `watch --session sess-a` printed the same table every
+    second because hosts of other sessions (not followed, no row) flapped:
+    only the hosts the table shows count."""
+    from coordinator.bus import NatsBus
+    from coordinator.events import subject_token
+    from coordinator.presence import encode_presence
+
+    def presence(session: str, interval: float) -> Presence:
+        return Presence(session_id=session, epoch="e1", state="running", time=now_text(),
+                        interval_s=interval)  # fmt: skip
+
+    async def flap(url: str) -> None:
+        async with NatsBus(url, heartbeat_s=INTERVAL_S) as bus:
+            await bus.publish(committed("sess-a", 1))
+            bus.keep_alive("sess-a", lambda: presence("sess-a", INTERVAL_S))
+            for _ in range(6):  # others: alive, late, gone, alive... (0.2 s beats, 2 s apart)
+                assert bus._presence is not None
+                for index in range(10):
+                    beat = presence(f"other-{index}", 0.2)
+                    await bus._presence.put(subject_token(beat.session_id), encode_presence(beat))
+                await anyio.sleep(2)
+
+    watch = Output(server.url, "--session", "sess-a")
+    try:
+        anyio.run(flap, server.url)
+        watch.until(lambda line: False, timeout=1)  # (what came, read)
+    finally:
+        watch.stop()
+    assert "other-" not in watch.text
+    assert watch.text.count("save state") <= 3, watch.text.count("save state")

@@ -336,24 +336,29 @@ class NatsBus:
             )
         await checked_stream_config(self._js, f"KV_{self.bucket}")
 
-    async def _ensure_presence_bucket(self) -> None:
-        """The hosts' presence bucket. A writer that may not create it still
-        publishes events (its beats are counted as ``presence_errors``)."""
+    async def _ensure_presence_bucket(self, *, quiet: bool = False) -> bool:
+        """The hosts' presence bucket; ``False`` if the server refused to make it
+        (said, unless ``quiet``). A writer that may not create it still publishes
+        events (its beats are counted as ``presence_errors``)."""
         assert self._js is not None
         try:
             self._presence = await self._js.key_value(self.presence_bucket)
         except BucketNotFoundError:
             if self.read_only:
-                return
+                return True
             try:
                 self._presence = await self._js.create_key_value(
                     bucket=self.presence_bucket, history=1, replicas=self.replicas,
                     ttl=PRESENCE_KEPT_S,
                 )  # fmt: skip
             except APIError as error:
-                _log.warning("no presence bucket %s: %s", self.presence_bucket, error.description)
-                return
+                if not quiet:
+                    _log.warning(
+                        "no presence bucket %s: %s", self.presence_bucket, error.description
+                    )
+                return False
         await checked_stream_config(self._js, f"KV_{self.presence_bucket}")
+        return True
 
     # --- presence ------------------------------------------------------------------
 
@@ -641,7 +646,8 @@ class NatsBus:
             with anyio.fail_after(self.connect_timeout):
                 await self._ensure_stream()
                 await self._ensure_bucket()
-                await self._ensure_presence_bucket()
+                if not await self._ensure_presence_bucket(quiet=True):
+                    raise BusRefusedError(f"bucket {self.presence_bucket} was refused")
         except Exception as error:
             if not self._remake_refused:  # (said once: it is tried again each period)
                 self._remake_refused = True
