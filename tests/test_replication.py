@@ -338,6 +338,47 @@ async def test_a_host_back_with_a_branch_a_take_over_abandoned_never_replicates_
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("late", [False, True])
+async def test_a_host_that_resumed_from_the_tier_is_replicated_after_rotation(
+    server: EmbeddedServer, tmp_path: Path, late: bool
+) -> None:
+    """helper-56: with the first fix of helper-54's break (the pointer's state seen
+    only where this store's timeline forked at it), a host that resumed from
+    the tier on an empty disk and committed, with keep=1 (or with its replicator
+    started only after it committed, keep=2), rotated the restored generation
+    out, which cut the fork from its timeline: the session stayed held for good,
+    and a fresh host resumed at 4, without this host's work."""
+    await leased_run(server.url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")],
+                     range(1, 5))  # fmt: skip
+    assert await leased_run(server.url, tmp_path / "b", [Part("world", b""), Part("agent-a", b"a")],
+                            range(5, 5)) == 4  # fmt: skip
+    c_parts = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "c", keep=2 if late else 1) as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Coordinator(store, bus, c_parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            replicas = Replicas(bus)
+            if not late:
+                replicator = await Replicator(bus, store, leases=[lease], sweep_every=None).__aenter__()
+                replicas = replicator.replicas
+            assert (await host.resume(source=replicas)).step == 4
+            for step in (5, 6, 7):
+                c_parts[0].data = os.urandom(2000)
+                await host.checkpoint(step)
+            if late:
+                replicator = await Replicator(bus, store, leases=[lease], sweep_every=None).__aenter__()
+            try:
+                await caught_up(replicator)
+                assert replicator.statistics().awaiting == ()
+            finally:
+                await replicator.__aexit__(None, None, None)
+    fresh = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "d", fresh, range(8, 8)) == 7
+    assert fresh[0].data == c_parts[0].data
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("disk", ["old", "empty"])
 async def test_a_host_that_goes_on_without_the_replicas_never_moves_the_pointer_over_them(
     server: EmbeddedServer, tmp_path: Path, disk: str, caplog: pytest.LogCaptureFixture

@@ -51,7 +51,6 @@ from ..store import (
     SessionRecord,
     StoredCheckpoint,
     established_in,
-    left_at,
     on_timeline,
 )
 from ._content import SweepReport
@@ -346,15 +345,15 @@ class Replicator:
 
     def _never_saw(self, session_id: str, current: ReplicaPointer) -> bool:
         """Whether the pointer names a state that became the session's in an epoch
-        this store never opened (nor took in), and this store did not go on from
-        that very generation (``store.left_at``): another host took the session
-        over and went on (or this disk is older than that epoch), and this store
-        did not resume from it (a host back with its old disk, or on an empty one,
-        whether it resumed from its own disk alone or not yet; a disk that went on
-        in the generation's epoch past it is on a branch the take-over abandoned).
-        Whatever this store's state, moving the pointer to it would abandon that
-        work. (A store that took in a restore's state holds its generation's
-        epoch, not the restore's, and forked from it.) A move under an
+        this store never opened (nor took in), and whose generation's epoch it
+        never saw either, or on whose epoch this store's current timeline went on
+        past it: another host took the session over and went on (or this disk is
+        older than that epoch, or ahead of it on the branch a take-over
+        abandoned), and this store did not resume from it (a host back with its
+        old disk, or on an empty one, whether it resumed from its own disk alone
+        or not yet). Whatever this store's state, moving the pointer to it would
+        abandon that work. (A store that took in a restore's state holds its
+        generation's epoch, not the restore's.) A move under an
         older lease than the one this host took the session with (a host that
         lost it, moving since this replicator stamped the pointer) is gone over,
         as any such move; renewals raise the lease's revision, not the one it was
@@ -367,12 +366,19 @@ class Replicator:
             return True
         if session.knows(current.epoch):
             return False
-        # Another host's epoch, naming a generation of an epoch this store knows (its
-        # own, or taken in): seen only if this store went on from that very state.
-        # One that went on in that epoch past it made a branch the pointer's epoch
-        # abandoned (helper-54: a host back with its old disk, ahead of a take-over).
         named = current.generation
-        return not left_at(session, named.epoch, named.checkpoint_id)
+        if not session.knows(named.epoch):
+            return True
+        # Another host's epoch, naming a generation of an epoch this store knows (its
+        # own, or taken in). Unless this store's current timeline goes on in that
+        # epoch past it, a branch the pointer's epoch abandoned (helper-54: a host
+        # back with its old disk, ahead of a take-over; once it resumed, or if it
+        # took the state in, that branch is off its timeline).
+        step = int(named.boundary)
+        return any(
+            record.epoch == named.epoch and int(record.boundary) > step
+            for record in self.store.timeline(session_id)
+        )
 
     async def _already(self, named: ReplicatedGeneration, record: GenerationRecord) -> bool:
         """Whether ``named`` is exactly what replicating ``record`` would make (not a

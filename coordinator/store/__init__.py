@@ -29,7 +29,7 @@ One concept a module:
 from ._commit import UnlinkFailure
 from ._export import export_payloads
 from ._facade import FileStore
-from ._lineage import established_in, left_at, on_timeline
+from ._lineage import established_in, on_timeline
 from ._manifest import (
     SPARE_PREFIX,
     EpochRecord,
@@ -64,7 +64,6 @@ __all__ = [
     "checked_generation",
     "established_in",
     "export_payloads",
-    "left_at",
     "lower_thread_priority",
     "on_timeline",
     "read_generation",

@@ -45,7 +45,6 @@ __all__ = [
     "check_epoch_unused",
     "established_in",
     "high_water_of",
-    "left_at",
     "on_timeline",
     "with_forked_epoch",
     "with_generation",
@@ -103,23 +102,6 @@ def established_in(session: SessionRecord, record: GenerationRecord) -> EpochRec
             return at if on_timeline(session, record) else None
         at = epochs.get(at.parent) if at.parent is not None else None
     return None
-
-
-def left_at(session: SessionRecord, epoch: str, checkpoint_id: str) -> bool:
-    """Whether the session's current timeline left ``epoch`` by a restore of its
-    ``checkpoint_id`` (the epoch after it on the chain forked at that very
-    checkpoint): it went on from that state, and from nothing ``epoch`` made
-    after it. ``False`` while ``epoch`` is the current one, or was left by a
-    reopen or a restore of another checkpoint."""
-    epochs = {e.epoch: e for e in session.epochs}
-    at = epochs.get(session.current)
-    seen: set[str] = set()
-    while at is not None and at.parent is not None and at.epoch not in seen:
-        seen.add(at.epoch)
-        if at.parent == epoch:
-            return at.fork is not None and at.fork.checkpoint_id == checkpoint_id
-        at = epochs.get(at.parent)
-    return False
 
 
 def _with_session(
