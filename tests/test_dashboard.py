@@ -888,3 +888,11 @@ def test_a_click_is_never_lost_while_events_flow(
         page.click(link)  # and Playwright's own click
         page.wait_for_url("**/sessions/click-3", timeout=2_000)
     assert still_same_document(page), "a click reloaded the page"
+
+
+def test_the_page_never_says_an_age_is_more_than_it_is(ready_dashboard: str, browser: Any) -> None:
+    """helper-53: a last commit 90 s ago showed as '2 min ago' (rounded up); an
+    age is said in whole units gone by, as a clock would."""
+    page = open_page(browser, ready_dashboard)
+    said = page.evaluate("() => [age(45), age(90), age(149), age(150), age(5399), age(7200)]")
+    assert said == ["45 s ago", "1 min ago", "2 min ago", "2 min ago", "89 min ago", "2.0 h ago"]
