@@ -378,6 +378,113 @@ async def test_a_host_that_resumed_from_the_tier_is_replicated_after_rotation(
     assert fresh[0].data == c_parts[0].data
 
 
+async def old_disk_then_taken_over(
+    url: str, tmp_path: Path, alone: Any
+) -> tuple[list[Part], list[Part]]:
+    """A replicates 1-4, then ``alone(host)`` (cut off from the cluster: no
+    replicator); B takes over on an empty disk at 4 and goes away; A comes back
+    with its old disk and resumes after 0.5 s. Returns (A's parts back, B's)."""
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(url) as bus, FileStore(tmp_path / "a", keep=8) as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            async with Replicator(bus, store, leases=[lease], sweep_every=None) as replicator:
+                for step in range(1, 5):
+                    a_parts[0].data = os.urandom(2000)
+                    await host.checkpoint(step)
+                await caught_up(replicator)
+            await alone(host, a_parts)
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(url, tmp_path / "b", b_parts, range(5, 5)) == 4
+    back, seen = [Part("world", b""), Part("agent-a", b"a")], []
+    async with NatsBus(url) as bus, FileStore(tmp_path / "a", keep=8) as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+            Coordinator(store, bus, back, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            await anyio.sleep(0.5)  # (a host loading something first)
+            found = await replicator.replicas.pointer("s1")
+            assert found is not None
+            seen.append(found[0].generation.boundary)
+            assert (await host.resume(source=replicator.replicas)).step == 4
+    assert seen == ["4"]
+    return back, b_parts
+
+
+async def _rolled_back(host: Coordinator, parts: list[Part]) -> None:
+    for step in (5, 6):
+        parts[0].data = os.urandom(2000)
+        await host.checkpoint(step)
+    stored = host.store.timeline("s1")
+    await host.restore(next(r.checkpoint_id for r in stored if r.boundary == "3"),
+                       new_epoch="e-rolled")  # fmt: skip
+    for step in (4, 5):
+        parts[0].data = os.urandom(2000)
+        await host.checkpoint(step)
+
+
+async def _named_again(host: Coordinator, parts: list[Part]) -> None:
+    parts[0].data = os.urandom(2000)
+    await host.checkpoint(4, checkpoint_id="a-again-4")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("alone", [_rolled_back, _named_again], ids=["rollback", "named-again"])
+async def test_an_old_disk_that_rolled_back_or_named_a_step_again_alone_is_held(
+    server: EmbeddedServer, tmp_path: Path, alone: Any
+) -> None:
+    """helper-57: the hold looked for a later step of the replicated generation's
+    epoch on the old disk's timeline; one that rolled back past it alone (its
+    timeline no longer held it), or named a checkpoint of the same step after
+    it, moved the pointer to its own state before it resumed, and the state B
+    took over from was lost. By commit order, and whether the timeline holds
+    the generation at all: held, and A resumes from the replicated 4."""
+    back, b_parts = await old_disk_then_taken_over(server.url, tmp_path, alone)
+    assert back[0].data == b_parts[0].data
+
+
+@pytest.mark.asyncio
+async def test_a_named_checkpoint_behind_the_newest_step_is_replicated_after_a_resume(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-57: the replicated generation a named checkpoint of step 3, after 4-6
+    of the same epoch; B took over from it; A, back and resumed from it, was
+    held for good (its older 4-6 counted as going on past 3, by step)."""
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a", keep=8) as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+            Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            for step in range(1, 7):
+                await host.checkpoint(step)
+            a_parts[0].data = os.urandom(2000)
+            await host.checkpoint(3, checkpoint_id="a-redo-3")
+            await caught_up(replicator)
+    assert await leased_run(server.url, tmp_path / "b", [Part("world", b""), Part("agent-a", b"a")],
+                            range(4, 4)) == 3  # fmt: skip
+    back = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a", keep=8) as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+            Coordinator(store, bus, back, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            assert (await host.resume(source=replicator.replicas)).step == 3
+            for step in (4, 5, 6):
+                back[0].data = os.urandom(2000)
+                await host.checkpoint(step)
+            await caught_up(replicator)
+            assert replicator.statistics().awaiting == ()
+    fresh = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "c", fresh, range(7, 7)) == 6
+    assert fresh[0].data == back[0].data
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("disk", ["old", "empty"])
 async def test_a_host_that_goes_on_without_the_replicas_never_moves_the_pointer_over_them(

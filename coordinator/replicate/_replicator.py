@@ -370,14 +370,19 @@ class Replicator:
         if not session.knows(named.epoch):
             return True
         # Another host's epoch, naming a generation of an epoch this store knows (its
-        # own, or taken in). Unless this store's current timeline goes on in that
-        # epoch past it, a branch the pointer's epoch abandoned (helper-54: a host
-        # back with its old disk, ahead of a take-over; once it resumed, or if it
-        # took the state in, that branch is off its timeline).
-        step = int(named.boundary)
-        return any(
-            record.epoch == named.epoch and int(record.boundary) > step
-            for record in self.store.timeline(session_id)
+        # own, or taken in). Where this store lists that very generation, its
+        # current timeline must hold it and not go on in its epoch after it (by
+        # commit sequence: steps are no position): else this store is on a branch
+        # the pointer's epoch abandoned (helper-54, -57: a host back with its old
+        # disk, which went on, or rolled back, alone). Once it resumed from it, or
+        # if it took it in, the timeline goes on from it in an epoch of its own.
+        listed = self.store.lookup(named.checkpoint_id, session_id=session_id)
+        if listed is None or listed.envelope_digest != named.envelope_digest:
+            return False  # (rotated out, or never here: not told apart)
+        timeline = self.store.timeline(session_id)
+        after = int(listed.sequence)
+        return listed not in timeline or any(
+            record.epoch == named.epoch and int(record.sequence) > after for record in timeline
         )
 
     async def _already(self, named: ReplicatedGeneration, record: GenerationRecord) -> bool:
