@@ -302,42 +302,6 @@ async def test_a_host_back_with_its_old_disk_never_moves_the_pointer_back_before
 
 
 @pytest.mark.asyncio
-async def test_a_host_back_with_a_branch_a_take_over_abandoned_never_replicates_it(
-    server: EmbeddedServer, tmp_path: Path
-) -> None:
-    """helper-54: A replicated 1-4, then made 5 and 6 alone (its link cut) and went
-    away; B took over on an empty disk and resumed at 4 (the pointer: 4, in B's
-    epoch). A back with its old disk: its replicator, before A resumed, moved the
-    pointer to A's 6, the branch B's take-over abandoned (it knew 4's epoch, its
-    own), and A, then C on an empty disk, and a restore all went on from 6. The
-    pointer's epoch is unknown to A's disk and A's timeline left that epoch after
-    4 on its own: held until A resumes, which goes on from 4."""
-    a_parts = [Part("world", b""), Part("agent-a", b"a")]
-    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
-        async with (
-            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
-            Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host,
-        ):
-            async with Replicator(bus, store, leases=[lease], sweep_every=None) as replicator:
-                for step in range(1, 5):
-                    a_parts[0].data = os.urandom(2000)
-                    await host.checkpoint(step)
-                await caught_up(replicator)
-            for step in (5, 6):  # (its replicator cut off from the cluster)
-                a_parts[0].data = os.urandom(2000)
-                await host.checkpoint(step)
-    b_parts = [Part("world", b""), Part("agent-a", b"a")]
-    assert await leased_run(server.url, tmp_path / "b", b_parts, range(5, 5)) == 4
-    back, seen = [Part("world", b""), Part("agent-a", b"a")], []
-    assert await leased_run(server.url, tmp_path / "a", back, range(5, 5), wait=0.5,
-                            before_resume=seen) == 4  # fmt: skip
-    assert seen == ["4"] and back[0].data == b_parts[0].data
-    c_parts = [Part("world", b""), Part("agent-a", b"a")]
-    assert await leased_run(server.url, tmp_path / "c", c_parts, range(5, 5)) == 4
-    assert c_parts[0].data == b_parts[0].data
-
-
-@pytest.mark.asyncio
 @pytest.mark.parametrize("late", [False, True])
 async def test_a_host_that_resumed_from_the_tier_is_replicated_after_rotation(
     server: EmbeddedServer, tmp_path: Path, late: bool
@@ -414,6 +378,12 @@ async def old_disk_then_taken_over(
     return back, b_parts
 
 
+async def _went_on(host: Coordinator, parts: list[Part]) -> None:
+    for step in (5, 6):
+        parts[0].data = os.urandom(2000)
+        await host.checkpoint(step)
+
+
 async def _rolled_back(host: Coordinator, parts: list[Part]) -> None:
     for step in (5, 6):
         parts[0].data = os.urandom(2000)
@@ -432,18 +402,24 @@ async def _named_again(host: Coordinator, parts: list[Part]) -> None:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("alone", [_rolled_back, _named_again], ids=["rollback", "named-again"])
-async def test_an_old_disk_that_rolled_back_or_named_a_step_again_alone_is_held(
+@pytest.mark.parametrize(
+    "alone", [_went_on, _rolled_back, _named_again], ids=["went-on", "rollback", "named-again"]
+)
+async def test_an_old_disk_on_a_branch_a_take_over_abandoned_never_replicates_it(
     server: EmbeddedServer, tmp_path: Path, alone: Any
 ) -> None:
-    """helper-57: the hold looked for a later step of the replicated generation's
-    epoch on the old disk's timeline; one that rolled back past it alone (its
-    timeline no longer held it), or named a checkpoint of the same step after
-    it, moved the pointer to its own state before it resumed, and the state B
-    took over from was lost. By commit order, and whether the timeline holds
-    the generation at all: held, and A resumes from the replicated 4."""
+    """helper-54: A replicated 1-4, then made 5 and 6 alone (its link cut) and went
+    away; B took over on an empty disk at 4. A back with its old disk: its
+    replicator, before A resumed, moved the pointer to A's 6, the branch B's
+    take-over abandoned, and A, then C on an empty disk, went on from 6.
+    helper-57: the same for an old disk that rolled back past 4 alone (its
+    timeline no longer holds it), or named a checkpoint of step 4 again after
+    it. Held until A resumes, which goes on from the replicated 4; so does C."""
     back, b_parts = await old_disk_then_taken_over(server.url, tmp_path, alone)
     assert back[0].data == b_parts[0].data
+    c_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "c", c_parts, range(5, 5)) == 4
+    assert c_parts[0].data == b_parts[0].data
 
 
 @pytest.mark.asyncio
