@@ -371,18 +371,19 @@ class Replicator:
             return True
         # Another host's epoch, naming a generation of an epoch this store knows (its
         # own, or taken in). Where this store lists that very generation, its
-        # current timeline must hold it and not go on in its epoch after it (by
-        # commit sequence: steps are no position): else this store is on a branch
-        # the pointer's epoch abandoned (helper-54, -57: a host back with its old
-        # disk, which went on, or rolled back, alone). Once it resumed from it, or
-        # if it took it in, the timeline goes on from it in an epoch of its own.
+        # current timeline must not go on in that epoch after it (by commit
+        # sequence: steps are no position): else this store is on a branch the
+        # pointer's epoch abandoned (helper-54, -57: a host back with its old disk,
+        # which went on alone). Once it resumed from it, or if it took it in, its
+        # timeline goes on in an epoch of its own. (A timeline that left it by a
+        # rollback is not told apart from one that did so after resuming from it.)
         listed = self.store.lookup(named.checkpoint_id, session_id=session_id)
         if listed is None or listed.envelope_digest != named.envelope_digest:
             return False  # (rotated out, or never here: not told apart)
-        timeline = self.store.timeline(session_id)
         after = int(listed.sequence)
-        return listed not in timeline or any(
-            record.epoch == named.epoch and int(record.sequence) > after for record in timeline
+        return any(
+            record.epoch == named.epoch and int(record.sequence) > after
+            for record in self.store.timeline(session_id)
         )
 
     async def _already(self, named: ReplicatedGeneration, record: GenerationRecord) -> bool:
