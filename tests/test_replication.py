@@ -152,6 +152,14 @@ async def leased_run(
     return resumed
 
 
+async def taken_over_at_four(url: str, tmp_path: Path) -> None:
+    """A (store ``a``) replicated 1-4 and went away; B (store ``b``) took the session
+    over at 4 on an empty disk and went away before committing."""
+    await leased_run(url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")], range(1, 5))
+    assert await leased_run(url, tmp_path / "b", [Part("world", b""), Part("agent-a", b"a")],
+                            range(5, 5)) == 4  # fmt: skip
+
+
 async def taken_over_to_six(url: str, tmp_path: Path) -> list[Part]:
     """A (store ``a``) replicated 1-3 and went away; B (store ``b``) took the session
     over at 3 and replicated 4-6. Returns B's participants (its state at 6)."""
@@ -312,10 +320,7 @@ async def test_a_host_that_resumed_from_the_tier_is_replicated_after_rotation(
     started only after it committed, keep=2), rotated the restored generation
     out, which cut the fork from its timeline: the session stayed held for good,
     and a fresh host resumed at 4, without this host's work."""
-    await leased_run(server.url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")],
-                     range(1, 5))  # fmt: skip
-    assert await leased_run(server.url, tmp_path / "b", [Part("world", b""), Part("agent-a", b"a")],
-                            range(5, 5)) == 4  # fmt: skip
+    await taken_over_at_four(server.url, tmp_path)
     c_parts = [Part("world", b""), Part("agent-a", b"a")]
     async with NatsBus(server.url) as bus, FileStore(tmp_path / "c", keep=2 if late else 1) as store:
         async with (
@@ -417,10 +422,7 @@ async def test_a_rollback_after_resuming_from_the_tier_is_replicated(
     of its 4), then rolled back to its own 2 and went on, its replicator started
     only then: a rule holding a disk whose timeline no longer held the pointer's
     generation held it, and a fresh host resumed at 4, without A's work."""
-    await leased_run(server.url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")],
-                     range(1, 5))  # fmt: skip
-    assert await leased_run(server.url, tmp_path / "b", [Part("world", b""), Part("agent-a", b"a")],
-                            range(5, 5)) == 4  # fmt: skip
+    await taken_over_at_four(server.url, tmp_path)
     back = [Part("world", b""), Part("agent-a", b"a")]
     async with NatsBus(server.url) as bus, FileStore(tmp_path / "a", keep=8) as store:
         async with (
