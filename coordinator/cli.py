@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar, cast
 
 import msgspec
 
@@ -433,7 +433,7 @@ def _run_stoppable(function: Callable[[], Awaitable[T]], err: TextIO) -> T:
     if threading.current_thread() is not threading.main_thread():
         return anyio.run(function)  # (signals reach the main thread only)
     interrupts: list[int] = []
-    running: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = []
+    running: list[tuple[asyncio.AbstractEventLoop, anyio.CancelScope]] = []
     done: list[bool] = []
 
     def on_interrupt(signum: int, frame: object) -> None:
@@ -443,22 +443,25 @@ def _run_stoppable(function: Callable[[], Awaitable[T]], err: TextIO) -> T:
         if not running:  # nothing started yet: as Python does
             raise KeyboardInterrupt
         if len(interrupts) == 1:
-            loop, task = running[0]
+            loop, scope = running[0]
             with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
-                loop.call_soon_threadsafe(task.cancel)
+                loop.call_soon_threadsafe(scope.cancel)
         elif len(interrupts) == 2:
             print(_STOPPING, file=err, flush=True)
         else:
             os._exit(EXIT_INTERRUPTED)
 
-    async def guarded() -> T:
-        task = asyncio.current_task()
-        assert task is not None
-        running.append((asyncio.get_running_loop(), task))
-        try:
-            return await function()
-        finally:
-            done.append(True)
+    async def guarded() -> T | None:
+        # A scope, not one task.cancel(): Python 3.11's asyncio.wait_for (nats-py's
+        # every request) returns a reply that came with the cancellation and drops
+        # the cancellation; a scope's is delivered again until the scope is left.
+        with anyio.CancelScope() as scope:
+            running.append((asyncio.get_running_loop(), scope))
+            try:
+                return await function()
+            finally:
+                done.append(True)
+        return None
 
     previous = signal.signal(signal.SIGINT, on_interrupt)
     try:
@@ -473,7 +476,7 @@ def _run_stoppable(function: Callable[[], Awaitable[T]], err: TextIO) -> T:
         signal.signal(signal.SIGINT, signal.SIG_IGN if interrupts else previous)
     if interrupts:
         raise KeyboardInterrupt
-    return result
+    return cast(T, result)
 
 
 def _listen(text: str) -> tuple[str, int]:

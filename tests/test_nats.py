@@ -592,3 +592,26 @@ async def test_a_subscribe_waiting_for_its_round_trip_ends_quietly_when_the_bus_
             await subscribing.result().aclose()
     finally:
         await proxy.close()
+
+
+@pytest.mark.asyncio
+async def test_a_bus_cancelled_as_it_starts_its_tasks_leaves_no_scope_entered(
+    server: EmbeddedServer,
+) -> None:
+    """Found chasing stop 52's CI failure: a Ctrl-C that reached the bus as it
+    started its heartbeat task left its task group entered (a failed __aenter__
+    gets no __aexit__), and the command ended in anyio's RuntimeError "exit a
+    cancel scope that isn't the current task's" instead of stopping."""
+    bus = NatsBus(server.url)
+    beats = bus._run_beats
+    with anyio.CancelScope() as scope:
+
+        async def cancelled_as_it_starts(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+            scope.cancel()
+            await anyio.sleep(0)  # the host is cancelled while it waits in start()
+            await beats(task_status=task_status)
+
+        bus._run_beats = cancelled_as_it_starts  # type: ignore[method-assign]
+        async with bus:
+            await anyio.sleep(0)
+    assert scope.cancelled_caught

@@ -431,3 +431,29 @@ def test_the_store_api_refuses_a_bad_id_it_is_asked_to_select(tmp_path: Path) ->
             with pytest.raises(InvalidScalarError):
                 call()
         assert store.select("ckpt-0").checkpoint_id == "ckpt-0"
+
+
+def test_a_ctrl_c_that_comes_with_a_reply_still_stops_the_command() -> None:
+    """CI, stop 52: two Ctrl-C while the demo connected, and it ran on. The one
+    task.cancel() came in the loop pass where a NATS reply did, and Python 3.11's
+    asyncio.wait_for (nats-py's every request) returns the reply and drops the
+    cancellation. The stop is now delivered again until the command has ended."""
+    import asyncio
+
+    from coordinator.cli import _run_stoppable
+
+    reached: list[str] = []
+
+    async def command() -> str:
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        os.kill(os.getpid(), signal.SIGINT)  # its handler schedules the stop, then:
+        loop.call_soon(reply.set_result, "reply")  # the reply, in the same loop pass
+        reached.append(await asyncio.wait_for(reply, 5))
+        await anyio.sleep(0.5)
+        reached.append("ran on")
+        return "finished"
+
+    with pytest.raises(KeyboardInterrupt):
+        _run_stoppable(command, io.StringIO())
+    assert "ran on" not in reached, reached

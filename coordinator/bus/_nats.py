@@ -262,7 +262,10 @@ class NatsBus:
         for session_id, lane in self._lanes.items():  # (published before entering)
             self._start(session_id, lane)
         if not self.read_only:
-            await self._group.start(self._run_beats)
+            # Shielded: cancelled here, the group would stay entered (a failed
+            # __aenter__ gets no __aexit__). The task says it started at once.
+            with anyio.CancelScope(shield=True):
+                await self._group.start(self._run_beats)
         return self
 
     async def __aexit__(
