@@ -261,6 +261,7 @@ class Coordinator:
         self._open = False
         self._claimed = False  # this coordinator holds its session on the store
         self._restoring: anyio.CancelScope | None = None  # the restore in progress
+        self._resuming_over: str | None = None  # resume(source=): the pointer's epoch
         self._restored = anyio.Event()  # set whenever no restore is in progress
         self._restored.set()
         self._entering = anyio.Event()  # set once __aenter__ has ended, either way
@@ -750,19 +751,27 @@ class Coordinator:
             await self.store.commit(manifest, payloads, payloads_verified=True, taken_in=taken_in)
             return manifest.checkpoint_id
 
-    async def _taken_over(self, source: ReplicaSource) -> str | None:
+    async def _taken_over(
+        self, source: ReplicaSource, newest: tuple[str, GenerationRecord] | None
+    ) -> str | None:
         """The replicated generation to resume from when another host went on
         with the session (its state became the session's in an epoch this disk
-        never saw), brought into the local store if it is not there; ``None``
-        when the local disk is at least as far along that timeline."""
-        newest = await source.newest(self.session_id)
+        never saw, ``FileStore.has_seen``: the rule the replicator holds such a
+        disk by), brought into the local store if it is not there; ``None`` when
+        the local disk went on from it, or is at least as far along its timeline."""
         session = self.store.session(self.session_id)
         if newest is None or session is None:
             return None
         epoch, record = newest
-        if session.knows(epoch):
-            return None
         listed = self.store.lookup(record.checkpoint_id, session_id=self.session_id)
+        if listed is not None and listed.envelope_digest != record.envelope_digest:
+            raise GenerationCorruptError(
+                record.checkpoint_id, "replicated tier", "identity",
+                "another host went on with the session from a checkpoint of this id, "
+                "with other bytes than this disk's: resume it on an empty disk",
+            )  # fmt: skip
+        if self.store.has_seen(self.session_id, epoch, record):
+            return None  # (what this disk made since, alone or not, abandons nothing of it)
         if listed is None:
             try:
                 # Taken in as a timeline of its own: what this disk made since is no
@@ -772,16 +781,9 @@ class Coordinator:
                 raise StaleEpochError(
                     f"session {self.session_id}: another host went on with it from "
                     f"{record.checkpoint_id}, which this store cannot take in: it holds "
-                    "that checkpoint's epoch (its own, rotated out since, or another "
-                    "checkpoint of it taken in from the replicas) but not the checkpoint. "
-                    "Resume this host on an empty store directory (move this one aside)"
+                    "that checkpoint's epoch but not the checkpoint. Resume this host "
+                    "on an empty store directory (move this one aside)"
                 ) from None
-        if listed.envelope_digest != record.envelope_digest:
-            raise GenerationCorruptError(
-                record.checkpoint_id, "replicated tier", "identity",
-                "another host went on with the session from a checkpoint of this id, "
-                "with other bytes than this disk's: resume it on an empty disk",
-            )  # fmt: skip
         return record.checkpoint_id
 
     async def resume(self, *, source: ReplicaSource | None = None) -> Resumed:
@@ -799,19 +801,26 @@ class Coordinator:
         for an older compatible one (``report.skipped``); when none is
         compatible, ``IncompatibleStateError``."""
         chosen: str | None = None  # (None: the local high water)
+        newest = None if source is None else await source.newest(self.session_id)
         if source is not None and not self.store.timeline(self.session_id):
             try:  # an empty local disk: start from the replicated tier
                 await self._adopt(source)
             except GenerationNotFoundError:
                 return Resumed(step=None, report=None)
         elif source is not None:
-            chosen = await self._taken_over(source)
+            chosen = await self._taken_over(source, newest)
+        # The fork records the pointer's epoch as seen: this store went on from
+        # that state, so its replicator moves the pointer on from it, and a later
+        # resume goes on from this store's own state (``FileStore.has_seen``).
+        self._resuming_over = None if newest is None else newest[0]
         try:
             report = await self.restore(chosen, new_epoch=self.fresh_epoch())
         except GenerationNotFoundError:
             if self.store.timeline(self.session_id):
                 raise  # listed, yet not found: not "nothing to restore"
             return Resumed(step=None, report=None)
+        finally:
+            self._resuming_over = None
         return Resumed(step=int(report.record.boundary), report=report)
 
     async def _abort(self, staged: Sequence[tuple[Participant, Any]]) -> tuple[str, ...]:
@@ -1168,6 +1177,7 @@ class Coordinator:
                     last_step=self._last_step,
                     reason=reason,
                     allowed_incompatible=tuple(d.identity for d in differences),
+                    seen=self._resuming_over,
                 )
             except DurabilityUnknownError as error:
                 self._fenced = error  # every participant is live in it; durable or not

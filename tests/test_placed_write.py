@@ -235,11 +235,16 @@ async def test_a_lone_large_capture_is_hashed_by_the_store(tmp_path: Path) -> No
 
 
 class SlowDisk(FileSystem):
-    """A disk slower than hashing: each large pwrite takes a while."""
+    """A disk slower than hashing: each large pwrite takes a while (``writing`` is
+    set while one does)."""
+
+    writing = threading.Event()
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
         if len(data) >= 1 << 20:
+            self.writing.set()
             time.sleep(0.3)
+            self.writing.clear()
         return super().pwrite(fd, data, offset)
 
 
@@ -261,9 +266,10 @@ def test_ctrl_c_while_the_payloads_are_written_leaves_no_writer_behind(
 
     monkeypatch.setattr(EnvelopePlan, "seal", seal)
 
-    def interrupt() -> None:
-        if sealed.wait(30):
-            time.sleep(0.05)
+    disk = SlowDisk()
+
+    def interrupt() -> None:  # (while a payload is on its way to the disk: in time)
+        if sealed.wait(30) and disk.writing.wait(30):
             os.kill(os.getpid(), signal.SIGINT)
 
     manifest, payloads = large_checkpoint(1)
@@ -271,7 +277,7 @@ def test_ctrl_c_while_the_payloads_are_written_leaves_no_writer_behind(
     body = sample_body("ckpt-1", step=1, epoch="epoch-1", session_id="session-1")
     manifest = build_manifest(body, payloads)
     names = {payloads[0][0], payloads[2][0]}
-    with SyncStore(tmp_path / "s", fs=SlowDisk()) as store:
+    with SyncStore(tmp_path / "s", fs=disk) as store:
         threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             store.commit(pending(manifest, names), payloads, digests_pending=names)

@@ -55,7 +55,7 @@ from coordinator.replicate._pointer import Move
 from coordinator.sample import sample_body, sample_payload_names
 from coordinator.server import EmbeddedServer
 from coordinator.session import RestoreScope
-from coordinator.store import SyncStore
+from coordinator.store import DEFAULT_KEEP, SyncStore
 
 HERE = Path(__file__).parent
 
@@ -127,13 +127,13 @@ async def replicated_run(url: str, store_dir: Path, steps: int) -> tuple[list[Pa
 
 async def leased_run(
     url: str, store_dir: Path, parts: list[Part], steps: range, *, wait: float = 0.0,
-    before_resume: list[str] | None = None,
+    before_resume: list[str] | None = None, keep: int = DEFAULT_KEEP,
 ) -> int | None:
     """A host that takes the session over (its lease, forced), resumes with the
     replicas as its source (``wait`` seconds after its replicator started; the
     pointer's checkpoint then goes to ``before_resume``), checkpoints ``steps``
     and waits for its replicator; returns the step it resumed at."""
-    async with NatsBus(url) as bus, FileStore(store_dir) as store:
+    async with NatsBus(url) as bus, FileStore(store_dir, keep=keep) as store:
         async with (
             SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
             Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
@@ -412,6 +412,38 @@ async def test_an_old_disk_on_a_branch_a_take_over_abandoned_never_replicates_it
     c_parts = [Part("world", b""), Part("agent-a", b"a")]
     assert await leased_run(server.url, tmp_path / "c", c_parts, range(5, 5)) == 4
     assert c_parts[0].data == b_parts[0].data
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("keep", [3, 1])
+async def test_a_host_that_resumed_from_the_tier_and_went_on_alone_resumes_its_own_work(
+    server: EmbeddedServer, tmp_path: Path, keep: int
+) -> None:
+    """helper-58's h2: A back with its old disk resumed from the tier at 4 (B's
+    take-over of its 4) and made 5 and 6 while no replicator ran (its link cut,
+    say). Restarted on the same disk, its resume(source=) went back to 4 and
+    dropped 5 and 6 (keep=3), or raised StaleEpochError (keep=1: the 4 rotated
+    out). Its disk records that it went on from that very state (the restore's
+    fork), and the pointer still names it (B made nothing since): A resumes at
+    its own 6, and so does a fresh host after it."""
+    await leased_run(server.url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")],
+                     range(1, 5), keep=keep)  # fmt: skip
+    assert await leased_run(server.url, tmp_path / "b", [Part("world", b""), Part("agent-a", b"a")],
+                            range(5, 5)) == 4  # fmt: skip
+    back = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a", keep=keep) as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True),
+            Coordinator(store, bus, back, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            assert (await host.resume(source=Replicas(bus))).step == 4
+            await _went_on(host, back)
+    again = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "a", again, range(7, 7), keep=keep) == 6
+    assert again[0].data == back[0].data
+    fresh = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "c", fresh, range(7, 7)) == 6
+    assert fresh[0].data == back[0].data
 
 
 @pytest.mark.asyncio

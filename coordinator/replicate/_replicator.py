@@ -344,47 +344,21 @@ class Replicator:
         await self._announce(pointer, moved, target, sent, (self._clock() - started) * 1000)
 
     def _never_saw(self, session_id: str, current: ReplicaPointer) -> bool:
-        """Whether the pointer names a state that became the session's in an epoch
-        this store never opened (nor took in), and whose generation's epoch it
-        never saw either, or on whose epoch this store's current timeline went on
-        past it: another host took the session over and went on (or this disk is
-        older than that epoch, or ahead of it on the branch a take-over
-        abandoned), and this store did not resume from it (a host back with its
-        old disk, or on an empty one, whether it resumed from its own disk alone
-        or not yet). Whatever this store's state, moving the pointer to it would
-        abandon that work. (A store that took in a restore's state holds its
-        generation's epoch, not the restore's.) A move under an
-        older lease than the one this host took the session with (a host that
-        lost it, moving since this replicator stamped the pointer) is gone over,
-        as any such move; renewals raise the lease's revision, not the one it was
-        taken at. Not told apart: a disk put back behind what it replicated within
-        epochs it knows (step numbers are no position on a timeline)."""
+        """Whether the pointer names a state this store never saw (``has_seen``):
+        another host took the session over and went on, or this disk is older
+        than that, or ahead of it on a branch a take-over abandoned, and this
+        store did not resume from it yet. Moving the pointer to this store's
+        state would abandon that work. (A store that took in a restore's state
+        holds its generation's epoch, not the restore's.) A move under an older
+        lease than the one this host took the session with (a host that lost
+        it, moving since this replicator stamped the pointer) is gone over, as
+        any such move; renewals raise the lease's revision, not the one it was
+        taken at. ``resume(source=)`` goes to the pointer's state by the same
+        rule, so a held disk resumes from what holds it."""
         if current.lease_revision < self._taken_at.get(session_id, 0):
             return False
-        session = self.store.session(session_id)
-        if session is None:
-            return True
-        if session.knows(current.epoch):
-            return False
         named = current.generation
-        if not session.knows(named.epoch):
-            return True
-        # Another host's epoch, naming a generation of an epoch this store knows (its
-        # own, or taken in). Where this store lists that very generation, its
-        # current timeline must not go on in that epoch after it (by commit
-        # sequence: steps are no position): else this store is on a branch the
-        # pointer's epoch abandoned (helper-54, -57: a host back with its old disk,
-        # which went on alone). Once it resumed from it, or if it took it in, its
-        # timeline goes on in an epoch of its own. (A timeline that left it by a
-        # rollback is not told apart from one that did so after resuming from it.)
-        listed = self.store.lookup(named.checkpoint_id, session_id=session_id)
-        if listed is None or listed.envelope_digest != named.envelope_digest:
-            return False  # (rotated out, or never here: not told apart)
-        after = int(listed.sequence)
-        return any(
-            record.epoch == named.epoch and int(record.sequence) > after
-            for record in self.store.timeline(session_id)
-        )
+        return not self.store.has_seen(session_id, current.epoch, named.record(session_id))
 
     async def _already(self, named: ReplicatedGeneration, record: GenerationRecord) -> bool:
         """Whether ``named`` is exactly what replicating ``record`` would make (not a

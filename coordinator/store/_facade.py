@@ -256,6 +256,7 @@ class FileStore:
         last_step: int | None = None,
         reason: Literal["rollback", "recovery"] = "rollback",
         allowed_incompatible: tuple[str, ...] = (),
+        seen: str | None = None,
     ) -> SessionRecord:
         self._refuse_squatted(epoch)
         fork = functools.partial(
@@ -263,6 +264,7 @@ class FileStore:
             last_step=last_step,
             reason=reason,
             allowed_incompatible=allowed_incompatible,
+            seen=seen,
         )
         async with self._lock:
             try:
@@ -428,6 +430,9 @@ class FileStore:
 
     def timeline(self, session_id: str) -> tuple[GenerationRecord, ...]:
         return self.core.timeline(session_id)
+
+    def has_seen(self, session_id: str, epoch: str, record: GenerationRecord) -> bool:
+        return self.core.has_seen(session_id, epoch, record)
 
     @property
     def generations(self) -> tuple[GenerationRecord, ...]:

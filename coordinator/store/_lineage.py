@@ -212,13 +212,18 @@ def with_forked_epoch(
     last_step: int | None,
     reason: Literal["rollback", "recovery"],
     allowed_incompatible: tuple[str, ...] = (),
+    seen: str | None = None,
 ) -> StoreManifest:
     """``epoch`` opened by a restore of ``restored``: the session's timeline now
     runs through ``restored`` and goes on in ``epoch``. The abandoned range runs
     from the step after ``restored`` to the last step the old timeline reached
     (``last_step``, what the host captured, or a listed generation's boundary);
     a lost generation whose step lies below ``restored``'s (steps need not
-    increase) extends it down to that step, so it is never ``None`` then."""
+    increase) extends it down to that step, so it is never ``None`` then.
+    ``seen``: the epoch in which another host made the state the replicated
+    tier named when this restore resumed from it; its name is kept with the
+    retired ones (``SessionRecord.knows``), so the replicator and a later resume
+    know this store went on from there."""
     session = _new_epoch(manifest, session_id, epoch)
     if session is None or restored.session_id != session_id:
         raise DuplicateCheckpointError(
@@ -251,6 +256,9 @@ def with_forked_epoch(
         )
         record = msgspec.structs.replace(record, fork=fork)
     session = msgspec.structs.replace(session, epochs=(*session.epochs, record))
+    if seen is not None and seen != epoch and manifest.epoch_owner(seen) is None:
+        retired = tuple(sorted({*session.retired_epochs, seen}))
+        session = msgspec.structs.replace(session, retired_epochs=retired)
     return _with_session(manifest, session, manifest.generations)
 
 

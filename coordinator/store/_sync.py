@@ -441,6 +441,33 @@ class SyncStore:
             if record.session_id == session_id and on_timeline(session, record)
         )
 
+    def has_seen(self, session_id: str, epoch: str, record: GenerationRecord) -> bool:
+        """Whether the state ``record`` became the session's in ``epoch`` (another
+        host's, maybe) is in this store's past: it opened or took in ``epoch``, or
+        it lists the record and its current timeline did not go on in the record's
+        epoch after it (by commit sequence: steps are no position). A disk that did,
+        or that rotated the record out, went on alone on a branch a take-over from
+        the record abandoned; a ``resume(source=)`` from it records ``epoch`` as
+        seen (``fork_epoch``). Not told apart: a record listed here with other
+        bytes (a checkpoint id named again), and a timeline that left it by a
+        rollback before resuming from it, or after."""
+        session = self.session(session_id)
+        if session is None:
+            return False
+        if session.knows(epoch):
+            return True
+        if not session.knows(record.epoch):
+            return False
+        listed = self.lookup(record.checkpoint_id, session_id=session_id)
+        if listed is None:  # rotated out: went on past it alone (a resume from it knows ``epoch``)
+            return False
+        if listed.envelope_digest != record.envelope_digest:
+            return True
+        after = int(listed.sequence)
+        return not any(
+            r.epoch == record.epoch and int(r.sequence) > after for r in self.timeline(session_id)
+        )
+
     # --- reading -------------------------------------------------------------------
 
     def read(self, record: GenerationRecord) -> StoredCheckpoint:
@@ -817,10 +844,12 @@ class SyncStore:
         last_step: int | None = None,
         reason: Literal["rollback", "recovery"] = "rollback",
         allowed_incompatible: tuple[str, ...] = (),
+        seen: str | None = None,
     ) -> SessionRecord:
         """Record durably that ``session_id`` was restored to checkpoint ``restored``
         and goes on in ``epoch``: what its old timeline held after that step is
-        abandoned, and a default restore never installs it again."""
+        abandoned, and a default restore never installs it again. ``seen``: see
+        ``with_forked_epoch``."""
         self._writable(epoch)
         record = self.lookup(restored, session_id=session_id)
         if record is None:
@@ -828,6 +857,7 @@ class SyncStore:
         updated = with_forked_epoch(
             self._manifest, check_id(session_id), check_id(epoch), record,
             last_step=last_step, reason=reason, allowed_incompatible=allowed_incompatible,
+            seen=seen,
         )  # fmt: skip
         return self._record(epoch, updated, session_id)
 
