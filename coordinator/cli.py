@@ -878,8 +878,7 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             async with anyio.create_task_group() as group:
                 group.start_soon(_until_reader_gone, out)
                 group.start_soon(screen.tell_lost)
-                if not args.json:  # (a pipe's table shows the beats at the next event)
-                    group.start_soon(_follow_beats, bus, screen)
+                group.start_soon(_follow_beats, bus, screen)
                 async for data in screen.feed:  # (what the history had is rule 2's duplicate)
                     screen.receive(data, live=True)
 
@@ -903,7 +902,7 @@ class _Screen:
         self.json_lines, self.replay_only = json_lines, replay_only
         self.out, self.console = out, _console(out)
         self.fleet = Fleet(notices=Notices())
-        self.beats: dict[str, Presence] = {}  # the hosts' presence (not with --json)
+        self.beats: dict[str, Presence] = {}  # the hosts' presence
         self.deafness = Deafness()  # when NATS could not be heard: no silence of the hosts
         self.feed = _Feed()
         self.render = render
@@ -935,6 +934,12 @@ class _Screen:
             deafness.lost(min(now, deafness.last_answer))
         if deafness.since != was:  # (a pipe, too, gets a table saying so)
             self.pending = True
+            if self.json_lines:  # (meanwhile no host is judged by its silence)
+                from .presence import rfc3339_at
+
+                since = None if deafness.since is None else rfc3339_at(deafness.since)
+                print(json.dumps({"nats": {"heard": since is None, "lostSince": since}}),
+                      file=self.out, flush=True)  # fmt: skip
 
     def receive(self, data: bytes, *, live: bool = False) -> None:
         folded = self.fleet.receive(data)
@@ -979,7 +984,11 @@ class _Screen:
     def redraw(self) -> None:
         """Each second while following: time alone moves a host's state. A pipe
         gets a table when a host's state changed since the last one (a host
-        going quiet is no event: a log's last word on a killed one was `alive`)."""
+        going quiet is no event: a log's last word on a killed one was `alive`);
+        ``--json``, a line for each host whose state changed."""
+        if self.json_lines:
+            self._print_hosts()
+            return
         if not self.console.is_terminal and self._hosts() != self.hosts_drawn:
             self.pending = True
         if self.console.is_terminal or self.pending:
@@ -991,6 +1000,17 @@ class _Screen:
         show it now."""
         now, rows = time.time(), self.fleet.sessions
         return {s: self.liveness(b, now, self.deafness) for s, b in self.beats.items() if s in rows}
+
+    def _print_hosts(self) -> None:
+        """``{"host": {"sessionId", "state", "beat"}}`` for each host whose state
+        changed (its beat as read: the host's own words, JSON-escaped)."""
+        hosts = self._hosts()
+        for session, state in sorted(hosts.items()):
+            if self.hosts_drawn.get(session) != state:
+                beat = msgspec.to_builtins(self.beats[session])
+                line = {"host": {"sessionId": session, "state": state, "beat": beat}}
+                print(json.dumps(line), file=self.out, flush=True)
+        self.hosts_drawn = hosts
 
     def _draw(self, table: Any) -> None:
         if self.console.is_terminal:

@@ -34,6 +34,7 @@ __all__ = [
     "encode_presence",
     "epoch_seconds",
     "liveness",
+    "rfc3339_at",
 ]
 
 PRESENCE_BUCKET = "CKPT_HOSTS"
@@ -98,8 +99,12 @@ def as_read(presence: Presence, now: float) -> Presence:
     when = epoch_seconds(presence.time)
     if when is None or when <= now + FUTURE_S:
         return presence
-    read = datetime.datetime.fromtimestamp(now, datetime.UTC)
-    return msgspec.structs.replace(presence, time=read.isoformat().replace("+00:00", "Z"))
+    return msgspec.structs.replace(presence, time=rfc3339_at(now))
+
+
+def rfc3339_at(seconds: float) -> str:
+    """``seconds`` since 1970 as RFC 3339, UTC, ``Z``."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 # A reader (dashboard, watch) asks the server for a round trip every PROBE_EVERY_S

@@ -1153,3 +1153,27 @@ async def test_watch_takes_a_beat_from_the_future_as_read_and_a_dead_host_turns_
             with anyio.move_on_after(5):
                 await _follow_beats(reader, screen)
     assert liveness(screen.beats["s1"], time.time(), screen.deafness) == "gone"
+
+
+def test_watch_json_says_when_it_cannot_hear_nats_and_when_it_hears_again() -> None:
+    """`watch --json` now says each host's state change: while the watcher cannot
+    hear NATS no host is judged by its silence, and a script is told why."""
+    import io
+    import json
+
+    from coordinator.cli import _Screen
+    from coordinator.presence import SILENT_AFTER_S, epoch_seconds
+
+    out = io.StringIO()
+    screen = _Screen(out, json_lines=True, replay_only=False)
+    lost_at = time.time() - SILENT_AFTER_S - 5
+    screen.deafness.answered(lost_at)
+    screen.hearing(connected=True)
+    screen.hearing(connected=True)  # (no change: no second line)
+    screen.deafness.answered(time.time())
+    screen.hearing(connected=True)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [line["nats"]["heard"] for line in lines] == [False, True], lines
+    since = epoch_seconds(lines[0]["nats"]["lostSince"])
+    assert since is not None and abs(since - lost_at) < 1e-3
+    assert lines[1]["nats"]["lostSince"] is None

@@ -235,16 +235,19 @@ async def test_a_lone_large_capture_is_hashed_by_the_store(tmp_path: Path) -> No
 
 
 class SlowDisk(FileSystem):
-    """A disk slower than hashing: each large pwrite takes a while (``writing`` is
-    set while one does)."""
+    """A disk slower than hashing: each large pwrite takes a while, and none ends
+    before ``opened`` is set (``writing``: one is under way)."""
 
-    writing = threading.Event()
+    def __init__(self) -> None:
+        super().__init__()
+        self.writing, self.opened = threading.Event(), threading.Event()
+        self.opened.set()
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
         if len(data) >= 1 << 20:
             self.writing.set()
+            self.opened.wait(30)
             time.sleep(0.3)
-            self.writing.clear()
         return super().pwrite(fd, data, offset)
 
 
@@ -267,10 +270,12 @@ def test_ctrl_c_while_the_payloads_are_written_leaves_no_writer_behind(
     monkeypatch.setattr(EnvelopePlan, "seal", seal)
 
     disk = SlowDisk()
+    disk.opened.clear()  # (a payload still on its way to the disk once sealed, however slow)
 
-    def interrupt() -> None:  # (while a payload is on its way to the disk: in time)
+    def interrupt() -> None:
         if sealed.wait(30) and disk.writing.wait(30):
             os.kill(os.getpid(), signal.SIGINT)
+            disk.opened.set()
 
     manifest, payloads = large_checkpoint(1)
     payloads[0] = (payloads[0][0], b"OLD!" * (16 << 20))

@@ -110,6 +110,39 @@ def test_a_piped_watch_shows_a_host_that_dies_as_gone(server: EmbeddedServer) ->
     assert "Traceback" not in err, err
 
 
+def test_watch_json_says_when_a_host_dies(server: EmbeddedServer) -> None:
+    """`watch --json` (for scripts) printed events only, and a host going quiet is
+    none: a script could not learn that a host died. A host's state change is a
+    line of its own: {"host": {"sessionId", "state", "beat"}}."""
+    import json
+
+    beats(server.url, 0)
+    watch = Output(server.url, "--json")
+    try:
+        thread = threading.Thread(target=beats, args=(server.url, 3.0))
+        thread.start()
+
+        def host_line(state: str) -> Callable[[str], bool]:
+            def found(line: str) -> bool:
+                host = json.loads(line).get("host")
+                return host is not None and host["sessionId"] == "sim-1" and host["state"] == state
+
+            return found
+
+        assert watch.until(host_line("alive")), watch.text
+        thread.join(30)
+        assert watch.until(host_line("gone")), watch.text
+    finally:
+        err = watch.stop()
+    lines = [json.loads(line) for line in watch.text.splitlines()]
+    states = [line["host"]["state"] for line in lines if "host" in line]
+    assert states in (["alive", "late", "gone"], ["alive", "gone"]), states  # (per change)
+    beat = next(line["host"]["beat"] for line in lines if "host" in line)
+    assert beat["host"] == "sim-host" and beat["pid"] == 4242, beat
+    assert all("sessionId" in line for line in lines if "host" not in line)  # (events as before)
+    assert "Traceback" not in err, err
+
+
 def test_a_watch_begun_before_any_host_shows_the_first_host(server: EmbeddedServer) -> None:
     """helper-53: a watch begun on a server no host had used read the hosts'
     bucket once, found none, and never asked again: the host column stayed `-`
