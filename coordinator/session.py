@@ -763,6 +763,8 @@ class Coordinator:
         if newest is None or session is None:
             return None
         epoch, record = newest
+        if self.store.has_seen(self.session_id, epoch, record):
+            return None  # (what this disk made since, alone or not, abandons nothing of it)
         listed = self.store.lookup(record.checkpoint_id, session_id=self.session_id)
         if listed is not None and listed.envelope_digest != record.envelope_digest:
             raise GenerationCorruptError(
@@ -770,8 +772,6 @@ class Coordinator:
                 "another host went on with the session from a checkpoint of this id, "
                 "with other bytes than this disk's: resume it on an empty disk",
             )  # fmt: skip
-        if self.store.has_seen(self.session_id, epoch, record):
-            return None  # (what this disk made since, alone or not, abandons nothing of it)
         if listed is None:
             try:
                 # Taken in as a timeline of its own: what this disk made since is no

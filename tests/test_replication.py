@@ -394,8 +394,17 @@ async def _named_again(host: Coordinator, parts: list[Part]) -> None:
     await host.checkpoint(4, checkpoint_id="a-again-4")
 
 
+async def _rolled_back(host: Coordinator, parts: list[Part]) -> None:
+    two = next(r for r in host.store.timeline("s1") if r.boundary == "2")
+    await host.restore(two.checkpoint_id, new_epoch=host.fresh_epoch())
+    parts[0].data = os.urandom(2000)
+    await host.checkpoint(3)
+
+
 @pytest.mark.asyncio
-@pytest.mark.parametrize("alone", [_went_on, _named_again], ids=["went-on", "named-again"])
+@pytest.mark.parametrize(
+    "alone", [_went_on, _named_again, _rolled_back], ids=["went-on", "named-again", "rolled-back"]
+)
 async def test_an_old_disk_on_a_branch_a_take_over_abandoned_never_replicates_it(
     server: EmbeddedServer, tmp_path: Path, alone: Any
 ) -> None:
@@ -404,9 +413,10 @@ async def test_an_old_disk_on_a_branch_a_take_over_abandoned_never_replicates_it
     replicator, before A resumed, moved the pointer to A's 6, the branch B's
     take-over abandoned, and A, then C on an empty disk, went on from 6.
     helper-57: the same for an old disk that named a checkpoint of step 4 again
-    after it (by steps it did not go on). Held until A resumes, which goes on
-    from the replicated 4; so does C. (One that rolled back past 4 alone is not
-    told apart from one that rolled back after resuming from it, helper-58.)"""
+    after it (by steps it did not go on), and one that rolled back past 4 alone
+    (helper-57's g1: it was told apart from one that did so after resuming from
+    the tier only once a resume recorded the pointer's epoch). Held until A
+    resumes, which goes on from the replicated 4; so does C."""
     back, b_parts = await old_disk_then_taken_over(server.url, tmp_path, alone)
     assert back[0].data == b_parts[0].data
     c_parts = [Part("world", b""), Part("agent-a", b"a")]
@@ -444,6 +454,95 @@ async def test_a_host_that_resumed_from_the_tier_and_went_on_alone_resumes_its_o
     fresh = [Part("world", b""), Part("agent-a", b"a")]
     assert await leased_run(server.url, tmp_path / "c", fresh, range(7, 7)) == 6
     assert fresh[0].data == back[0].data
+
+
+@pytest.mark.asyncio
+async def test_a_disk_that_resumed_from_the_tier_then_went_on_alone_is_held_after_a_take_over(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-60's r1: B resumed from the tier at A's 4 (replicated), then made 5
+    and 6 alone; C took the session over at 4. B back resumed at its own 6 (it
+    lists A's 4 and went on after it only in its own epoch), and its replicator
+    moved the pointer there: C's take-over abandoned with nothing said."""
+    await leased_run(server.url, tmp_path / "a", [Part("world", b""), Part("agent-a", b"a")],
+                     range(1, 5))  # fmt: skip
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "b") as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Coordinator(store, bus, b_parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            async with Replicator(bus, store, leases=[lease], sweep_every=None) as replicator:
+                assert (await host.resume(source=replicator.replicas)).step == 4
+                await caught_up(replicator)
+            await _went_on(host, b_parts)  # (cut off: no replicator)
+    c_parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "c", c_parts, range(5, 5)) == 4
+    back = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(server.url, tmp_path / "b", back, range(5, 5)) == 4
+    assert back[0].data == c_parts[0].data and await pointer_boundary(server.url) == "4"
+
+
+@pytest.mark.asyncio
+async def test_a_checkpoint_id_named_again_in_the_hosts_own_epoch_resumes_from_its_disk(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-60's r3: the pointer named the host's own `daily` (its own epoch);
+    cut off, it rotated that out and named a later checkpoint `daily` again.
+    Its next resume(source=) raised GenerationCorruptError (other bytes under
+    that id) instead of going on from its own disk, the pointer's epoch its own."""
+    parts = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a", keep=1) as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            async with Replicator(bus, store, leases=[lease], sweep_every=None) as replicator:
+                await host.checkpoint(1, checkpoint_id="daily")
+                await caught_up(replicator)
+            await host.checkpoint(2)  # (cut off: `daily` rotates out)
+        async with Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE) as host:
+            assert (await host.resume()).step == 2  # (a restart, still cut off)
+            parts[0].data = os.urandom(2000)
+            await host.checkpoint(3, checkpoint_id="daily")
+    await restarts_at_its_own(server.url, tmp_path / "a", 3, parts[0].data)
+
+
+@pytest.mark.asyncio
+async def test_a_resume_from_an_epoch_another_session_of_the_store_uses_is_remembered(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-60's r4: epoch names are unique per store, and one host's may be
+    another store's: the pointer's epoch `night` was also session s2's in A's
+    store, so A's resume of s1 from the tier did not record it as seen; after
+    commits while cut off (keep=1) and a restart, resume(source=) refused."""
+    b_parts = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "b") as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+            Coordinator(store, bus, b_parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            for step in (1, 2, 3):
+                await host.checkpoint(step)
+            await host.restore(f"{host.epoch}-2", new_epoch="night")
+            await caught_up(replicator)
+    other = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a", keep=1) as store:
+        async with Coordinator(store, bus, other, session_id="s2", describe=DESCRIBE,
+                               epoch="night") as host:  # fmt: skip
+            await host.checkpoint(1)
+    a_parts = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a", keep=1) as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True),
+            Coordinator(store, bus, a_parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            assert (await host.resume(source=Replicas(bus))).step == 2
+            for step in (3, 4):  # (cut off: no replicator)
+                a_parts[0].data = os.urandom(2000)
+                await host.checkpoint(step)
+    await restarts_at_its_own(server.url, tmp_path / "a", 4, a_parts[0].data)
 
 
 @pytest.mark.asyncio
@@ -697,6 +796,14 @@ async def test_a_host_that_took_in_a_restored_state_is_replicated(
         await caught_up(replicator)
         assert replicator.statistics().awaiting == ()
     assert await pointer_boundary(server.url) == str(step + 1)
+
+
+async def restarts_at_its_own(url: str, store_dir: Path, step: int, world: bytes) -> None:
+    """A host restarted on ``store_dir`` (keep=1) resumes at its own ``step`` (with
+    ``world``), and its replicator moves the pointer there."""
+    again = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(url, store_dir, again, range(step + 1, step + 1), keep=1) == step
+    assert again[0].data == world and await pointer_boundary(url) == str(step)
 
 
 async def pointer_boundary(url: str) -> str | None:

@@ -256,7 +256,7 @@ def with_forked_epoch(
         )
         record = msgspec.structs.replace(record, fork=fork)
     session = msgspec.structs.replace(session, epochs=(*session.epochs, record))
-    if seen is not None and seen != epoch and manifest.epoch_owner(seen) is None:
+    if seen is not None and seen != epoch and not session.knows(seen):  # (names: per store)
         retired = tuple(sorted({*session.retired_epochs, seen}))
         session = msgspec.structs.replace(session, retired_epochs=retired)
     return _with_session(manifest, session, manifest.generations)

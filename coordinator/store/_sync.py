@@ -443,30 +443,23 @@ class SyncStore:
 
     def has_seen(self, session_id: str, epoch: str, record: GenerationRecord) -> bool:
         """Whether the state ``record`` became the session's in ``epoch`` (another
-        host's, maybe) is in this store's past: it opened or took in ``epoch``, or
-        it lists the record and its current timeline did not go on in the record's
-        epoch after it (by commit sequence: steps are no position). A disk that did,
-        or that rotated the record out, went on alone on a branch a take-over from
-        the record abandoned; a ``resume(source=)`` from it records ``epoch`` as
-        seen (``fork_epoch``). Not told apart: a record listed here with other
-        bytes (a checkpoint id named again), and a timeline that left it by a
-        rollback before resuming from it, or after."""
+        host's, maybe) is in this store's past: it opened ``epoch``, or resumed
+        from that state (``fork_epoch``'s ``seen``: a ``resume(source=)``), or
+        took it in; or this store's high water is that very generation (nothing
+        made after it). A disk that made anything after it, or rotated it out,
+        without resuming from it in ``epoch``, went on on a branch a take-over
+        from it abandoned; so did one that rolled back past it. Not told apart: a
+        disk put back from a backup behind what it replicated in an epoch of its
+        own (step numbers are no position on a timeline)."""
         session = self.session(session_id)
         if session is None:
             return False
         if session.knows(epoch):
             return True
-        if not session.knows(record.epoch):
-            return False
         listed = self.lookup(record.checkpoint_id, session_id=session_id)
-        if listed is None:  # rotated out: went on past it alone (a resume from it knows ``epoch``)
+        if listed is None or listed.envelope_digest != record.envelope_digest:
             return False
-        if listed.envelope_digest != record.envelope_digest:
-            return True
-        after = int(listed.sequence)
-        return not any(
-            r.epoch == record.epoch and int(r.sequence) > after for r in self.timeline(session_id)
-        )
+        return session.high_water == listed.checkpoint_id
 
     # --- reading -------------------------------------------------------------------
 
