@@ -440,8 +440,8 @@ def _run_stoppable(function: Callable[[], Awaitable[T]], err: TextIO) -> T:
         interrupts.append(signum)
         if done:  # it has stopped: the interrupt is reported once the loop is closed
             return
-        if not running:  # nothing started yet: as Python does
-            raise KeyboardInterrupt
+        if not running:  # not started yet: it stops as it starts (raised here, the
+            return  # KeyboardInterrupt could cut the event loop's making short)
         if len(interrupts) == 1:
             loop, scope = running[0]
             with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
@@ -457,6 +457,8 @@ def _run_stoppable(function: Callable[[], Awaitable[T]], err: TextIO) -> T:
         # the cancellation; a scope's is delivered again until the scope is left.
         with anyio.CancelScope() as scope:
             running.append((asyncio.get_running_loop(), scope))
+            if interrupts:  # (one came while the loop was made)
+                scope.cancel()
             try:
                 return await function()
             finally:
@@ -605,8 +607,8 @@ def _dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             print(f"dashboard: http://{host}:{port}/ (following {connection.redacted}; "
                   "Ctrl-C to stop)", file=out, flush=True)  # fmt: skip
 
-    with contextlib.suppress(KeyboardInterrupt):
-        anyio.run(run)
+    with contextlib.suppress(KeyboardInterrupt):  # (it runs until stopped: its normal end)
+        _run_stoppable(run, err)
     return EXIT_OK
 
 
@@ -675,10 +677,15 @@ def _demo_with_dashboard(
                 )  # fmt: skip
                 print(summary_text(summary), file=out)
                 print("the dashboard stays up: Ctrl-C to stop", file=out, flush=True)
+                demo_done.append(True)
 
-    with contextlib.suppress(KeyboardInterrupt):
+    demo_done: list[bool] = []
+    try:
         _run_stoppable(run, err)
-    return EXIT_OK
+    except KeyboardInterrupt:
+        if not demo_done:
+            raise  # the demo was cut short: interrupted (130, or 143 for a SIGTERM)
+    return EXIT_OK  # (the dashboard that stayed up ends when stopped: its normal end)
 
 
 def _restore(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -882,7 +889,7 @@ def _watch(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 async for data in screen.feed:  # (what the history had is rule 2's duplicate)
                     screen.receive(data, live=True)
 
-    anyio.run(follow)
+    _run_stoppable(follow, err)
     return EXIT_OK
 
 
@@ -1450,6 +1457,9 @@ def main(
                 stream.flush()
     except BrokenPipeError:
         return _pipe_closed(out, sys.stdout)
+    except KeyboardInterrupt:  # (while its parser was made: before a command began)
+        print("coordinator: interrupted", file=err or sys.stderr)
+        return EXIT_INTERRUPTED
     return status
 
 

@@ -467,7 +467,9 @@ def test_watch_follows_a_running_demo_live(server: EmbeddedServer, tmp_path: Pat
     states: list[dict[str, object]] = []
     assert watch.stdout is not None
     reader = threading.Thread(
-        target=lambda: states.extend(json.loads(line) for line in watch.stdout or ()),
+        target=lambda: states.extend(  # (a session's lines: a host's are {"host": ...})
+            state for state in map(json.loads, watch.stdout or ()) if "sessionId" in state
+        ),
         daemon=True,
     )
     reader.start()

@@ -457,3 +457,23 @@ def test_a_ctrl_c_that_comes_with_a_reply_still_stops_the_command() -> None:
     with pytest.raises(KeyboardInterrupt):
         _run_stoppable(command, io.StringIO())
     assert "ran on" not in reached, reached
+
+
+@pytest.mark.parametrize(("moment", "status"), [("captured    run-", 130), ("stays up", 0)])
+def test_demo_dashboard_ends_interrupted_only_while_its_demo_runs(
+    tmp_path: Path, moment: str, status: int
+) -> None:
+    """helper-61: a Ctrl-C ended `demo --dashboard` 0 even in the middle of its demo
+    (README: 130, interrupted). Once the demo is done, the dashboard that stays
+    up runs until stopped, as `dashboard` does: that stop is its normal end, 0."""
+    pytest.importorskip("uvicorn")
+    demo = coordinator("demo", "--dashboard", f"127.0.0.1:{free_port()}", "--steps", "30",
+                       "--store", str(tmp_path / "s"))  # fmt: skip
+    assert demo.stdout is not None
+    for line in demo.stdout:
+        if moment in line:
+            break
+    demo.send_signal(signal.SIGINT)
+    _, err = demo.communicate(timeout=30)
+    assert demo.returncode == status, err
+    assert "Traceback" not in err, err

@@ -282,14 +282,19 @@ def test_ctrl_c_while_the_payloads_are_written_leaves_no_writer_behind(
     body = sample_body("ckpt-1", step=1, epoch="epoch-1", session_id="session-1")
     manifest = build_manifest(body, payloads)
     names = {payloads[0][0], payloads[2][0]}
-    with SyncStore(tmp_path / "s", fs=disk) as store:
-        threading.Thread(target=interrupt, daemon=True).start()
-        with pytest.raises(KeyboardInterrupt):
-            store.commit(pending(manifest, names), payloads, digests_pending=names)
-        second, more = large_checkpoint(2)
-        store.commit(pending(second, names), more, digests_pending=names)
-        time.sleep(0.5)  # a stray writer would write into the new file meanwhile
-        assert store.verify().failures == ()
+    # Python's own handler: a shell's background job starts with SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with SyncStore(tmp_path / "s", fs=disk) as store:
+            threading.Thread(target=interrupt, daemon=True).start()
+            with pytest.raises(KeyboardInterrupt):
+                store.commit(pending(manifest, names), payloads, digests_pending=names)
+            second, more = large_checkpoint(2)
+            store.commit(pending(second, names), more, digests_pending=names)
+            time.sleep(0.5)  # a stray writer would write into the new file meanwhile
+            assert store.verify().failures == ()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     with SyncStore(tmp_path / "s", read_only=True) as reopened:
         with reopened.read(reopened.select("ckpt-2")) as stored:
             assert bytes(stored.payload(more[0][0])) == more[0][1]
