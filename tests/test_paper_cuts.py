@@ -477,3 +477,19 @@ def test_demo_dashboard_ends_interrupted_only_while_its_demo_runs(
     _, err = demo.communicate(timeout=30)
     assert demo.returncode == status, err
     assert "Traceback" not in err, err
+
+
+def test_a_ctrl_c_while_the_command_line_is_read_says_interrupted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """helper-61: a Ctrl-C in a command's first half second (argparse's parser being
+    made) ended in a KeyboardInterrupt traceback, before any handling of ours."""
+    import coordinator.cli as cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_parser", interrupted)
+    err = io.StringIO()
+    assert cli.main(["ls", "."], out=io.StringIO(), err=err) == 130
+    assert err.getvalue() == "coordinator: interrupted\n"
