@@ -1142,25 +1142,38 @@ async def _follow_beats(bus: Any, screen: _Screen) -> None:
     from .monitor import MAX_SESSIONS
     from .presence import as_read
 
-    beats = screen.beats
+    beats, fleet = screen.beats, screen.fleet
+    reading: list[anyio.CancelScope] = []
 
     async def follow() -> None:
         """Asked again every 2 s while the server has no hosts' bucket (no host
         beat on it yet; helper-53: a watch begun first showed `-` for good), or
-        the read fails (no right to read them: the column says -)."""
+        the read fails (no right to read them: the column says -); and at once
+        once NATS is heard again (helper-62: the watcher kept over an outage
+        delivered beats again only seconds later, the live hosts gone meanwhile).
+        A session with a row is always kept (helper-62: beats of made-up sessions,
+        first come, kept the real hosts out); others while there is room."""
         while True:
-            with contextlib.suppress(Exception):
-                async for beat in bus.presence():
-                    if beat.session_id in beats or len(beats) < MAX_SESSIONS:
-                        beats[beat.session_id] = as_read(beat, time.time())
-            await anyio.sleep(2)
+            with anyio.CancelScope() as scope:
+                reading[:] = [scope]
+                with contextlib.suppress(Exception):
+                    async for beat in bus.presence():
+                        session = beat.session_id
+                        room = len(beats) < MAX_SESSIONS
+                        if session in beats or session in fleet.sessions or room:
+                            beats[session] = as_read(beat, time.time())
+                await anyio.sleep(2)
 
     screen.deafness.answered(time.time())  # (the connection was just used: heard)
     async with anyio.create_task_group() as group:
         group.start_soon(follow)
         group.start_soon(bus.follow_answers, screen.deafness)  # (a partition is silent)
         while True:
+            deaf = screen.deafness.since is not None
             screen.hearing(bus.client.is_connected)
+            if deaf and screen.deafness.since is None:
+                for scope in reading:  # (the beats afresh)
+                    scope.cancel()
             screen.redraw()
             await anyio.sleep(1)
 

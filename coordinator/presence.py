@@ -33,6 +33,7 @@ __all__ = [
     "decode_presence",
     "encode_presence",
     "epoch_seconds",
+    "gone_after",
     "liveness",
     "rfc3339_at",
 ]
@@ -114,6 +115,15 @@ PROBE_EVERY_S = 1.0
 SILENT_AFTER_S = 3.5
 
 
+def gone_after(interval_s: float) -> float:
+    """Seconds of silence after which a host beating every ``interval_s`` is gone:
+    ``GONE_AFTER_BEATS`` intervals, and never less than a reader takes to learn
+    that the silence is its own (``SILENT_AFTER_S``, then one more interval for
+    the beat already on its way). helper-62: hosts beating every second were
+    called gone by every reader in the first 3 s of the reader's own partition."""
+    return max(GONE_AFTER_BEATS * interval_s, SILENT_AFTER_S + interval_s)
+
+
 class Deafness:
     """When a reader could not hear the bus (its connection lost): that time is
     no silence of the hosts. A host is judged by how long the reader listened
@@ -163,7 +173,7 @@ class Deafness:
 
 def liveness(presence: Presence, now: float, deafness: Deafness | None = None) -> Liveness:
     """What a beat says at ``now`` (seconds since 1970, the reader's clock):
-    ``ended`` (closed), ``gone`` (no beat for ``GONE_AFTER_BEATS`` intervals),
+    ``ended`` (closed), ``gone`` (no beat for ``gone_after`` the interval),
     ``late`` (one missed) or ``alive``; with ``deafness``, the time the reader
     could not hear the bus does not count."""
     if presence.state == "ended":
@@ -172,7 +182,7 @@ def liveness(presence: Presence, now: float, deafness: Deafness | None = None) -
     if beat is None:
         return "gone"
     age = now - beat if deafness is None else deafness.silence(beat, now)
-    if age > GONE_AFTER_BEATS * presence.interval_s:
+    if age > gone_after(presence.interval_s):
         return "gone"
     if age > LATE_AFTER_BEATS * presence.interval_s:
         return "late"

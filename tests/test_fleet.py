@@ -29,7 +29,7 @@ from coordinator.dashboard import _fleet as fleet
 from coordinator.events import Captured, Committed, Failed, Queued, Replicated, Restored, Timings
 from coordinator.identity import identity_of
 from coordinator.monitor import SaveState
-from coordinator.presence import Presence, liveness
+from coordinator.presence import Presence, gone_after, liveness
 from coordinator.sample import sample_body
 from coordinator.server import EmbeddedServer
 from coordinator.store import FileStore
@@ -85,6 +85,22 @@ def test_a_beat_is_alive_late_gone_or_ended_by_the_hosts_time() -> None:
     assert liveness(beat("s", 0), NOW + 10.1) == "late"
     assert liveness(beat("s", 0), NOW + 15.1) == "gone"
     assert liveness(beat("s", 0, state="ended"), NOW + 1e6) == "ended"
+
+
+def test_a_fast_beating_host_is_not_gone_before_a_reader_can_know_it_is_deaf() -> None:
+    """helper-62: hosts beating every second were `gone` on every view 3 s into the
+    reader's own partition, which a reader learns of only after SILENT_AFTER_S
+    (3.5 s) without an answer: gone now needs that, and one interval more."""
+    from coordinator.presence import SILENT_AFTER_S
+
+    fast = msgspec.structs.replace(beat("s", 0), interval_s=1.0)
+    assert liveness(fast, NOW + 3.2) == "late"  # (was gone: 3 intervals)
+    assert liveness(fast, NOW + SILENT_AFTER_S + 1.1) == "gone"
+    board = Dashboard()
+    board.apply(committed("s", "e1-1", 1, 0))
+    board.apply_presence(fast)
+    assert health(board, "s", 3.2) == "stale"
+    assert health(board, "s", SILENT_AFTER_S + 1.1) == "gone"
 
 
 def test_the_host_state_moves_with_time_alone() -> None:
@@ -591,7 +607,7 @@ def free_port() -> int:
 @pytest.mark.asyncio
 async def test_a_killed_host_turns_gone_on_a_dashboard_following_nats(tmp_path: Path) -> None:
     """A host process beating every 0.3 s is SIGKILLed: the dashboard's fold says
-    gone within 3 intervals, with no event after the kill."""
+    gone within ``gone_after`` its interval, with no event after the kill."""
     script = tmp_path / "host.py"
     script.write_text(HOST_SCRIPT)
     async with EmbeddedServer(tmp_path / "nats") as server:
@@ -622,7 +638,7 @@ async def test_a_killed_host_turns_gone_on_a_dashboard_following_nats(tmp_path: 
                     await anyio.sleep(0.05)
             took = time.time() - killed_at
             group.cancel_scope.cancel()
-    assert took <= 3 * 0.3 + 1.0
+    assert took <= gone_after(0.3) + 1.0  # (3.8 s: not before a reader could know its own outage)
 
 
 HOST_SCRIPT = """

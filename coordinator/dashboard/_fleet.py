@@ -65,11 +65,11 @@ from ..monitor import (
 )
 from ..presence import (
     FUTURE_S,
-    GONE_AFTER_BEATS,
     LATE_AFTER_BEATS,
     Deafness,
     Presence,
     epoch_seconds,
+    gone_after,
 )
 
 __all__ = [
@@ -219,7 +219,7 @@ class Session:
             left = now - deafness.silence(max(times), now)  # (silence grows with time now)
             if presence is not None:
                 marks += [left + LATE_AFTER_BEATS * presence.interval_s,
-                          left + GONE_AFTER_BEATS * presence.interval_s]  # fmt: skip
+                          left + gone_after(presence.interval_s)]  # fmt: skip
             else:
                 marks.append(left + STALE_AFTER_S)
         if event is not None:
@@ -245,7 +245,7 @@ class Session:
 
             age = deafness.silence(seen, now)
             if presence is not None:
-                if age > GONE_AFTER_BEATS * presence.interval_s:
+                if age > gone_after(presence.interval_s):
                     return "gone", lambda at: f"no heartbeat for {silent(at)}"
                 if age > LATE_AFTER_BEATS * presence.interval_s:
                     return "stale", lambda at: f"heartbeat late: {silent(at)}"
