@@ -47,6 +47,8 @@ from .manifest import manifest_from_builtins
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from .presence import Presence
+
 __all__ = ["main"]
 
 T = TypeVar("T")
@@ -904,7 +906,7 @@ class _Screen:
         from rich.live import Live
 
         from .monitor import Fleet, Notices, render
-        from .presence import Deafness, Presence, liveness
+        from .presence import Deafness, liveness
 
         self.json_lines, self.replay_only = json_lines, replay_only
         self.out, self.console = out, _console(out)
@@ -1000,6 +1002,27 @@ class _Screen:
             self.pending = True
         if self.console.is_terminal or self.pending:
             self._draw(self.table())
+
+    def keep_beat(self, beat: Presence) -> None:
+        """A host's beat, as read now. A session with a row is always kept
+        (helper-62: beats of made-up sessions, first come, kept the real hosts
+        out), others while there is room; an older beat never replaces a newer
+        (helper-64: one forged beat of 2000 turned a live host gone); and once
+        the table holds twice the fold's sessions, the beats of sessions the fold
+        let go are dropped (helper-64: it grew without bound)."""
+        from .monitor import MAX_SESSIONS
+        from .presence import as_read, epoch_seconds
+
+        session, read = beat.session_id, as_read(beat, time.time())
+        kept, rows = self.beats.get(session), self.fleet.sessions
+        if kept is not None and (epoch_seconds(read.time) or 0) < (epoch_seconds(kept.time) or 0):
+            return
+        if kept is None and session not in rows and len(self.beats) >= MAX_SESSIONS:
+            return
+        self.beats[session] = read
+        if len(self.beats) > 2 * MAX_SESSIONS:
+            for other in [s for s in self.beats if s not in rows]:
+                del self.beats[other]
 
     def _hosts(self) -> dict[str, str]:
         """The state of each host the table shows (a session with a row: beats of
@@ -1139,10 +1162,6 @@ async def _follow_beats(bus: Any, screen: _Screen) -> None:
     while NATS cannot be heard: ``_Screen.hearing``)."""
     import anyio
 
-    from .monitor import MAX_SESSIONS
-    from .presence import as_read
-
-    beats, fleet = screen.beats, screen.fleet
     reading: list[anyio.CancelScope] = []
 
     async def follow() -> None:
@@ -1150,18 +1169,13 @@ async def _follow_beats(bus: Any, screen: _Screen) -> None:
         beat on it yet; helper-53: a watch begun first showed `-` for good), or
         the read fails (no right to read them: the column says -); and at once
         once NATS is heard again (helper-62: the watcher kept over an outage
-        delivered beats again only seconds later, the live hosts gone meanwhile).
-        A session with a row is always kept (helper-62: beats of made-up sessions,
-        first come, kept the real hosts out); others while there is room."""
+        delivered beats again only seconds later, the live hosts gone meanwhile)."""
         while True:
             with anyio.CancelScope() as scope:
                 reading[:] = [scope]
                 with contextlib.suppress(Exception):
                     async for beat in bus.presence():
-                        session = beat.session_id
-                        room = len(beats) < MAX_SESSIONS
-                        if session in beats or session in fleet.sessions or room:
-                            beats[session] = as_read(beat, time.time())
+                        screen.keep_beat(beat)
                 await anyio.sleep(2)
 
     screen.deafness.answered(time.time())  # (the connection was just used: heard)

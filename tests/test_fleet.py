@@ -1193,3 +1193,29 @@ def test_watch_json_says_when_it_cannot_hear_nats_and_when_it_hears_again() -> N
     since = epoch_seconds(lines[0]["nats"]["lostSince"])
     assert since is not None and abs(since - lost_at) < 1e-3
     assert lines[1]["nats"]["lostSince"] is None
+
+
+def test_watch_keeps_the_newer_beat_and_a_bounded_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-64: watch took whatever beat came, so one forged beat dated 2000 made
+    a live host gone; and beats of sessions with rows were kept for good, the
+    fold's rows gone or not, so the table grew 20,000 beats a round."""
+    import io
+
+    import coordinator.monitor
+    from coordinator.cli import _Screen
+    from coordinator.monitor import SessionState
+
+    screen = _Screen(io.StringIO(), json_lines=True, replay_only=False)
+    now = time.time()
+    fresh = msgspec.structs.replace(beat("up", 0), time=at(now - NOW))
+    screen.keep_beat(fresh)
+    screen.keep_beat(msgspec.structs.replace(fresh, time="2000-01-01T00:00:00Z", host="evil"))
+    assert screen.beats["up"] == fresh
+    monkeypatch.setattr(coordinator.monitor, "MAX_SESSIONS", 4)
+    for n in range(20):  # (sessions the fold has rows of, then lets go)
+        session = f"s{n}"
+        screen.fleet.sessions[session] = SessionState(session_id=session)
+        screen.keep_beat(msgspec.structs.replace(fresh, session_id=session))
+        if n >= 4:
+            del screen.fleet.sessions[f"s{n - 4}"]
+        assert len(screen.beats) <= 2 * 4 + 1, len(screen.beats)
