@@ -929,13 +929,13 @@ class _Screen:
             self.fleet, beats, dropped=self.feed.lost(), deafness=self.deafness, width=width
         )
 
-    def hearing(self, connected: bool) -> None:
+    def hearing(self, connected: bool) -> bool:
         """Whether the connection is up (and NATS answers round trips: the bus's
         ``follow_answers``): while it is not heard, a host's silence is no sign of
-        it, and the table says so."""
+        it, and the table says so. True when NATS is heard again after an outage."""
         deafness, now = self.deafness, time.time()
         if not deafness.last_answer:  # (no round trip asked yet: nothing to judge by)
-            return
+            return False
         was = deafness.since
         if connected and not deafness.unanswered(now):
             deafness.regained(now)
@@ -949,6 +949,7 @@ class _Screen:
                 since = None if deafness.since is None else rfc3339_at(deafness.since)
                 print(json.dumps({"nats": {"heard": since is None, "lostSince": since}}),
                       file=self.out, flush=True)  # fmt: skip
+        return was is not None and deafness.since is None
 
     def receive(self, data: bytes, *, live: bool = False) -> None:
         folded = self.fleet.receive(data)
@@ -1183,9 +1184,7 @@ async def _follow_beats(bus: Any, screen: _Screen) -> None:
         group.start_soon(follow)
         group.start_soon(bus.follow_answers, screen.deafness)  # (a partition is silent)
         while True:
-            deaf = screen.deafness.since is not None
-            screen.hearing(bus.client.is_connected)
-            if deaf and screen.deafness.since is None:
+            if screen.hearing(bus.client.is_connected):
                 for scope in reading:  # (the beats afresh)
                     scope.cancel()
             screen.redraw()

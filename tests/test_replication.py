@@ -152,6 +152,16 @@ async def leased_run(
     return resumed
 
 
+async def resumes_at(
+    url: str, store_dir: Path, step: int, world: bytes, *, keep: int = DEFAULT_KEEP
+) -> None:
+    """A host on ``store_dir`` (leased, with its replicator) resumes at ``step``, its
+    world ``world``."""
+    parts = [Part("world", b""), Part("agent-a", b"a")]
+    assert await leased_run(url, store_dir, parts, range(step + 1, step + 1), keep=keep) == step
+    assert parts[0].data == world
+
+
 async def taken_over_at_four(url: str, tmp_path: Path) -> None:
     """A (store ``a``) replicated 1-4 and went away; B (store ``b``) took the session
     over at 4 on an empty disk and went away before committing."""
@@ -342,9 +352,7 @@ async def test_a_host_that_resumed_from_the_tier_is_replicated_after_rotation(
                 assert replicator.statistics().awaiting == ()
             finally:
                 await replicator.__aexit__(None, None, None)
-    fresh = [Part("world", b""), Part("agent-a", b"a")]
-    assert await leased_run(server.url, tmp_path / "d", fresh, range(8, 8)) == 7
-    assert fresh[0].data == c_parts[0].data
+    await resumes_at(server.url, tmp_path / "d", 7, c_parts[0].data)
 
 
 async def old_disk_then_taken_over(
@@ -448,12 +456,8 @@ async def test_a_host_that_resumed_from_the_tier_and_went_on_alone_resumes_its_o
         ):
             assert (await host.resume(source=Replicas(bus))).step == 4
             await _went_on(host, back)
-    again = [Part("world", b""), Part("agent-a", b"a")]
-    assert await leased_run(server.url, tmp_path / "a", again, range(7, 7), keep=keep) == 6
-    assert again[0].data == back[0].data
-    fresh = [Part("world", b""), Part("agent-a", b"a")]
-    assert await leased_run(server.url, tmp_path / "c", fresh, range(7, 7)) == 6
-    assert fresh[0].data == back[0].data
+    await resumes_at(server.url, tmp_path / "a", 6, back[0].data, keep=keep)
+    await resumes_at(server.url, tmp_path / "c", 6, back[0].data)
 
 
 @pytest.mark.asyncio
@@ -569,9 +573,7 @@ async def test_a_rollback_after_resuming_from_the_tier_is_replicated(
             async with Replicator(bus, store, leases=[lease], sweep_every=None) as replicator:
                 await caught_up(replicator)
                 assert replicator.statistics().awaiting == ()
-    fresh = [Part("world", b""), Part("agent-a", b"a")]
-    assert await leased_run(server.url, tmp_path / "c", fresh, range(7, 7)) == 6
-    assert fresh[0].data == back[0].data
+    await resumes_at(server.url, tmp_path / "c", 6, back[0].data)
 
 
 @pytest.mark.asyncio
@@ -608,9 +610,7 @@ async def test_a_named_checkpoint_behind_the_newest_step_is_replicated_after_a_r
                 await host.checkpoint(step)
             await caught_up(replicator)
             assert replicator.statistics().awaiting == ()
-    fresh = [Part("world", b""), Part("agent-a", b"a")]
-    assert await leased_run(server.url, tmp_path / "c", fresh, range(7, 7)) == 6
-    assert fresh[0].data == back[0].data
+    await resumes_at(server.url, tmp_path / "c", 6, back[0].data)
 
 
 @pytest.mark.asyncio
@@ -801,9 +801,8 @@ async def test_a_host_that_took_in_a_restored_state_is_replicated(
 async def restarts_at_its_own(url: str, store_dir: Path, step: int, world: bytes) -> None:
     """A host restarted on ``store_dir`` (keep=1) resumes at its own ``step`` (with
     ``world``), and its replicator moves the pointer there."""
-    again = [Part("world", b""), Part("agent-a", b"a")]
-    assert await leased_run(url, store_dir, again, range(step + 1, step + 1), keep=1) == step
-    assert again[0].data == world and await pointer_boundary(url) == str(step)
+    await resumes_at(url, store_dir, step, world, keep=1)
+    assert await pointer_boundary(url) == str(step)
 
 
 async def pointer_boundary(url: str) -> str | None:
