@@ -4,8 +4,9 @@ serves its remote agent (``python -m coordinator.bench._soak_host host|worker``)
 The host is what docs/host.md shows: a world and three agents (``agent-a2`` in
 the worker's process, over NATS), one checkpoint a step, each waited for. Every
 ``SAMPLE_EVERY`` checkpoints it prints one JSON line (``{"n", "committed",
-"failed", "time"}``); the bench reads the host's /proc at that moment. It never
-measures itself: what it would keep to do so would be what the soak looks for.
+"failed", "time", "own_threads", "pool_threads"}``); the bench reads the host's /proc at
+that moment. It measures nothing of itself but its threads by name (kept nowhere):
+what it would keep to do so would be what the soak looks for.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import tracemalloc
 from typing import Any
@@ -46,6 +48,7 @@ DRAIN_TIMEOUT_S = 60.0  # the bus's outbox empties before the host says it is do
 RESUME_TIMEOUT_S = 60.0  # a resume retried while the remote agent is away
 SETTLE_TIMEOUT_S = 5.0  # a sample waits for the host to be at rest
 REMOTE_TIMEOUT_S = 5.0  # a request lost in a server restart fails after this
+POOL_THREAD = "AnyIO worker thread"  # the name of each thread of anyio's pool
 
 
 class Part:
@@ -77,6 +80,26 @@ class Part:
         return None
 
 
+def _threads() -> dict[str, int]:
+    """The host's threads outside anyio's pool, and the pool's: the pool keeps a
+    worker up to 10 s after two thread calls overlapped, so its size is load."""
+    names = [thread.name for thread in threading.enumerate()]
+    pool = names.count(POOL_THREAD)
+    return {"own_threads": len(names) - pool, "pool_threads": pool}
+
+
+async def _threads_at_rest(fewest: int) -> dict[str, int]:
+    """``_threads()`` once no more than ``fewest`` (the fewest of any sample before)
+    of the host's own are left, a few seconds at most: a thread that has handed back
+    its job (a bulk write's) may still be ending. One that stays still shows."""
+    counts = _threads()
+    with anyio.move_on_after(SETTLE_TIMEOUT_S):
+        while counts["own_threads"] > fewest:
+            await anyio.sleep(0.005)
+            counts = _threads()
+    return counts
+
+
 def _line(**fields: Any) -> None:
     """One line of the host's protocol with the bench (its stdout): not a report."""
     sys.stdout.write(json.dumps(fields) + "\n")
@@ -103,6 +126,7 @@ async def _host(  # noqa: PLR0917 (the command line's options)
         async with coordinator:
             started = time.perf_counter()
             taken = step = 0
+            fewest_threads = sys.maxsize  # (no sample yet)
             while taken < checkpoints or time.perf_counter() - started < seconds:
                 taken += 1
                 step += 1
@@ -126,11 +150,13 @@ async def _host(  # noqa: PLR0917 (the command line's options)
                         errors[getattr(outcome, "code", type(outcome).__name__)] += 1
                 if taken % every == 0:
                     live = await _released(coordinator, bus)
+                    threads = await _threads_at_rest(fewest_threads)
+                    fewest_threads = min(fewest_threads, threads["own_threads"])
                     if trace and taken == every * 10:  # the end of the bench's warm-up
                         tracemalloc.start(12)
                         baseline = tracemalloc.take_snapshot()
                     _line(n=taken, committed=committed, failed=failed, live=live,
-                          time=time.perf_counter())  # fmt: skip
+                          time=time.perf_counter(), **threads)  # fmt: skip
         if baseline is not None:
             _show_growth(baseline)
         with anyio.move_on_after(DRAIN_TIMEOUT_S):
