@@ -776,7 +776,7 @@ class Coordinator:
             try:
                 # Taken in as a timeline of its own: what this disk made since is no
                 # part of it (never offered as an older checkpoint of it).
-                return await self._adopt(source, taken_in=True)  # (the pointer's now)
+                taken = await self._adopt(source, taken_in=True)  # (the pointer's now)
             except (EpochFencedError, StaleEpochError):  # its epoch is one this disk used
                 raise StaleEpochError(
                     f"session {self.session_id}: another host went on with it from "
@@ -784,6 +784,13 @@ class Coordinator:
                     "that checkpoint's epoch but not the checkpoint. Resume this host "
                     "on an empty store directory (move this one aside)"
                 ) from None
+            # The session goes on from it in this store now, as after a crash here:
+            # this epoch is abandoned until the restore's fork (a failed one leaves it so).
+            self._fenced = EpochFencedError(
+                f"resume took in {taken}, the state another host went on with, and the "
+                "restore of it did not finish: resume again"
+            )
+            return taken
         return record.checkpoint_id
 
     async def resume(self, *, source: ReplicaSource | None = None) -> Resumed:
@@ -797,8 +804,10 @@ class Coordinator:
         host's checkpoint), or when it became the session's state in an epoch
         this disk never saw: another host took the session over and went on, and
         this disk's newer-looking checkpoints are of the timeline it abandoned
-        (``report`` names them). An incompatible newest generation is passed over
-        for an older compatible one (``report.skipped``); when none is
+        (``report`` names them). That take-in is committed before the restore, so
+        a restore that then fails or is cancelled leaves this epoch fenced
+        (``EpochFencedError``): resume again. An incompatible newest generation is
+        passed over for an older compatible one (``report.skipped``); when none is
         compatible, ``IncompatibleStateError``."""
         chosen: str | None = None  # (None: the local high water)
         newest = None if source is None else await source.newest(self.session_id)

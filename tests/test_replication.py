@@ -747,6 +747,66 @@ async def test_a_host_that_waits_past_a_renewal_before_it_resumes_still_takes_in
     assert back[0].data == b_parts[0].data
 
 
+class RefusingPart(Part):
+    """A participant whose staging fails (``refuse``), or waits until cancelled."""
+
+    def __init__(self, name: str, data: bytes, how: str) -> None:
+        super().__init__(name, data)
+        self.how = how
+        self.staging = anyio.Event()
+
+    async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
+        self.staging.set()
+        if self.how == "refused":
+            raise ValueError("this host cannot stage it")
+        if self.how == "cancelled":
+            await anyio.sleep_forever()
+        return bytes(payload)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["refused", "cancelled"])
+async def test_a_resume_that_took_in_another_hosts_work_and_failed_fences_the_host_until_it_resumes(
+    server: EmbeddedServer, tmp_path: Path, how: str
+) -> None:
+    """helper-65: A back with its old disk, and its resume(source=) took B's 6 in,
+    then failed (a participant refused to stage) or was cancelled. The taken-in
+    state is the session's in A's store from then on (as after a crash there), and
+    A's epoch was retired: its next save failed late, as a stale epoch it never
+    chose. A's state is still its own, its captures are refused at once as fenced,
+    naming the resume; and the next resume, with the source or without, installs
+    B's 6."""
+    from coordinator import EpochFencedError, RestoreFailedError
+
+    b_parts = await taken_over_to_six(server.url, tmp_path)
+    world = Part("world", b"a's own")
+    agent = RefusingPart("agent-a", b"a", how)
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30, take_over=True) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+            Coordinator(store, bus, [world, agent], session_id="s1", describe=DESCRIBE) as host,
+        ):
+            if how == "refused":
+                with pytest.raises(RestoreFailedError):
+                    await host.resume(source=replicator.replicas)
+            else:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(lambda: host.resume(source=replicator.replicas))
+                    await agent.staging.wait()
+                    group.cancel_scope.cancel()
+            assert (world.data, agent.data) == (b"a's own", b"a")
+            with pytest.raises(EpochFencedError, match="resume again"):
+                await host.capture(4)
+            agent.how = "stages"
+            source = replicator.replicas if how == "refused" else None
+            assert (await host.resume(source=source)).step == 6
+            assert (world.data, agent.data) == (b_parts[0].data, b_parts[1].data)
+            assert isinstance(await (await host.capture(7)).wait(), Committed)
+            await caught_up(replicator)
+    assert await pointer_boundary(server.url) == "7"
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("leased", [True, False], ids=["leased", "leaseless"])
 @pytest.mark.parametrize("how", ["resumed-elsewhere", "rolled-back"])
