@@ -163,6 +163,17 @@ class ReplicaSource(Protocol):
         ...
 
 
+class Lease(Protocol):
+    """A hold on the session across hosts (``replicate.SessionLease``): ``lost`` is
+    the error once another host took the session over."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def lost(self) -> CoordinatorError | None: ...
+
+
 class Resumed(msgspec.Struct, frozen=True, kw_only=True):
     """What ``Coordinator.resume`` did. ``step``: the boundary the restored state
     is at (the host's next step is ``step + 1``); ``None``: the session had no
@@ -217,6 +228,7 @@ class Coordinator:
         final_step: Callable[[], int] | None = None,
         policy: CapturePolicy | None = None,
         install: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+        lease: Lease | None = None,
     ) -> None:
         seconds = capture_timeout
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or math.isnan(seconds):
@@ -233,6 +245,9 @@ class Coordinator:
         self.bus = bus
         self.participants = tuple(participants)
         self.session_id = check_id(session_id)
+        if lease is not None and lease.session_id != self.session_id:
+            raise UsageError(f"the lease holds session {lease.session_id}, not {session_id}")
+        self.lease = lease  # once lost, nothing more is captured or restored
         # No epoch: a fresh one is picked on entering (``fresh_epoch``).
         self.epoch = _check_epoch(epoch) if epoch is not None else ""
         if isinstance(describe, HostDescription):
@@ -365,6 +380,7 @@ class Coordinator:
                 self._restoring.cancel()
                 await whole(self._restored.wait)  # (asyncio's own cancel too: it ends first)
             final = self._open and self.final_step is not None and self._fenced is None
+            final = final and (self.lease is None or self.lease.lost is None)
             if error is None and final:
                 assert self.final_step is not None
                 # An older unseen failure is raised after it, not instead of it.
@@ -426,9 +442,16 @@ class Coordinator:
 
     # --- capture -------------------------------------------------------------------
 
+    def _check_held(self) -> None:
+        """A host whose lease another host took captures and restores nothing more:
+        the session is the other host's (``LeaseLostError``)."""
+        if self.lease is not None and self.lease.lost is not None:
+            raise self.lease.lost
+
     def _check_capturing(self, closing: bool = False) -> None:
         if not self._open or (self._shutting and not closing):
             raise WriterClosedError("the coordinator is closed (or not open yet)")
+        self._check_held()
         if self._restoring is not None:
             raise EpochFencedError(f"epoch {self.epoch}: a restore is in progress")
         if self._fenced is not None:
@@ -809,6 +832,7 @@ class Coordinator:
         (``EpochFencedError``): resume again. An incompatible newest generation is
         passed over for an older compatible one (``report.skipped``); when none is
         compatible, ``IncompatibleStateError``."""
+        self._check_held()  # (before anything is taken in)
         chosen: str | None = None  # (None: the local high water)
         newest = None if source is None else await source.newest(self.session_id)
         if source is not None and not self.store.timeline(self.session_id):
@@ -887,6 +911,7 @@ class Coordinator:
             raise WriterClosedError("the coordinator is closed (or not open yet)")
         if self._restoring is not None:
             raise UsageError("a restore is already in progress")
+        self._check_held()
         self._check_new_epoch(new_epoch)
         poisoned = self.store.poisoned
         if poisoned is not None:  # before any participant is touched

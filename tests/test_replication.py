@@ -2869,3 +2869,36 @@ async def test_a_replicator_restarting_over_replicated_sessions_reads_no_payload
             await caught_up(replicator)
             assert await _fetch_code(replicator.replicas, "s2") == "ok"
         assert reads == ["e-s2-1"]
+
+
+@pytest.mark.asyncio
+async def test_a_coordinator_given_its_lease_stops_once_another_host_took_the_session(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-63's s2: a host that lost its lease went on committing to its own disk
+    and publishing events that contradict the new owner's, unless its author
+    checked lease.lost before each step. Given the lease, the Coordinator refuses
+    captures, restores and resumes once the lease is lost (LeaseLostError), and
+    its close makes no final capture."""
+    from coordinator.errors import LeaseLostError, UsageError
+
+    parts = [Part("world", b"w"), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with SessionLease(bus, "s1", ttl=1.5) as lease:
+            with pytest.raises(UsageError, match="holds session s1"):
+                Coordinator(store, bus, parts, session_id="s2", describe=DESCRIBE, lease=lease)
+            host = Coordinator(
+                store, bus, parts, session_id="s1", describe=DESCRIBE, lease=lease,
+                final_step=lambda: 99,
+            )  # fmt: skip
+            async with host:
+                await host.checkpoint(1)
+                async with NatsBus(server.url) as other, SessionLease(other, "s1", take_over=True):
+                    await until(lambda: lease.lost is not None, timeout=10)
+                with pytest.raises(LeaseLostError):
+                    await host.capture(2)
+                with pytest.raises(LeaseLostError):
+                    await host.resume()
+                with pytest.raises(LeaseLostError):
+                    await host.restore(new_epoch=host.fresh_epoch())
+            assert [g.boundary for g in store.timeline("s1")] == ["1"]
