@@ -2,59 +2,58 @@
 
 from typing import TYPE_CHECKING, Any
 
-from .envelope import Envelope as Envelope
-from .envelope import EnvelopePlan as EnvelopePlan
-from .envelope import Layout as Layout
-from .envelope import decode as decode
-from .envelope import encode as encode
-from .errors import ArtifactCorruptError as ArtifactCorruptError
-from .errors import ArtifactReleasedError as ArtifactReleasedError
-from .errors import ArtifactUnavailableError as ArtifactUnavailableError
-from .errors import BusConfigError as BusConfigError
-from .errors import BusRefusedError as BusRefusedError
-from .errors import BusUnavailableError as BusUnavailableError
-from .errors import CaptureFailedError as CaptureFailedError
-from .errors import CommitError as CommitError
-from .errors import CoordinatorError as CoordinatorError
-from .errors import CorruptEnvelopeError as CorruptEnvelopeError
-from .errors import DeadlineExpiredError as DeadlineExpiredError
-from .errors import DuplicateCheckpointError as DuplicateCheckpointError
-from .errors import DurabilityUnknownError as DurabilityUnknownError
-from .errors import EnvelopeError as EnvelopeError
-from .errors import EnvelopeInputError as EnvelopeInputError
-from .errors import EpochFencedError as EpochFencedError
-from .errors import GenerationCorruptError as GenerationCorruptError
-from .errors import GenerationNotFoundError as GenerationNotFoundError
-from .errors import IdentityMismatchError as IdentityMismatchError
-from .errors import IncompatibleCaptureError as IncompatibleCaptureError
-from .errors import IncompatibleStateError as IncompatibleStateError
-from .errors import InvalidScalarError as InvalidScalarError
-from .errors import JsonError as JsonError
-from .errors import JsonValueError as JsonValueError
-from .errors import ManifestError as ManifestError
-from .errors import ManifestFullError as ManifestFullError
-from .errors import NoSpaceError as NoSpaceError
-from .errors import NotAStoreError as NotAStoreError
-from .errors import NotCanonicalError as NotCanonicalError
-from .errors import RemoteWorkerError as RemoteWorkerError
-from .errors import RenameError as RenameError
-from .errors import RestoreFailedError as RestoreFailedError
-from .errors import SaveFailedError as SaveFailedError
-from .errors import ServerError as ServerError
-from .errors import StaleEpochError as StaleEpochError
-from .errors import StoreClosedError as StoreClosedError
-from .errors import StoreDirectoryError as StoreDirectoryError
-from .errors import StoreError as StoreError
-from .errors import StoreLockedError as StoreLockedError
-from .errors import StoreManifestError as StoreManifestError
-from .errors import StorePoisonedError as StorePoisonedError
-from .errors import StoreReadOnlyError as StoreReadOnlyError
-from .errors import SyncError as SyncError
-from .errors import UsageError as UsageError
-from .errors import WriterBusyError as WriterBusyError
-from .errors import WriterClosedError as WriterClosedError
-
 if TYPE_CHECKING:
+    from .envelope import Envelope as Envelope
+    from .envelope import EnvelopePlan as EnvelopePlan
+    from .envelope import Layout as Layout
+    from .envelope import decode as decode
+    from .envelope import encode as encode
+    from .errors import ArtifactCorruptError as ArtifactCorruptError
+    from .errors import ArtifactReleasedError as ArtifactReleasedError
+    from .errors import ArtifactUnavailableError as ArtifactUnavailableError
+    from .errors import BusConfigError as BusConfigError
+    from .errors import BusRefusedError as BusRefusedError
+    from .errors import BusUnavailableError as BusUnavailableError
+    from .errors import CaptureFailedError as CaptureFailedError
+    from .errors import CommitError as CommitError
+    from .errors import CoordinatorError as CoordinatorError
+    from .errors import CorruptEnvelopeError as CorruptEnvelopeError
+    from .errors import DeadlineExpiredError as DeadlineExpiredError
+    from .errors import DuplicateCheckpointError as DuplicateCheckpointError
+    from .errors import DurabilityUnknownError as DurabilityUnknownError
+    from .errors import EnvelopeError as EnvelopeError
+    from .errors import EnvelopeInputError as EnvelopeInputError
+    from .errors import EpochFencedError as EpochFencedError
+    from .errors import GenerationCorruptError as GenerationCorruptError
+    from .errors import GenerationNotFoundError as GenerationNotFoundError
+    from .errors import IdentityMismatchError as IdentityMismatchError
+    from .errors import IncompatibleCaptureError as IncompatibleCaptureError
+    from .errors import IncompatibleStateError as IncompatibleStateError
+    from .errors import InvalidScalarError as InvalidScalarError
+    from .errors import JsonError as JsonError
+    from .errors import JsonValueError as JsonValueError
+    from .errors import ManifestError as ManifestError
+    from .errors import ManifestFullError as ManifestFullError
+    from .errors import NoSpaceError as NoSpaceError
+    from .errors import NotAStoreError as NotAStoreError
+    from .errors import NotCanonicalError as NotCanonicalError
+    from .errors import RemoteWorkerError as RemoteWorkerError
+    from .errors import RenameError as RenameError
+    from .errors import RestoreFailedError as RestoreFailedError
+    from .errors import SaveFailedError as SaveFailedError
+    from .errors import ServerError as ServerError
+    from .errors import StaleEpochError as StaleEpochError
+    from .errors import StoreClosedError as StoreClosedError
+    from .errors import StoreDirectoryError as StoreDirectoryError
+    from .errors import StoreError as StoreError
+    from .errors import StoreLockedError as StoreLockedError
+    from .errors import StoreManifestError as StoreManifestError
+    from .errors import StorePoisonedError as StorePoisonedError
+    from .errors import StoreReadOnlyError as StoreReadOnlyError
+    from .errors import SyncError as SyncError
+    from .errors import UsageError as UsageError
+    from .errors import WriterBusyError as WriterBusyError
+    from .errors import WriterClosedError as WriterClosedError
     from .host import HostDescription as HostDescription
     from .participant import CaptureScope as CaptureScope
     from .participant import RestoreScope as RestoreScope
@@ -68,12 +67,64 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# Modules that need anyio load on first use, so that importing the sans-IO
-# parts (``coordinator.envelope``) never pulls in anyio or nats.
+# Modules load on first use: importing the sans-IO parts (``coordinator.envelope``)
+# never pulls in anyio or nats, and the command starts with nothing loaded (a
+# Ctrl-C while it loads the rest is its own, ``__main__``).
 _LAZY = {
+    "ArtifactCorruptError": ".errors",
+    "ArtifactReleasedError": ".errors",
+    "ArtifactUnavailableError": ".errors",
+    "BusConfigError": ".errors",
+    "BusRefusedError": ".errors",
+    "BusUnavailableError": ".errors",
+    "CaptureFailedError": ".errors",
+    "CommitError": ".errors",
+    "CoordinatorError": ".errors",
+    "CorruptEnvelopeError": ".errors",
+    "DeadlineExpiredError": ".errors",
+    "DuplicateCheckpointError": ".errors",
+    "DurabilityUnknownError": ".errors",
+    "EnvelopeError": ".errors",
+    "EnvelopeInputError": ".errors",
+    "EpochFencedError": ".errors",
+    "GenerationCorruptError": ".errors",
+    "GenerationNotFoundError": ".errors",
+    "IdentityMismatchError": ".errors",
+    "IncompatibleCaptureError": ".errors",
+    "IncompatibleStateError": ".errors",
+    "InvalidScalarError": ".errors",
+    "JsonError": ".errors",
+    "JsonValueError": ".errors",
+    "ManifestError": ".errors",
+    "ManifestFullError": ".errors",
+    "NoSpaceError": ".errors",
+    "NotAStoreError": ".errors",
+    "NotCanonicalError": ".errors",
+    "RemoteWorkerError": ".errors",
+    "RenameError": ".errors",
+    "RestoreFailedError": ".errors",
+    "SaveFailedError": ".errors",
+    "ServerError": ".errors",
+    "StaleEpochError": ".errors",
+    "StoreClosedError": ".errors",
+    "StoreDirectoryError": ".errors",
+    "StoreError": ".errors",
+    "StoreLockedError": ".errors",
+    "StoreManifestError": ".errors",
+    "StorePoisonedError": ".errors",
+    "StoreReadOnlyError": ".errors",
+    "SyncError": ".errors",
+    "UsageError": ".errors",
+    "WriterBusyError": ".errors",
+    "WriterClosedError": ".errors",
     "CapturePolicy": ".policy",
     "CaptureScope": ".participant",
     "Coordinator": ".session",
+    "Envelope": ".envelope",
+    "EnvelopePlan": ".envelope",
+    "Layout": ".envelope",
+    "decode": ".envelope",
+    "encode": ".envelope",
     "FileStore": ".store",
     "HostDescription": ".host",
     "Progress": ".session",

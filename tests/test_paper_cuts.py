@@ -493,3 +493,28 @@ def test_a_ctrl_c_while_the_command_line_is_read_says_interrupted(
     err = io.StringIO()
     assert cli.main(["ls", "."], out=io.StringIO(), err=err) == 130
     assert err.getvalue() == "coordinator: interrupted\n"
+
+
+def test_a_ctrl_c_while_the_command_loads_says_interrupted() -> None:
+    """helper-61: a Ctrl-C in the command's first tenth of a second fell while the
+    package and the command's modules were imported: a KeyboardInterrupt
+    traceback. The package loads its names on first use, and the command's entry
+    (``coordinator.__main__.run``) catches one that falls while it loads the rest."""
+    script = (
+        "import builtins, sys\n"
+        "real = builtins.__import__\n"
+        "def loading(name, *args, **kwargs):\n"
+        "    if name == 'cli':  # (the command's modules: `from .cli import main`)\n"
+        "        raise KeyboardInterrupt\n"
+        "    return real(name, *args, **kwargs)\n"
+        "builtins.__import__ = loading\n"
+        "from coordinator.__main__ import run\n"
+        "sys.exit(run())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)  # fmt: skip
+    assert (done.returncode, done.stderr) == (130, "coordinator: interrupted\n")
+    names = "import coordinator, sys; print(sorted(m for m in sys.modules if 'coordinator.' in m))"
+    loaded = subprocess.run([sys.executable, "-c", names], capture_output=True, text=True,
+                            timeout=60, check=True)  # fmt: skip
+    assert loaded.stdout == "[]\n", "importing the package loads its modules"
