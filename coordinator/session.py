@@ -277,6 +277,7 @@ class Coordinator:
         self._claimed = False  # this coordinator holds its session on the store
         self._restoring: anyio.CancelScope | None = None  # the restore in progress
         self._resuming_over: str | None = None  # resume(source=): the pointer's epoch
+        self._resuming = False  # a resume is in progress (taking in, or restoring)
         self._restored = anyio.Event()  # set whenever no restore is in progress
         self._restored.set()
         self._entering = anyio.Event()  # set once __aenter__ has ended, either way
@@ -770,8 +771,24 @@ class Coordinator:
         with await source.fetch(self.session_id) as stored:
             manifest = stored.manifest
             payloads = [(name, stored.payload(name)) for name in stored.envelope.names]
-            # (the commit opens the generation's epoch in the same manifest: one step)
-            await self.store.commit(manifest, payloads, payloads_verified=True, taken_in=taken_in)
+            # Once committed, the session goes on from it in this store, as after a
+            # crash here: this epoch is abandoned until the restore's fork (a failed
+            # or cancelled restore leaves it so). Fenced first: a commit may land
+            # whatever cancels this call.
+            fenced = self._fenced
+            self._fenced = EpochFencedError(
+                f"resume took in {manifest.checkpoint_id}, the state another host went "
+                "on with, and the restore of it did not finish: resume again"
+            )
+            try:
+                # (the commit opens the generation's epoch in the same manifest: one step)
+                await self.store.commit(
+                    manifest, payloads, payloads_verified=True, taken_in=taken_in
+                )
+            except BaseException:
+                if self.store.lookup(manifest.checkpoint_id, session_id=self.session_id) is None:
+                    self._fenced = fenced  # not taken in
+                raise
             return manifest.checkpoint_id
 
     async def _taken_over(
@@ -799,7 +816,7 @@ class Coordinator:
             try:
                 # Taken in as a timeline of its own: what this disk made since is no
                 # part of it (never offered as an older checkpoint of it).
-                taken = await self._adopt(source, taken_in=True)  # (the pointer's now)
+                return await self._adopt(source, taken_in=True)  # (the pointer's now)
             except (EpochFencedError, StaleEpochError):  # its epoch is one this disk used
                 raise StaleEpochError(
                     f"session {self.session_id}: another host went on with it from "
@@ -807,13 +824,6 @@ class Coordinator:
                     "that checkpoint's epoch but not the checkpoint. Resume this host "
                     "on an empty store directory (move this one aside)"
                 ) from None
-            # The session goes on from it in this store now, as after a crash here:
-            # this epoch is abandoned until the restore's fork (a failed one leaves it so).
-            self._fenced = EpochFencedError(
-                f"resume took in {taken}, the state another host went on with, and the "
-                "restore of it did not finish: resume again"
-            )
-            return taken
         return record.checkpoint_id
 
     async def resume(self, *, source: ReplicaSource | None = None) -> Resumed:
@@ -833,6 +843,15 @@ class Coordinator:
         passed over for an older compatible one (``report.skipped``); when none is
         compatible, ``IncompatibleStateError``."""
         self._check_held()  # (before anything is taken in)
+        if self._resuming or self._restoring is not None:
+            raise UsageError("a restore is already in progress")
+        self._resuming = True
+        try:
+            return await self._resume(source)
+        finally:
+            self._resuming = False
+
+    async def _resume(self, source: ReplicaSource | None) -> Resumed:
         chosen: str | None = None  # (None: the local high water)
         newest = None if source is None else await source.newest(self.session_id)
         if source is not None and not self.store.timeline(self.session_id):

@@ -641,3 +641,32 @@ def test_groups_reuse_their_stores_fsync_threads_and_close_ends_them(tmp_path: P
     while any(t.is_alive() for t in mine) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not any(t.is_alive() for t in mine)
+
+
+@pytest.mark.asyncio
+async def test_a_commit_cancelled_by_asyncio_holds_the_store_until_its_thread_is_done(
+    tmp_path: Path,
+) -> None:
+    """helper-66: asyncio's own cancellation (task.cancel(), a wait_for timing out)
+    reaches through an anyio shield. A caller cancelled so while its group's thread
+    wrote was let go at once, with the store's lock: the next commit ran beside the
+    first, and the store was poisoned. The caller's cancellation now comes once its
+    group is done; the next commit waits for it, and both are durable."""
+    import asyncio
+
+    fs = GateFS()
+    async with FileStore(tmp_path, fs=fs) as store:
+        first = asyncio.ensure_future(store.commit(*checkpoint(1, session_id="s1", epoch="e1")))
+        await anyio.to_thread.run_sync(fs.waiting.wait)  # its group is being written
+        first.cancel()
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(store.commit(*checkpoint(2, session_id="s2", epoch="e2")))
+        await asyncio.sleep(0.05)
+        let_go = first.done()
+        fs.open_all()
+        assert not let_go, "cancelled while its thread still writes"
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert (await second).record.checkpoint_id == "ckpt-2"
+        assert sorted(listed(store)) == ["ckpt-1", "ckpt-2"]
+        assert store.poisoned is None

@@ -808,6 +808,72 @@ async def test_a_resume_that_took_in_another_hosts_work_and_failed_fences_the_ho
 
 
 @pytest.mark.asyncio
+async def test_a_resume_onto_an_empty_disk_that_failed_fences_the_host_too(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-66: the empty-disk path of resume(source=) takes the replicated state
+    in too, and its host's epoch was not fenced when the restore then failed: its
+    next capture was accepted and failed late, as a stale epoch it never chose."""
+    from coordinator import EpochFencedError, RestoreFailedError
+
+    b_parts = await taken_over_to_six(server.url, tmp_path)
+    world, agent = Part("world", b"c's own"), RefusingPart("agent-a", b"c", "refused")
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "c") as store:
+        host = Coordinator(store, bus, [world, agent], session_id="s1", describe=DESCRIBE)
+        async with host:
+            with pytest.raises(RestoreFailedError):
+                await host.resume(source=Replicas(bus))
+            with pytest.raises(EpochFencedError, match="resume again"):
+                await host.capture(1)
+            agent.how = "stages"
+            assert (await host.resume()).step == 6
+    assert (world.data, agent.data) == (b_parts[0].data, b_parts[1].data)
+
+
+@pytest.mark.asyncio
+async def test_a_second_resume_while_one_is_under_way_is_refused(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-66: two resume(source=) racing on one host: the second took B's state
+    in again after the first had forked from it, and said the store could not take
+    it in (move it aside): false. A resume under way refuses another, as a restore
+    under way does."""
+    from coordinator import UsageError
+
+    b_parts = await taken_over_to_six(server.url, tmp_path)
+    world, agent = Part("world", b""), Part("agent-a", b"a")
+
+    class Held:  # the replicas, fetched once the second resume was asked
+        def __init__(self, replicas: Replicas) -> None:
+            self.replicas, self.fetching, self.go = replicas, anyio.Event(), anyio.Event()
+
+        async def newest(self, session_id: str) -> Any:
+            return await self.replicas.newest(session_id)
+
+        async def fetch(self, session_id: str) -> Any:
+            self.fetching.set()
+            await self.go.wait()
+            return await self.replicas.fetch(session_id)
+
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        host = Coordinator(store, bus, [world, agent], session_id="s1", describe=DESCRIBE)
+        held = Held(Replicas(bus))
+        first: list[int | None] = []
+
+        async def resume_first() -> None:
+            first.append((await host.resume(source=held)).step)
+
+        async with host, anyio.create_task_group() as group:
+            group.start_soon(resume_first)
+            await held.fetching.wait()  # the first is taking B's state in
+            with pytest.raises(UsageError, match="already in progress"):
+                await host.resume(source=Replicas(bus))
+            held.go.set()
+        assert first == [6]
+    assert (world.data, agent.data) == (b_parts[0].data, b_parts[1].data)
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("leased", [True, False], ids=["leased", "leaseless"])
 @pytest.mark.parametrize("how", ["resumed-elsewhere", "rolled-back"])
 async def test_a_host_that_took_in_a_restored_state_is_replicated(

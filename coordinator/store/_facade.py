@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -318,8 +319,9 @@ class FileStore:
         Cancelled before any member was taken into a group, nothing is committed
         and the cancellation propagates. Once one is taken, every member is
         committed (a commit is never left half done) and the outcomes are
-        returned: like a thread's result, the cancellation is the caller's, at
-        its next await."""
+        returned: like a thread's result, an anyio scope's cancellation is the
+        caller's, at its next await. asyncio's own (``task.cancel()``, a
+        ``wait_for`` timing out) is raised once the group is done."""
         return await self._commit_members([GroupMember(*checkpoint) for checkpoint in checkpoints])
 
     async def _commit_members(
@@ -336,7 +338,10 @@ class FileStore:
                 raise
             with anyio.CancelScope(shield=True):  # taken: the rest go too
                 await self._lead(waiting)
-            if not isinstance(error, anyio.get_cancelled_exc_class()):
+            # An anyio scope's cancellation comes again at the caller's next await;
+            # asyncio's own (task.cancel(), wait_for) would not: raised now, the group done.
+            scope_cancelled = anyio.current_effective_deadline() == -math.inf
+            if not isinstance(error, anyio.get_cancelled_exc_class()) or not scope_cancelled:
                 raise
         outcomes: list[CommitReceipt | Exception] = []
         for w in waiting:
@@ -394,16 +399,21 @@ class FileStore:
         of the whole call included: a bug, or the store closed meanwhile)."""
         size = sum(waiting.size for waiting in group)
         run = run_in_bulk_thread if size >= BULK_BYTES else self._run
-        outcomes: Sequence[CommitReceipt | BaseException] = []
+        outcomes: list[CommitReceipt | BaseException] = []
+
+        async def commit() -> None:
+            outcomes.extend(await run(self.core.commit_group, [w.member for w in group]))
+
         try:
             # Taken commits are owed an outcome: the leader's own cancellation
-            # comes after (at its next await), never instead of the group.
-            with anyio.CancelScope(shield=True):
-                outcomes = await run(self.core.commit_group, [w.member for w in group])
+            # comes after, never instead of the group; and the lock is held until
+            # the thread is done (asyncio's own cancellation reaches through a
+            # shield: the next group would run beside this one).
+            await whole(commit)
         except Exception as error:  # each member learns it
-            outcomes = [error] * len(group)
-        except BaseException as error:  # (an interrupt): each member learns it too
-            outcomes = [error] * len(group)
+            outcomes[:] = outcomes or [error] * len(group)
+        except BaseException as error:  # (an interrupt, a cancellation after the end)
+            outcomes[:] = outcomes or [error] * len(group)
             raise
         finally:
             for waiting, outcome in zip(group, outcomes, strict=True):
