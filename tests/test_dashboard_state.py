@@ -185,3 +185,16 @@ def test_beats_of_more_sessions_than_it_keeps_hold_its_memory_flat() -> None:
         board.apply_presence(beat(f"h{n % 1500}", start))
     assert len(board.sessions) == 100
     assert len(board._trim_next) <= 2 * 100 + 1
+
+
+def test_an_older_beat_never_replaces_a_newer() -> None:
+    """helper-68: whoever may write CKPT_HOSTS answered each beat of a live host
+    with a copy dated an hour back: the dashboard and /metrics said gone for as
+    long as it went on (the gone alert firing); watch kept the newer beat."""
+    board = Dashboard()
+    start = time.time()
+    board.apply_presence(beat("s", start))
+    board.apply_presence(beat("s", start - 3600))
+    assert board.overview(now=start + 1)["sessions"][0]["health"] == "ok"
+    board.apply_presence(beat("s", start + 2))  # the host's next beat is taken
+    assert board.sessions["s"].presence_s == pytest.approx(start + 2, abs=1e-5)

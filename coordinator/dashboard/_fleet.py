@@ -563,10 +563,16 @@ class Dashboard:
                 row.abandoned = True
 
     def apply_presence(self, presence: Presence) -> None:
-        """A host's beat (docs/events.md, "Presence")."""
+        """A host's beat (docs/events.md, "Presence"). An older beat never replaces
+        a newer (helper-68: a copy of each beat dated an hour back, put right
+        after it, kept a live host gone, and its alert firing, as watch does not)."""
         session = self._session(presence.session_id)
+        when = _host_time(presence.time)
+        kept = session.presence_s
+        if kept is not None and (when is None or when < kept):
+            return
         session.presence = presence
-        session.presence_s = _host_time(presence.time)
+        session.presence_s = when
         session.forget()
         self._recency.touch(presence.session_id, session.state.high_water is not None)
         self._trim_one()  # (also takes the sessions let go off the turn: beats alone bounded)
