@@ -24,6 +24,13 @@ const MAX_MISSING = 4096;
 const MAX_SEQ = Number.MAX_SAFE_INTEGER; // 2**53 - 1
 const MAX_EVENT_ID = 259; // four Ids and three ':' (rule 1), in code points
 const MAX_IN_FLIGHT = 1024; // a host has a few; beyond, captures are only counted (rule 6)
+const MAX_TEXT = 500; // rule 6: a code or reason is cut, in code points
+const KEPT = 16; // the latest failures and restores (rule 6: bounded, whatever is published)
+const cut = (text) => [...text].slice(0, MAX_TEXT).join("");
+const keep = (list, item) => {
+  list.push(item);
+  if (list.length > KEPT) list.shift();
+};
 // Messages are UTF-8: a bad byte or a BOM makes no event (rule 1), as in Python.
 const UTF8 = new TextDecoder("utf-8", { fatal: true, ignoreBOM: true });
 // JSON.parse takes what Python's readers refuse: nesting deeper than 512 levels
@@ -79,6 +86,7 @@ class Session {
     this.queueDepth = 0;
     this.committed = 0;
     this.superseded = 0;
+    this.failed = 0;
     this.failures = [];
     this.restores = [];
     this.epoch = null;
@@ -192,12 +200,12 @@ class Session {
       if (!late) this.queueDepth = event.queueDepth;
     } else if (kind === "restored") {
       const lost = event.abandonedFrom === null ? null : [event.abandonedFrom, event.abandonedTo];
-      this.restores.push({
-        checkpointId: ckpt, epoch: event.epoch, reason: event.reason,
+      keep(this.restores, {
+        checkpointId: ckpt, epoch: event.epoch, reason: cut(event.reason),
         previousEpoch: event.previousEpoch, abandoned: lost,
       });
       if (newest) [this.highWater, this.boundary, this.highWaterSeq] = [ckpt, event.boundary, seq];
-      note += `  ${event.reason} into ${event.epoch}; abandoned ` +
+      note += `  ${cut(event.reason)} into ${event.epoch}; abandoned ` +
         (lost ? `${event.previousEpoch} steps ${lost[0]}-${lost[1]}` : "nothing");
     } else {
       this.inFlight.delete(ckpt);
@@ -210,8 +218,9 @@ class Session {
         this.superseded += 1;
         note += `  by ${event.supersededBy}`;
       } else {
-        this.failures.push({ checkpointId: ckpt, code: event.code });
-        note += `  ${event.code}: ${event.reason}`;
+        this.failed += 1;
+        keep(this.failures, { checkpointId: ckpt, code: cut(event.code) });
+        note += `  ${cut(event.code)}: ${cut(event.reason)}`;
       }
     }
     this.queueDepth = Math.min(this.queueDepth, this.inFlight.size); // queued is in flight
@@ -235,7 +244,8 @@ class Session {
       inFlight: [...this.inFlight].sort(), untracked: this.untracked, queueDepth: this.queueDepth,
       closedOut: this.closedOut,
       committed: this.committed,
-      superseded: this.superseded, failed: this.failures, restores: this.restores,
+      superseded: this.superseded, failed: this.failures, failedCount: this.failed,
+      restores: this.restores,
       lastSeq: this.lastSeq, gaps: this.gaps(), lost: this.lost,
       replicated: this.replicated, replicatedHighWater: this.replicatedHighWater,
       invalid: this.invalid, contradicting: this.contradicting,
@@ -252,7 +262,7 @@ class Monitor {
     this.skipped = 0;
   }
 
-  receive(data) {
+  receive(data, subject) {
     let event;
     try {
       event = JSON.parse(UTF8.decode(data));
@@ -272,6 +282,13 @@ class Monitor {
         this.sessions.get(named).invalid += 1;
       }
       console.log("skipped a message that is not an event");
+      return;
+    }
+    if (subject.split(".")[1] !== token(event.sessionId)) {
+      // An event on another session's subject is no event of that session:
+      // publish rights on the subjects are the defence (docs/events.md).
+      this.skipped += 1;
+      console.log(`skipped an event naming ${event.sessionId} on ${subject}`);
       return;
     }
     if (!this.sessions.has(event.sessionId)) this.sessions.set(event.sessionId, new Session());
@@ -296,7 +313,7 @@ class Monitor {
       `${(typeof event.checkpointId === "string" ? event.checkpointId : "-").padEnd(14)} ` +
       `hw=${state.highWater}@${state.boundary} ` +
       `in-flight=${state.inFlight.size} committed=${state.committed} ` +
-      `superseded=${state.superseded} failed=${state.failures.length}${note}`,
+      `superseded=${state.superseded} failed=${state.failed}${note}`,
     );
   }
 
@@ -341,7 +358,10 @@ async function readDurable(js, session) {
     } catch {
       continue; // not an event: nothing durable to show for it
     }
-    if (typeof event?.sessionId === "string" && typeof event?.highWater === "string") {
+    // Only the session's own key says what it saved: whoever may write one key
+    // would otherwise speak for every session.
+    if (typeof event?.sessionId === "string" && token(event.sessionId) === key &&
+      typeof event?.highWater === "string") {
       durable.set(event.sessionId, event);
     }
   }
@@ -402,7 +422,7 @@ async function main() {
       if (replayed && args.once) break; // replayed, and nothing came for `idle` seconds
       continue;
     }
-    monitor.receive(message.data);
+    monitor.receive(message.data, message.subject);
     replayed = replayed || message.info.pending === 0; // the history's last message
   }
   await nc.close();

@@ -36,6 +36,7 @@ MAX_EVENT_ID = 259  # four Ids and three ':' (rule 1)
 MAX_IN_FLIGHT = 1024  # a host has a few; beyond, captures are only counted (rule 6)
 MAX_NESTING = 512  # objects and arrays within each other (rule 1); no event nests 4
 MAX_JUMP, RESYNC = 4096, 16  # rule 3: no gap the bus leaves is longer; a run that re-bases
+MAX_TEXT, KEPT = 500, 16  # rule 6: a code or reason is cut; the latest failures and restores
 
 
 def token(session: str) -> str:
@@ -55,8 +56,13 @@ class Session:
     queue_depth: int = 0  # from the latest queued; never more than in flight (rule 6)
     committed: int = 0
     superseded: int = 0
-    failures: list[dict[str, str]] = field(default_factory=list)
-    restores: list[dict] = field(default_factory=list)  # what each restore installed, and lost
+    failed: int = 0
+    failures: collections.deque[dict[str, str]] = field(
+        default_factory=lambda: collections.deque(maxlen=KEPT)
+    )  # the latest failures (rule 6: kept bounded, whatever is published)
+    restores: collections.deque[dict] = field(
+        default_factory=lambda: collections.deque(maxlen=KEPT)
+    )  # what the latest restores installed, and lost
     replicated: int = 0  # generations that reached the replicated tier
     replicated_high_water: str | None = None
     replicated_seq: int = 0
@@ -156,19 +162,21 @@ class Session:
             self.superseded += 1
             note += f"  by {event['supersededBy']}"
         elif kind == "failed":
-            self.failures.append({"checkpointId": ckpt, "code": event["code"]})
-            note += f"  {event['code']}: {event['reason']}"
+            self.failed += 1
+            code, reason = event["code"][:MAX_TEXT], event["reason"][:MAX_TEXT]
+            self.failures.append({"checkpointId": ckpt, "code": code})
+            note += f"  {code}: {reason}"
         elif kind == "restored":  # the high water is the checkpoint restored now
             if newest:
                 self.high_water, self.boundary = ckpt, event["boundary"]
                 self.high_water_seq = seq
             lost = [event["abandonedFrom"], event["abandonedTo"]]
             self.restores.append({
-                "checkpointId": ckpt, "epoch": event["epoch"], "reason": event["reason"],
+                "checkpointId": ckpt, "epoch": event["epoch"], "reason": event["reason"][:MAX_TEXT],
                 "previousEpoch": event["previousEpoch"],
                 "abandoned": lost if lost[0] is not None else None,
             })  # fmt: skip
-            note += f"  {event['reason']} into {event['epoch']}; abandoned " + (
+            note += f"  {event['reason'][:MAX_TEXT]} into {event['epoch']}; abandoned " + (
                 f"{event['previousEpoch']} steps {lost[0]}-{lost[1]}" if lost[0] else "nothing"
             )
         return note
@@ -180,7 +188,8 @@ class Session:
             "queueDepth": self.queue_depth,
             "closedOut": self.closed_out,
             "committed": self.committed,
-            "superseded": self.superseded, "failed": self.failures, "restores": self.restores,
+            "superseded": self.superseded, "failed": list(self.failures),
+            "failedCount": self.failed, "restores": list(self.restores),
             "lastSeq": self.last_seq, "gaps": self.gaps(), "lost": self.lost,
             "replicated": self.replicated, "replicatedHighWater": self.replicated_high_water,
             "invalid": self.invalid, "contradicting": self.contradicting,
@@ -240,8 +249,11 @@ async def read_durable(js, session: str | None) -> dict[str, dict]:
     for key in keys:
         with contextlib.suppress(nats.js.errors.KeyNotFoundError, ValueError, TypeError):
             event = parse((await kv.get(key)).value)
-            if isinstance(event, dict) and isinstance(event.get("sessionId"), str) and isinstance(event.get("highWater"), str):
-                durable[event["sessionId"]] = event
+            named = event.get("sessionId") if isinstance(event, dict) else None
+            # Only the session's own key says what it saved: whoever may write one
+            # key would otherwise speak for every session.
+            if isinstance(named, str) and token(named) == key and isinstance(event.get("highWater"), str):
+                durable[named] = event
     return durable
 
 
@@ -306,8 +318,14 @@ class Monitor:
     duplicates: int = 0
     skipped: int = 0  # messages that were no events (rule 1)
 
-    def receive(self, data: bytes) -> None:
+    def receive(self, data: bytes, subject: str) -> None:
         event = parse(data)
+        if is_event(event) and subject.split(".")[1:2] != [token(event["sessionId"])]:
+            # An event on another session's subject is no event of that session:
+            # publish rights on the subjects are the defence (docs/events.md).
+            self.skipped += 1
+            print(f"skipped an event naming {event['sessionId']} on {subject}")
+            return
         if not is_event(event):  # rule 1: counted, and on a session followed, there too
             self.skipped += 1
             named = event.get("sessionId") if isinstance(event, dict) else None
@@ -337,7 +355,7 @@ class Monitor:
             f"{session_id:12} {event['seq']:5} {kind:10} {shown:14} "
             f"hw={state.high_water}@{state.boundary} in-flight={len(state.in_flight)} "
             f"committed={state.committed} superseded={state.superseded} "
-            f"failed={len(state.failures)}{note}",
+            f"failed={state.failed}{note}",
             flush=True,
         )
 
@@ -387,7 +405,7 @@ async def run(url: str, session: str | None, once: bool, idle: float) -> int:
             if replayed and once:
                 break  # the history is replayed and nothing came for `idle` seconds
             continue
-        state.receive(msg.data)
+        state.receive(msg.data, msg.subject)
         replayed = replayed or msg.metadata.num_pending == 0  # the history's last message
     await nc.close()
     print(state.summary())
