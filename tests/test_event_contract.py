@@ -478,3 +478,34 @@ async def test_both_examples_fold_a_stream_with_no_kv_bucket(tmp_path: Path, nod
         await client.close()
         python, javascript = await both_examples(server.url, node)
     assert python == javascript and python["sessions"]["s"]["inFlight"] == ["c1"]
+
+
+@pytest.mark.asyncio
+async def test_both_examples_let_no_session_speak_for_another(tmp_path: Path, node: str) -> None:
+    """helper-68: a committed naming s1 on s2's subject, and one under s2's KV key,
+    were s1's high water and durable state in the examples (a user narrowed to s2
+    may publish both); and 300 failures with 600 KB codes kept every byte. Each
+    example takes an event from its own session's subject only, a durable state
+    from its own key only, and keeps the latest 16 failures, cut to 500 characters."""
+    async with EmbeddedServer(tmp_path / "nats") as server:
+        client = await nats.connect(server.url)
+        js = client.jetstream()
+        await js.add_stream(name="CKPT", subjects=["ckpt.>"])
+        kv = await js.create_key_value(bucket="CKPT_COMMITTED")
+        base = {"sessionId": "s1", "epoch": "e", "checkpointId": "c1"}
+        forged = {**base, "event": "committed", "seq": 1, "eventId": "s1:e:c1:committed",
+                  "highWater": "forged", "boundary": "9"}  # fmt: skip
+        await js.publish("ckpt.s2.committed", json.dumps(forged).encode())
+        await kv.put("s2", json.dumps(forged).encode())
+        for seq in range(1, 41):
+            failed = {**base, "event": "failed", "seq": seq, "checkpointId": f"c{seq}",
+                      "eventId": f"s3:e:c{seq}:failed", "sessionId": "s3",
+                      "code": "x" * 600, "reason": "y" * 600}  # fmt: skip
+            await js.publish("ckpt.s3.failed", json.dumps(failed).encode())
+        await client.close()
+        python, javascript = await both_examples(server.url, node)
+    assert python == javascript
+    assert "s1" not in python["sessions"] and python["skipped"] == 1
+    s3 = python["sessions"]["s3"]
+    assert s3["failedCount"] == 40 and len(s3["failed"]) == 16
+    assert s3["failed"][-1] == {"checkpointId": "c40", "code": "x" * 500}
