@@ -362,7 +362,8 @@ def _ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         line = "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
         print("  " + line, file=out)
     print(
-        "(* its session's high water; x abandoned by a restore, never restored by default)",
+        "(* its session's high water; x abandoned by a restore or a take-over, "
+        "never restored by default)",
         file=out,
     )
     return EXIT_OK
