@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .errors import NoSpaceError as NoSpaceError
     from .errors import NotAStoreError as NotAStoreError
     from .errors import NotCanonicalError as NotCanonicalError
+    from .errors import NoThreadError as NoThreadError
     from .errors import RemoteWorkerError as RemoteWorkerError
     from .errors import RenameError as RenameError
     from .errors import RestoreFailedError as RestoreFailedError
@@ -98,6 +99,7 @@ _LAZY = {
     "ManifestError": ".errors",
     "ManifestFullError": ".errors",
     "NoSpaceError": ".errors",
+    "NoThreadError": ".errors",
     "NotAStoreError": ".errors",
     "NotCanonicalError": ".errors",
     "RemoteWorkerError": ".errors",
@@ -185,6 +187,7 @@ __all__ = [
     "ManifestError",
     "ManifestFullError",
     "NoSpaceError",
+    "NoThreadError",
     "NotAStoreError",
     "NotCanonicalError",
     "Progress",

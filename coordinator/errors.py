@@ -56,8 +56,9 @@ into typed attributes; the message is built once, here.
         │   ├── RenameError               store.rename
         │   ├── ManifestFullError         store.manifest_full  the manifest would pass 16 MiB
         │   └── StorePoisonedError        store.poisoned   refused: a directory fsync failed
-        └── DurabilityUnknownError        store.durability_unknown  the commit point's fsync
-                                                           failed: durable or not, unknown
+        ├── DurabilityUnknownError        store.durability_unknown  the commit point's fsync
+        │                                                  failed: durable or not, unknown
+        └── NoThreadError                 store.no_thread  no thread could start: nothing done
 
 The codes the reference coordinator gives the STATE-01 refusals are kept as
 ``reference_code`` (``IDENTITY_MISMATCH``, ``INCOMPATIBLE_STATE``).
@@ -690,6 +691,30 @@ class DurabilityUnknownError(StoreError):
             f"after it failed ({error.strerror or error}); whether it is durable is "
             f"unknown until {path} is reopened"
         )
+
+
+class NoThreadError(StoreError):
+    """No thread could be started for the store's work (the process, or its
+    cgroup, is out of them): nothing was done; the call may be made again."""
+
+    code: ClassVar[str] = "store.no_thread"
+
+
+def no_thread(error: RuntimeError, what: str) -> RuntimeError | NoThreadError:
+    """``NoThreadError`` for ``what`` if ``error`` is CPython's bare "can't start
+    new thread"; else ``error`` itself."""
+    if "can't start new thread" not in str(error):
+        return error
+    return NoThreadError(f"no thread could be started for {what} ({error})")
+
+
+def started(thread: Any) -> None:
+    """``thread.start()`` (a ``threading.Thread``), ``NoThreadError`` when none
+    can be started."""
+    try:
+        thread.start()
+    except RuntimeError as error:
+        raise no_thread(error, f"the {thread.name} thread") from None
 
 
 def release_frames(error: BaseException) -> None:

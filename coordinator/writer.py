@@ -86,6 +86,7 @@ from .errors import (
     DurabilityUnknownError,
     EnvelopeInputError,
     EpochFencedError,
+    NoThreadError,
     SaveFailedError,
     StorePoisonedError,
     SyncError,
@@ -1381,6 +1382,8 @@ def _as_commit_failure(error: Exception) -> CoordinatorError:
 def _retryable(failure: CoordinatorError) -> bool:
     """A commit fault a new temporary file could fix: never a failed fsync, never
     anything in a poisoned store (nor an unknown outcome, which is no CommitError)."""
+    if isinstance(failure, NoThreadError):  # (nothing was done: threads may come back)
+        return True
     return isinstance(failure, CommitError) and not isinstance(
         failure, SyncError | StorePoisonedError
     )

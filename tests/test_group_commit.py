@@ -20,7 +20,13 @@ from hostkit import GateFS
 from storekit import checkpoint, listed
 from test_store_crash import allowed
 
-from coordinator import DurabilityUnknownError, NoSpaceError, RenameError, SyncError
+from coordinator import (
+    DurabilityUnknownError,
+    NoSpaceError,
+    NoThreadError,
+    RenameError,
+    SyncError,
+)
 from coordinator.store import FileStore, SyncStore
 from coordinator.store._sync import GroupMember
 
@@ -521,7 +527,7 @@ def test_a_store_whose_fsync_threads_cannot_start_fails_the_group_and_recovers(
     with SyncStore(tmp_path) as store:
         monkeypatch.setattr(threading.Thread, "start", cannot_start)
         for first in (1, 3, 5, 7, 9, 11, 13, 15, 17):  # more failures than threads allowed
-            with pytest.raises(RuntimeError):
+            with pytest.raises(NoThreadError):
                 store.commit_group([member(first, 1), member(first + 1, 2)])
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("tmp+")]
         monkeypatch.setattr(threading.Thread, "start", real_start)
@@ -670,3 +676,29 @@ async def test_a_commit_cancelled_by_asyncio_holds_the_store_until_its_thread_is
         assert (await second).record.checkpoint_id == "ckpt-2"
         assert sorted(listed(store)) == ["ckpt-1", "ckpt-2"]
         assert store.poisoned is None
+
+
+@pytest.mark.asyncio
+async def test_a_store_that_cannot_start_a_thread_says_so_typed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process out of threads: anyio's pool could start no worker, and FileStore
+    raised the bare RuntimeError CPython gives. It is NoThreadError
+    (store.no_thread): nothing ran, and the next call, with threads again, commits."""
+    real_start = threading.Thread.start
+
+    def cannot_start(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    async with FileStore(tmp_path) as store:
+        await anyio.to_thread.run_sync(lambda: None)  # (a worker, idle in the pool)
+        monkeypatch.setattr(threading.Thread, "start", cannot_start)
+        async with anyio.create_task_group() as group:  # the idle worker busy: a new one is needed
+            group.start_soon(anyio.to_thread.run_sync, time.sleep, 0.3)
+            await anyio.sleep(0.05)
+            with pytest.raises(NoThreadError) as refused:
+                await store.commit(*checkpoint(3, session_id="s1", epoch="e1"))
+        assert refused.value.code == "store.no_thread"
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        await store.commit(*checkpoint(4, session_id="s1", epoch="e1"))
+        assert listed(store) == ["ckpt-4"]

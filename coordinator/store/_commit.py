@@ -46,6 +46,7 @@ from ..errors import (
     StorePoisonedError,
     SyncError,
 )
+from ..errors import started as start_thread
 from ..fs import FILE_MODE, FileSystem
 from ._manifest import (
     LOCK,
@@ -257,7 +258,7 @@ class CommitSequence:
 
         payloads = threading.Thread(target=write_payloads, name="coordinator-placed")
         try:
-            payloads.start()
+            start_thread(payloads)
             envelope.digest(os.cpu_count() or 1, thread_setup=thread_setup)
             if timings is not None:
                 timings["digest"] = round((time.perf_counter() - started) * 1000, 3)

@@ -16,7 +16,13 @@ import anyio.to_thread
 
 from ..buffers import BytesLike
 from ..cancellation import whole
-from ..errors import DuplicateCheckpointError, StaleEpochError, StoreClosedError, UsageError
+from ..errors import (
+    DuplicateCheckpointError,
+    StaleEpochError,
+    StoreClosedError,
+    UsageError,
+    no_thread,
+)
 from ..fs import FileSystem
 from ..manifest import CheckpointManifest
 from ._manifest import GenerationRecord, SessionRecord
@@ -101,7 +107,10 @@ class FileStore:
         return self._core
 
     async def _run(self, function: Callable[..., Any], *args: Any) -> Any:
-        return await anyio.to_thread.run_sync(function, *args, abandon_on_cancel=False)
+        try:
+            return await anyio.to_thread.run_sync(function, *args, abandon_on_cancel=False)
+        except RuntimeError as error:  # (anyio's pool could not start a worker: nothing ran)
+            raise no_thread(error, f"store {self.path}") from None
 
     async def _run_whole(self, undo: Callable[[Any], object], function: Callable[..., Any]) -> Any:
         """``_run``, waited for whatever cancels the caller, asyncio's own too; what

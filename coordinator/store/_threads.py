@@ -24,6 +24,8 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
+from ..errors import started
+
 __all__ = ["Workers", "lower_thread_priority", "run_in_bulk_thread"]
 
 #: How much nicer than the host bulk threads run (see the module's docstring).
@@ -64,7 +66,7 @@ async def run_in_bulk_thread(function: Callable[..., Any], *args: Any) -> Any:
         finally:
             anyio.from_thread.run_sync(done.set, token=token)
 
-    threading.Thread(target=target, name="coordinator-bulk", daemon=True).start()
+    started(threading.Thread(target=target, name="coordinator-bulk", daemon=True))
     with anyio.CancelScope(shield=True):
         await done.wait()
     # Like anyio's threads: a cancellation that came meanwhile is delivered at the
@@ -105,7 +107,7 @@ class Workers:
             thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
             self._threads += 1
             try:
-                thread.start()
+                started(thread)
             except BaseException:  # (no thread: a later call starts one again)
                 if thread.ident is None:
                     self._threads -= 1
