@@ -702,3 +702,54 @@ async def test_a_store_that_cannot_start_a_thread_says_so_typed(
         monkeypatch.setattr(threading.Thread, "start", real_start)
         await store.commit(*checkpoint(4, session_id="s1", epoch="e1"))
         assert listed(store) == ["ckpt-4"]
+
+
+class GateManifest(RecordingFS):
+    """Holds the next rename onto manifest.json until ``gate`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(keep_data=False)
+        self.armed = False
+        self.gate, self.waiting = threading.Event(), threading.Event()
+
+    def rename(self, source: str, target: str) -> None:
+        if self.armed and os.path.basename(target) == "manifest.json":
+            self.armed = False
+            self.waiting.set()
+            self.gate.wait(10)
+        super().rename(source, target)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("which", ["open_epoch", "fork_epoch"])
+async def test_an_epoch_recorded_while_its_caller_is_cancelled_holds_the_store(
+    tmp_path: Path, which: str
+) -> None:
+    """helper-69: open_epoch and fork_epoch write the manifest under the store's
+    lock; asyncio's own cancellation of their caller let the lock go while the
+    thread still wrote, and a commit ran beside it: the store poisoned. The
+    caller is cancelled once the manifest is written; the commit waits for it."""
+    import asyncio
+
+    fs = GateManifest()
+    async with FileStore(tmp_path, fs=fs) as store:
+        await store.commit(*checkpoint(1, session_id="s1", epoch="e1"))
+        fs.armed = True
+        recording = asyncio.ensure_future(
+            store.open_epoch("s1", "e1b")
+            if which == "open_epoch"
+            else store.fork_epoch("s1", "e1b", "ckpt-1")
+        )
+        await anyio.to_thread.run_sync(fs.waiting.wait)
+        recording.cancel()
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(store.commit(*checkpoint(2, session_id="s2", epoch="e2")))
+        await asyncio.sleep(0.1)
+        early = (recording.done(), second.done())
+        fs.gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await recording
+        await second
+        assert early == (False, False), "the lock was let go while the manifest was written"
+        assert store.poisoned is None
+        assert sorted(listed(store)) == ["ckpt-1", "ckpt-2"]

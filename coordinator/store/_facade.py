@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import functools
 import math
@@ -252,7 +253,9 @@ class FileStore:
         self._refuse_squatted(epoch)
         async with self._lock:
             try:
-                record: SessionRecord = await self._run(self.core.open_epoch, session_id, epoch)
+                # (whole: asyncio's own cancellation would let the lock go mid-write)
+                opening = functools.partial(self._run, self.core.open_epoch, session_id, epoch)
+                record: SessionRecord = await whole(opening)
             finally:
                 self._bump()
             return record
@@ -278,7 +281,8 @@ class FileStore:
         )
         async with self._lock:
             try:
-                record: SessionRecord = await self._run(fork, session_id, epoch, restored)
+                forking = functools.partial(self._run, fork, session_id, epoch, restored)
+                record: SessionRecord = await whole(forking)
             finally:
                 self._bump()
             return record
@@ -329,8 +333,8 @@ class FileStore:
         and the cancellation propagates. Once one is taken, every member is
         committed (a commit is never left half done) and the outcomes are
         returned: like a thread's result, an anyio scope's cancellation is the
-        caller's, at its next await. asyncio's own (``task.cancel()``, a
-        ``wait_for`` timing out) is raised once the group is done."""
+        caller's, at its next await, and so is asyncio's own (``task.cancel()``, a
+        ``wait_for`` timing out)."""
         return await self._commit_members([GroupMember(*checkpoint) for checkpoint in checkpoints])
 
     async def _commit_members(
@@ -345,13 +349,15 @@ class FileStore:
                 for w in waiting:
                     self._waiting.remove(w)
                 raise
-            with anyio.CancelScope(shield=True):  # taken: the rest go too
-                await self._lead(waiting)
-            # An anyio scope's cancellation comes again at the caller's next await;
-            # asyncio's own (task.cancel(), wait_for) would not: raised now, the group done.
-            scope_cancelled = anyio.current_effective_deadline() == -math.inf
-            if not isinstance(error, anyio.get_cancelled_exc_class()) or not scope_cancelled:
+            await whole(functools.partial(self._lead, waiting))  # taken: the rest go too
+            if not isinstance(error, anyio.get_cancelled_exc_class()):
                 raise
+            # An anyio scope's cancellation comes again at the caller's next await;
+            # asyncio's own (task.cancel(), wait_for) is asked again, to come there too.
+            if anyio.current_effective_deadline() != -math.inf:
+                task = asyncio.current_task()
+                assert task is not None
+                task.cancel()
         outcomes: list[CommitReceipt | Exception] = []
         for w in waiting:
             if isinstance(w.outcome, BaseException) and not isinstance(w.outcome, Exception):
