@@ -753,3 +753,33 @@ async def test_an_epoch_recorded_while_its_caller_is_cancelled_holds_the_store(
         assert early == (False, False), "the lock was let go while the manifest was written"
         assert store.poisoned is None
         assert sorted(listed(store)) == ["ckpt-1", "ckpt-2"]
+
+
+@pytest.mark.asyncio
+async def test_a_group_caller_cancelled_by_asyncio_gets_its_receipts_first(
+    tmp_path: Path,
+) -> None:
+    """helper-69: a writer task cancelled by asyncio while its group was written
+    lost the group's receipts, and reported durable checkpoints as failed. The
+    caller gets the receipts; the cancellation comes at its next await, as an anyio
+    scope's does."""
+    import asyncio
+
+    fs = GateFS()
+    async with FileStore(tmp_path, fs=fs) as store:
+        got: list[Any] = []
+
+        async def writer() -> None:
+            group = [(*checkpoint(n, session_id="s1", epoch="e1"), False) for n in (1, 2)]
+            got.append(await store.commit_group(group))
+            await asyncio.sleep(10)  # the cancellation comes here
+
+        task = asyncio.ensure_future(writer())
+        await anyio.to_thread.run_sync(fs.waiting.wait)  # its group is being written
+        task.cancel()
+        await asyncio.sleep(0.05)
+        fs.open_all()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert [type(outcome).__name__ for outcome in got[0]] == ["CommitReceipt"] * 2
+        assert sorted(listed(store)) == ["ckpt-1", "ckpt-2"]
