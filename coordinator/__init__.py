@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .errors import InvalidScalarError as InvalidScalarError
     from .errors import JsonError as JsonError
     from .errors import JsonValueError as JsonValueError
+    from .errors import LeaseLostError as LeaseLostError
     from .errors import ManifestError as ManifestError
     from .errors import ManifestFullError as ManifestFullError
     from .errors import NoSpaceError as NoSpaceError
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from .errors import RestoreFailedError as RestoreFailedError
     from .errors import SaveFailedError as SaveFailedError
     from .errors import ServerError as ServerError
+    from .errors import SessionLeasedError as SessionLeasedError
     from .errors import StaleEpochError as StaleEpochError
     from .errors import StoreClosedError as StoreClosedError
     from .errors import StoreDirectoryError as StoreDirectoryError
@@ -96,6 +98,8 @@ _LAZY = {
     "InvalidScalarError": ".errors",
     "JsonError": ".errors",
     "JsonValueError": ".errors",
+    "LeaseLostError": ".errors",
+    "SessionLeasedError": ".errors",
     "ManifestError": ".errors",
     "ManifestFullError": ".errors",
     "NoSpaceError": ".errors",
@@ -184,6 +188,7 @@ __all__ = [
     "JsonError",
     "JsonValueError",
     "Layout",
+    "LeaseLostError",
     "ManifestError",
     "ManifestFullError",
     "NoSpaceError",
@@ -199,6 +204,7 @@ __all__ = [
     "Resumed",
     "SaveFailedError",
     "ServerError",
+    "SessionLeasedError",
     "StaleEpochError",
     "StoreClosedError",
     "StoreDirectoryError",

@@ -561,8 +561,9 @@ def _web_missing(err: TextIO) -> bool:
     missing = [name for name in ("starlette", "uvicorn", "prometheus_client")
                if importlib.util.find_spec(name) is None]  # fmt: skip
     if missing:
+        # (not 'coordinator[web]': PyPI's 'coordinator' is another project)
         print(f"coordinator: the dashboard needs the web extra ({', '.join(missing)} "
-              "missing): pip install 'coordinator[web]' (from a checkout: "
+              f"missing): pip install {' '.join(missing)} (from a checkout: "
               "pip install '.[web]')", file=err)  # fmt: skip
     return bool(missing)
 

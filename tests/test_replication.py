@@ -2968,3 +2968,24 @@ async def test_a_coordinator_given_its_lease_stops_once_another_host_took_the_se
                 with pytest.raises(LeaseLostError):
                     await host.restore(new_epoch=host.fresh_epoch())
             assert [g.boundary for g in store.timeline("s1")] == ["1"]
+
+
+@pytest.mark.asyncio
+async def test_a_clean_stop_replicates_the_last_checkpoints(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-70: a host that stopped as docs/host.md shows (the blocks end, no
+    wait_caught_up) left its last checkpoints on its disk only: durable 600,
+    replicated 130, and the host that took over resumed far behind. A replicator
+    whose block ends without an error waits for its pointers first."""
+    parts = [Part("world", b""), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with (
+            SessionLease(bus, "s1", ttl=30) as lease,
+            Replicator(bus, store, leases=[lease], sweep_every=None),
+            Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE) as host,
+        ):
+            for step in range(1, 41):
+                parts[0].data = os.urandom(200_000)
+                await host.checkpoint(step)
+    assert await pointer_boundary(server.url) == "40"

@@ -174,9 +174,11 @@ class SessionLease:
             assert held is not None
             left = held.ttl_s - (time.time() - held.renewed_at)
             raise SessionLeasedError(
-                f"session {self.session_id} is held by {held.holder} (renewed "
-                f"{time.time() - held.renewed_at:.1f} s ago, expires in {left:.1f} s); "
-                "wait for it, or take it over explicitly"
+                f"session {self.session_id} is held by {held.holder}, renewed "
+                f"{time.time() - held.renewed_at:.1f} s ago: a live holder renews it every "
+                f"{held.ttl_s / 3:.1f} s; a holder that is gone (this host, restarted "
+                f"after a crash?) lets it expire in {left:.1f} s. Wait for that, or take "
+                "it over explicitly (take_over=True) once the holder is known to be gone"
             )
         try:
             self.revision = int(

@@ -64,6 +64,7 @@ _log = logging.getLogger("coordinator.replicate")
 __all__ = ["Replicator", "ReplicatorStatistics"]
 
 _RETRY_S = 1.0  # between attempts while the cluster cannot take an upload
+DRAIN_TIMEOUT_S = 10.0  # a clean stop waits this long at most for the pointers
 _ATTEMPTS = 3  # a move's objects made whole again at most this often
 _PARALLEL_OBJECTS = 4  # objects of one generation made or touched at once
 _MAX_PASSED = 64  # passed-over ids named in one event (the rest are counted)
@@ -128,7 +129,10 @@ class Replicator:
     coordinators of ``store``. ``grace``: how long an object no pointer
     references is kept (it must exceed the longest upload); a sweep of the
     content bucket runs every ``sweep_every`` seconds (default: a quarter of
-    ``grace``; ``None`` for never)."""
+    ``grace``; ``None`` for never). A block that ends without an error first
+    waits, ``drain_timeout`` seconds at most, until every pointer names its
+    session's state (``wait_caught_up``): a host's last checkpoints, committed as
+    it stopped, are replicated before it goes."""
 
     def __init__(
         self,
@@ -139,6 +143,7 @@ class Replicator:
         grace: float = DEFAULT_GRACE_S,
         sweep_every: float | Literal["auto"] | None = "auto",
         clock: Callable[[], float] = time.perf_counter,
+        drain_timeout: float = DRAIN_TIMEOUT_S,
     ) -> None:
         if not grace > 0:
             raise ValueError("the grace period is a positive number of seconds")
@@ -147,6 +152,7 @@ class Replicator:
         self.replicas = Replicas(bus, grace=grace)
         self.grace = grace
         self.sweep_every = grace / 4 if sweep_every == "auto" else sweep_every
+        self.drain_timeout = drain_timeout
         self.leases = {lease.session_id: lease for lease in leases}
         self.fenced: dict[str, CoordinatorError] = {}  # sessions this host lost
         self.errors: collections.deque[Exception] = collections.deque(maxlen=8)
@@ -179,9 +185,20 @@ class Replicator:
             self._group.start_soon(self._sweep_now_and_then, self.sweep_every)
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        self._group.cancel_scope.cancel()
-        await self._group.__aexit__(None, None, None)
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if exc_type is None:  # (helper-70: a planned stop left the last ones local)
+                with anyio.move_on_after(self.drain_timeout) as draining:
+                    await self.wait_caught_up()
+                if draining.cancelled_caught:
+                    _log.warning(
+                        "stopping with %d session(s) not replicated after %.0f s: their "
+                        "newest checkpoints are on this disk only", self.pending,
+                        self.drain_timeout,
+                    )  # fmt: skip
+        finally:
+            self._group.cancel_scope.cancel()
+            await self._group.__aexit__(None, None, None)
 
     # --- what each session should be ----------------------------------------------
 
@@ -197,7 +214,9 @@ class Replicator:
         )
 
     async def wait_caught_up(self) -> None:
-        """Return once every session's pointer names its state as it is now."""
+        """Return once every session's pointer names its state as it is now, but
+        for sessions held (``awaiting``: the tier names another host's state,
+        which this store never saw) and fenced ones: those are not waited for."""
         while self.pending or self._stale():
             await anyio.sleep(0.02)
 
@@ -285,7 +304,9 @@ class Replicator:
                     "session %s: the replicated tier holds %s (epoch %s), which this "
                     "store never saw (another host made it, or this disk is older than "
                     "what it replicated): its pointer is not moved to this store's state "
-                    "(%s), which would abandon it. Resume with source= to go on from it",
+                    "(%s), which would abandon it. This session's checkpoints stay on "
+                    "this disk until a resume(source=) goes on from it (a host about to "
+                    "resume so needs nothing more)",
                     session_id, current.generation.checkpoint_id, current.epoch,
                     target.record.checkpoint_id,
                 )  # fmt: skip
