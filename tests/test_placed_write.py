@@ -22,7 +22,7 @@ from fsmodel import RecordingFS, fail_nth
 from hostkit import NAMES, describe
 from storekit import checkpoint
 
-from coordinator import CommitError
+from coordinator import CommitError, NoThreadError
 from coordinator.bus import MemoryBus
 from coordinator.envelope import EnvelopePlan
 from coordinator.fs import FileSystem
@@ -317,7 +317,7 @@ def test_a_payload_thread_that_cannot_start_leaves_nothing(
     fs = RecordingFS(keep_data=False)
     with SyncStore(tmp_path / "s", fs=fs) as store:
         monkeypatch.setattr(threading.Thread, "start", refuse)
-        with pytest.raises(RuntimeError):
+        with pytest.raises(NoThreadError):  # (typed: store.no_thread)
             store.commit(pending(manifest, names), payloads, digests_pending=names)
         monkeypatch.setattr(threading.Thread, "start", real_start)
         assert not [n for n in os.listdir(tmp_path / "s") if n.startswith("tmp+")]
