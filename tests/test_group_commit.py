@@ -693,11 +693,15 @@ async def test_a_store_that_cannot_start_a_thread_says_so_typed(
     async with FileStore(tmp_path) as store:
         await anyio.to_thread.run_sync(lambda: None)  # (a worker, idle in the pool)
         monkeypatch.setattr(threading.Thread, "start", cannot_start)
+        held = threading.Event()
         async with anyio.create_task_group() as group:  # the idle worker busy: a new one is needed
-            group.start_soon(anyio.to_thread.run_sync, time.sleep, 0.3)
+            group.start_soon(anyio.to_thread.run_sync, held.wait)
             await anyio.sleep(0.05)
-            with pytest.raises(NoThreadError) as refused:
-                await store.commit(*checkpoint(3, session_id="s1", epoch="e1"))
+            try:
+                with pytest.raises(NoThreadError) as refused:
+                    await store.commit(*checkpoint(3, session_id="s1", epoch="e1"))
+            finally:
+                held.set()
         assert refused.value.code == "store.no_thread"
         monkeypatch.setattr(threading.Thread, "start", real_start)
         await store.commit(*checkpoint(4, session_id="s1", epoch="e1"))

@@ -2982,7 +2982,7 @@ async def test_a_clean_stop_replicates_the_last_checkpoints(
     async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
         async with (
             SessionLease(bus, "s1", ttl=30) as lease,
-            Replicator(bus, store, leases=[lease], sweep_every=None),
+            Replicator(bus, store, leases=[lease], sweep_every=None, drain_timeout=120),
             Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE) as host,
         ):
             for step in range(1, 41):
