@@ -380,8 +380,8 @@ class Coordinator:
             if self._restoring is not None:
                 self._restoring.cancel()
                 await whole(self._restored.wait)  # (asyncio's own cancel too: it ends first)
-            final = self._open and self.final_step is not None and self._fenced is None
-            final = final and (self.lease is None or self.lease.lost is None)
+            final = self._open and self.final_step is not None
+            final = final and self._fenced is None and self._lost is None
             if error is None and final:
                 assert self.final_step is not None
                 # An older unseen failure is raised after it, not instead of it.
@@ -443,11 +443,16 @@ class Coordinator:
 
     # --- capture -------------------------------------------------------------------
 
+    @property
+    def _lost(self) -> CoordinatorError | None:
+        """The lease's loss (``LeaseLostError``), once another host took it."""
+        return None if self.lease is None else self.lease.lost
+
     def _check_held(self) -> None:
         """A host whose lease another host took captures and restores nothing more:
-        the session is the other host's (``LeaseLostError``)."""
-        if self.lease is not None and self.lease.lost is not None:
-            raise self.lease.lost
+        the session is the other host's."""
+        if (lost := self._lost) is not None:
+            raise lost
 
     def _check_capturing(self, closing: bool = False) -> None:
         if not self._open or (self._shutting and not closing):

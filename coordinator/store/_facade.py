@@ -113,14 +113,17 @@ class FileStore:
         except RuntimeError as error:  # (anyio's pool could not start a worker: nothing ran)
             raise no_thread(error, f"store {self.path}") from None
 
-    async def _run_whole(self, undo: Callable[[Any], object], function: Callable[..., Any]) -> Any:
-        """``_run``, waited for whatever cancels the caller, asyncio's own too; what
+    async def _run_whole(
+        self, function: Callable[..., Any], undo: Callable[[Any], object] | None = None
+    ) -> Any:
+        """``_run``, waited for whatever cancels the caller, asyncio's own too (a
+        manifest written under the lock is never left mid-write); what
         ``function`` made is ``undo``ne if nobody takes it (an open file, a lock)."""
         return await whole(functools.partial(self._run, function), undo)
 
     async def __aenter__(self) -> Self:
         opening = functools.partial(SyncStore, self.path, **self._options)
-        self._core = await self._run_whole(SyncStore.close, opening)
+        self._core = await self._run_whole(opening, SyncStore.close)
         return self
 
     async def __aexit__(
@@ -253,9 +256,8 @@ class FileStore:
         self._refuse_squatted(epoch)
         async with self._lock:
             try:
-                # (whole: asyncio's own cancellation would let the lock go mid-write)
-                opening = functools.partial(self._run, self.core.open_epoch, session_id, epoch)
-                record: SessionRecord = await whole(opening)
+                opening = functools.partial(self.core.open_epoch, session_id, epoch)
+                record: SessionRecord = await self._run_whole(opening)
             finally:
                 self._bump()
             return record
@@ -281,8 +283,8 @@ class FileStore:
         )
         async with self._lock:
             try:
-                forking = functools.partial(self._run, fork, session_id, epoch, restored)
-                record: SessionRecord = await whole(forking)
+                forking = functools.partial(fork, session_id, epoch, restored)
+                record: SessionRecord = await self._run_whole(forking)
             finally:
                 self._bump()
             return record
@@ -425,8 +427,8 @@ class FileStore:
             # the thread is done (asyncio's own cancellation reaches through a
             # shield: the next group would run beside this one).
             await whole(commit)
-        except Exception as error:  # each member learns it
-            outcomes[:] = outcomes or [error] * len(group)
+        except Exception as error:  # each member learns it (raised before any outcome)
+            outcomes[:] = [error] * len(group)
         except BaseException as error:  # (an interrupt, a cancellation after the end)
             outcomes[:] = outcomes or [error] * len(group)
             raise
@@ -509,7 +511,7 @@ class FileStore:
         async with self._lock:
             record = self.core.select(checkpoint_id, session_id=session_id)
             opening = functools.partial(self.core.open_staged, record)
-            staged: StagedRead = await self._run_whole(StagedRead.close, opening)
+            staged: StagedRead = await self._run_whole(opening, StagedRead.close)
             if pin:
                 self.core.pin(record.checkpoint_id)
         return staged
@@ -534,7 +536,7 @@ class FileStore:
         view is for no reader. The file is closed either way."""
         try:  # (the file is closed once its threads are done, however it ends)
             reading = functools.partial(staged.read, buffers or {}, keep)
-            stored: StoredCheckpoint = await self._run_whole(StoredCheckpoint.close, reading)
+            stored: StoredCheckpoint = await self._run_whole(reading, StoredCheckpoint.close)
         finally:
             staged.close()
         return stored
