@@ -871,7 +871,7 @@ class Coordinator:
         # resume goes on from this store's own state (``FileStore.has_seen``).
         self._resuming_over = None if newest is None else newest[0]
         try:
-            report = await self.restore(chosen, new_epoch=self.fresh_epoch())
+            report = await self._restore(chosen, new_epoch=self.fresh_epoch())
         except GenerationNotFoundError:
             if self.store.timeline(self.session_id):
                 raise  # listed, yet not found: not "nothing to restore"
@@ -929,8 +929,18 @@ class Coordinator:
         generation of the session's timeline is taken; newer incompatible ones are
         named in ``RestoreReport.skipped``. ``allow_incompatible=True`` installs
         the named generation (or the high water) whatever differs, and the
-        differences are recorded, in the store and in the event.
+        differences are recorded, in the store and in the event. Refused
+        (``UsageError``) while a restore or a resume is under way.
         """
+        if self._resuming:  # (a resume's own restore is ``_restore``)
+            raise UsageError("a restore is already in progress (a resume)")
+        return await self._restore(
+            checkpoint_id, new_epoch=new_epoch, allow_incompatible=allow_incompatible
+        )
+
+    async def _restore(
+        self, checkpoint_id: str | None, *, new_epoch: str, allow_incompatible: bool = False
+    ) -> RestoreReport:
         if not self._open or self._shutting:
             raise WriterClosedError("the coordinator is closed (or not open yet)")
         if self._restoring is not None:

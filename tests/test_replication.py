@@ -836,8 +836,8 @@ async def test_a_second_resume_while_one_is_under_way_is_refused(
 ) -> None:
     """helper-66: two resume(source=) racing on one host: the second took B's state
     in again after the first had forked from it, and said the store could not take
-    it in (move it aside): false. A resume under way refuses another, as a restore
-    under way does."""
+    it in (move it aside): false. A resume under way refuses another, and a restore,
+    as a restore under way does."""
     from coordinator import UsageError
 
     b_parts = await taken_over_to_six(server.url, tmp_path)
@@ -868,6 +868,8 @@ async def test_a_second_resume_while_one_is_under_way_is_refused(
             await held.fetching.wait()  # the first is taking B's state in
             with pytest.raises(UsageError, match="already in progress"):
                 await host.resume(source=Replicas(bus))
+            with pytest.raises(UsageError, match="already in progress"):  # (nor a restore)
+                await host.restore(new_epoch=host.fresh_epoch())
             held.go.set()
         assert first == [6]
     assert (world.data, agent.data) == (b_parts[0].data, b_parts[1].data)
