@@ -787,3 +787,66 @@ async def test_a_group_caller_cancelled_by_asyncio_gets_its_receipts_first(
             await task
         assert [type(outcome).__name__ for outcome in got[0]] == ["CommitReceipt"] * 2
         assert sorted(listed(store)) == ["ckpt-1", "ckpt-2"]
+
+
+@pytest.mark.asyncio
+async def test_a_commit_under_asyncio_timeout_times_out_after_its_receipt(
+    tmp_path: Path,
+) -> None:
+    """helper-71: a commit inside `asyncio.timeout()` that expired while its thread
+    wrote let a bare CancelledError escape the block, not TimeoutError: the
+    cancellation asked again for the caller's next await counted twice."""
+    import asyncio
+
+    fs = GateFS()
+    async with FileStore(tmp_path, fs=fs) as store:
+        got: list[Any] = []
+
+        async def commit() -> None:
+            async with asyncio.timeout(0.05):
+                got.append(await store.commit(*checkpoint(1, session_id="s1", epoch="e1")))
+                await asyncio.sleep(10)
+
+        task = asyncio.ensure_future(commit())
+        await anyio.to_thread.run_sync(fs.waiting.wait)
+        await asyncio.sleep(0.1)  # the timeout expires while the thread writes
+        fs.open_all()
+        with pytest.raises(TimeoutError):
+            await task
+        assert got and listed(store) == ["ckpt-1"]
+
+
+@pytest.mark.asyncio
+async def test_a_follower_cancelled_twice_still_gets_its_receipt(tmp_path: Path) -> None:
+    """helper-71: a caller whose commit another's group took, cancelled twice by
+    asyncio while that group was written, got CancelledError and no receipt,
+    though its checkpoint was durable."""
+    import asyncio
+
+    fs = GateFS()
+    async with FileStore(tmp_path, fs=fs) as store:
+        got: list[Any] = []
+        first = asyncio.ensure_future(store.commit(*checkpoint(1, session_id="s1", epoch="e1")))
+        await anyio.to_thread.run_sync(fs.waiting.wait)  # the first group is written
+        fs.waiting.clear()
+
+        async def follower() -> None:
+            got.append(await store.commit(*checkpoint(3, session_id="s3", epoch="e3")))
+            await asyncio.sleep(10)
+
+        leader = asyncio.ensure_future(store.commit(*checkpoint(2, session_id="s2", epoch="e2")))
+        await asyncio.sleep(0.05)
+        task = asyncio.ensure_future(follower())
+        await asyncio.sleep(0.05)  # both wait; the leader's group takes the follower along
+        fs.gate.release()
+        await anyio.to_thread.run_sync(fs.waiting.wait)  # that group is written
+        task.cancel()
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        fs.open_all()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await first
+        assert (await leader).timings_ms["group"] == 2
+        assert [r.record.checkpoint_id for r in got] == ["ckpt-3"]

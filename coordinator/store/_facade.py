@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import math
 import os
@@ -351,15 +352,19 @@ class FileStore:
                 for w in waiting:
                     self._waiting.remove(w)
                 raise
-            await whole(functools.partial(self._lead, waiting))  # taken: the rest go too
-            if not isinstance(error, anyio.get_cancelled_exc_class()):
+            cancelled = anyio.get_cancelled_exc_class()
+            with contextlib.suppress(cancelled):  # (one more asked meanwhile: as the first)
+                await whole(functools.partial(self._lead, waiting))  # taken: the rest go too
+            if not isinstance(error, cancelled):
                 raise
             # An anyio scope's cancellation comes again at the caller's next await;
-            # asyncio's own (task.cancel(), wait_for) is asked again, to come there too.
+            # asyncio's own (task.cancel(), wait_for, timeout) is delivered there too,
+            # counted once (uncancel: asyncio.timeout() still turns it into TimeoutError).
             if anyio.current_effective_deadline() != -math.inf:
                 task = asyncio.current_task()
                 assert task is not None
                 task.cancel()
+                task.uncancel()
         outcomes: list[CommitReceipt | Exception] = []
         for w in waiting:
             if isinstance(w.outcome, BaseException) and not isinstance(w.outcome, Exception):
