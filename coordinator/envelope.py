@@ -45,6 +45,7 @@ from .errors import (
     JsonValueError,
     NotCanonicalError,
     release_frames,
+    started,
 )
 from .ids import is_digest, is_id, is_u64
 
@@ -495,7 +496,7 @@ class EnvelopePlan:
                 outcome.append(error)
 
         sealer = threading.Thread(target=run, name="flysess-seal", daemon=True)
-        sealer.start()
+        started(sealer)  # (NoThreadError when none can start)
         try:
             yield from self.pieces()
         finally:

@@ -850,3 +850,26 @@ async def test_a_follower_cancelled_twice_still_gets_its_receipt(tmp_path: Path)
         await first
         assert (await leader).timings_ms["group"] == 2
         assert [r.record.checkpoint_id for r in got] == ["ckpt-3"]
+
+
+def test_a_seal_thread_that_cannot_start_is_no_thread_typed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """helper-71: a large checkpoint's envelope is sealed on a thread of its own;
+    when none could start, the commit raised CPython's bare RuntimeError. It is
+    NoThreadError, and nothing is left behind."""
+    real_start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name == "flysess-seal":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    with SyncStore(tmp_path) as store:
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(NoThreadError):
+            store.commit(*checkpoint(1, size=4 << 20, session_id="s1", epoch="e1"))
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("tmp+")]
+        store.commit(*checkpoint(2, size=4 << 20, session_id="s1", epoch="e1"))
+        assert listed(store) == ["ckpt-2"]
