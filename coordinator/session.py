@@ -278,6 +278,9 @@ class Coordinator:
         self._restoring: anyio.CancelScope | None = None  # the restore in progress
         self._resuming_over: str | None = None  # resume(source=): the pointer's epoch
         self._resuming = False  # a resume is in progress (taking in, or restoring)
+        self._resume_scope: anyio.CancelScope | None = None  # ... which a close cancels
+        self._resumed = anyio.Event()  # set whenever no resume is in progress
+        self._resumed.set()
         self._restored = anyio.Event()  # set whenever no restore is in progress
         self._restored.set()
         self._entering = anyio.Event()  # set once __aenter__ has ended, either way
@@ -377,9 +380,12 @@ class Coordinator:
             return
         self._shutting = True
         try:
+            if self._resume_scope is not None:  # (helper-71: it took a state in after the close)
+                self._resume_scope.cancel()
             if self._restoring is not None:
                 self._restoring.cancel()
                 await whole(self._restored.wait)  # (asyncio's own cancel too: it ends first)
+            await whole(self._resumed.wait)
             final = self._open and self.final_step is not None
             final = final and self._fenced is None and self._lost is None
             if error is None and final:
@@ -850,11 +856,14 @@ class Coordinator:
         self._check_held()  # (before anything is taken in)
         if self._resuming or self._restoring is not None:
             raise UsageError("a restore is already in progress")
-        self._resuming = True
+        self._resuming, self._resumed = True, anyio.Event()
         try:
-            return await self._resume(source)
+            with anyio.CancelScope() as self._resume_scope:  # (a close cancels it)
+                return await self._resume(source)
+            raise WriterClosedError("the coordinator closed while it resumed")
         finally:
-            self._resuming = False
+            self._resuming, self._resume_scope = False, None
+            self._resumed.set()
 
     async def _resume(self, source: ReplicaSource | None) -> Resumed:
         chosen: str | None = None  # (None: the local high water)

@@ -830,6 +830,21 @@ async def test_a_resume_onto_an_empty_disk_that_failed_fences_the_host_too(
     assert (world.data, agent.data) == (b_parts[0].data, b_parts[1].data)
 
 
+class Held:
+    """The replicas, whose fetch waits for ``go``."""
+
+    def __init__(self, replicas: Replicas) -> None:
+        self.replicas, self.fetching, self.go = replicas, anyio.Event(), anyio.Event()
+
+    async def newest(self, session_id: str) -> Any:
+        return await self.replicas.newest(session_id)
+
+    async def fetch(self, session_id: str) -> Any:
+        self.fetching.set()
+        await self.go.wait()
+        return await self.replicas.fetch(session_id)
+
+
 @pytest.mark.asyncio
 async def test_a_second_resume_while_one_is_under_way_is_refused(
     server: EmbeddedServer, tmp_path: Path
@@ -843,17 +858,6 @@ async def test_a_second_resume_while_one_is_under_way_is_refused(
     b_parts = await taken_over_to_six(server.url, tmp_path)
     world, agent = Part("world", b""), Part("agent-a", b"a")
 
-    class Held:  # the replicas, fetched once the second resume was asked
-        def __init__(self, replicas: Replicas) -> None:
-            self.replicas, self.fetching, self.go = replicas, anyio.Event(), anyio.Event()
-
-        async def newest(self, session_id: str) -> Any:
-            return await self.replicas.newest(session_id)
-
-        async def fetch(self, session_id: str) -> Any:
-            self.fetching.set()
-            await self.go.wait()
-            return await self.replicas.fetch(session_id)
 
     async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
         host = Coordinator(store, bus, [world, agent], session_id="s1", describe=DESCRIBE)
@@ -2991,3 +2995,33 @@ async def test_a_clean_stop_replicates_the_last_checkpoints(
                 parts[0].data = os.urandom(200_000)
                 await host.checkpoint(step)
     assert await pointer_boundary(server.url) == "40"
+
+
+@pytest.mark.asyncio
+async def test_a_close_while_a_resume_takes_a_state_in_waits_for_it(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-71: aclose() during a resume(source=)'s fetch made its final capture,
+    let the session go and returned; the resume then committed the other host's
+    state into the store. A close cancels the resume under way and waits for it."""
+    await taken_over_to_six(server.url, tmp_path)
+    world, agent = Part("world", b""), Part("agent-a", b"a")
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        host = Coordinator(store, bus, [world, agent], session_id="s1", describe=DESCRIBE)
+        held = Held(Replicas(bus))
+        ended: list[BaseException] = []
+
+        async def resume() -> None:
+            try:
+                await host.resume(source=held)
+            except Exception as error:
+                ended.append(error)
+
+        async with host, anyio.create_task_group() as group:
+            group.start_soon(resume)
+            await held.fetching.wait()
+            await host.aclose()
+            assert ended, "the close returned with the resume under way"
+            held.go.set()
+        assert [type(e).__name__ for e in ended] == ["WriterClosedError"]
+        assert [g.boundary for g in store.timeline("s1")] == ["3", "2", "1"]  # (not B's 6)
