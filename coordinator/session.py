@@ -782,6 +782,7 @@ class Coordinator:
         with await source.fetch(self.session_id) as stored:
             manifest = stored.manifest
             payloads = [(name, stored.payload(name)) for name in stored.envelope.names]
+            self._check_held()  # (lost while it fetched)
             # Once committed, the session goes on from it in this store, as after a
             # crash here: this epoch is abandoned until the restore's fork (a failed
             # or cancelled restore leaves it so). Fenced first: a commit may land
@@ -1228,6 +1229,7 @@ class Coordinator:
             # the next wait: maybe none before step 3 (a stage_restore that never
             # waits, nothing being written). It is asked for here.
             await anyio.lowlevel.checkpoint_if_cancelled()
+            self._check_held()  # (lost while it staged: the session is another host's)
         except BaseException:
             self.writer.readmit_epoch(old_epoch)
             await self._abort(staged)

@@ -3025,3 +3025,35 @@ async def test_a_close_while_a_resume_takes_a_state_in_waits_for_it(
             held.go.set()
         assert [type(e).__name__ for e in ended] == ["WriterClosedError"]
         assert [g.boundary for g in store.timeline("s1")] == ["3", "2", "1"]  # (not B's 6)
+
+
+@pytest.mark.asyncio
+async def test_a_lease_lost_while_a_resume_stages_stops_it_before_activation(
+    tmp_path: Path,
+) -> None:
+    """helper-71: the lease was asked only when resume() began; one lost while the
+    participants staged still activated and forked. Nothing is activated once the
+    lease is lost: the staged tokens are aborted and LeaseLostError is raised."""
+    from coordinator.bus import MemoryBus
+    from coordinator.errors import LeaseLostError
+
+    class Lease:
+        session_id, lost = "s1", None
+
+    class Losing(Part):
+        async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
+            lease.lost = LeaseLostError("taken over while it staged")  # type: ignore[assignment]
+            return bytes(payload)
+
+    lease = Lease()
+    world, agent = Part("world", b"w1"), Losing("agent-a", b"a1")
+    async with FileStore(tmp_path) as store:
+        host = Coordinator(store, MemoryBus(), [world, agent], session_id="s1",
+                           describe=DESCRIBE, lease=lease)  # fmt: skip
+        async with host:
+            await host.checkpoint(1)
+            world.data, agent.data = b"w2", b"a2"
+            epoch = host.epoch
+            with pytest.raises(LeaseLostError):
+                await host.resume()
+            assert (world.data, agent.data, host.epoch) == (b"w2", b"a2", epoch)
