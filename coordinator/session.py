@@ -385,7 +385,8 @@ class Coordinator:
             if self._restoring is not None:
                 self._restoring.cancel()
                 await whole(self._restored.wait)  # (asyncio's own cancel too: it ends first)
-            await whole(self._resumed.wait)
+            if not self._resumed.is_set():  # (no await otherwise: the close goes on at once)
+                await whole(self._resumed.wait)
             final = self._open and self.final_step is not None
             final = final and self._fenced is None and self._lost is None
             if error is None and final:
