@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .errors import InvalidScalarError as InvalidScalarError
     from .errors import JsonError as JsonError
     from .errors import JsonValueError as JsonValueError
+    from .errors import LeaseExpiredError as LeaseExpiredError
     from .errors import LeaseLostError as LeaseLostError
     from .errors import ManifestError as ManifestError
     from .errors import ManifestFullError as ManifestFullError
@@ -98,6 +99,7 @@ _LAZY = {
     "InvalidScalarError": ".errors",
     "JsonError": ".errors",
     "JsonValueError": ".errors",
+    "LeaseExpiredError": ".errors",
     "LeaseLostError": ".errors",
     "SessionLeasedError": ".errors",
     "ManifestError": ".errors",
@@ -188,6 +190,7 @@ __all__ = [
     "JsonError",
     "JsonValueError",
     "Layout",
+    "LeaseExpiredError",
     "LeaseLostError",
     "ManifestError",
     "ManifestFullError",

@@ -38,6 +38,7 @@ into typed attributes; the message is built once, here.
     ├── ReplicaError                      replica          the replicated tier
     │   ├── SessionLeasedError            session.leased   another host holds the session's lease
     │   ├── LeaseLostError                session.lease_lost  this host's lease was taken over
+    │   │   └── LeaseExpiredError         session.lease_expired  not renewed for most of its TTL
     │   ├── ReplicaFencedError            replica.fenced   the pointer moved under a newer owner
     │   ├── ReplicaPointerError (ValueError)  replica.pointer  a pointer no replicator wrote
     │   └── ReplicaBucketMissingError (LookupError)  replica.no_bucket  nothing was replicated here
@@ -98,6 +99,7 @@ __all__ = [
     "InvalidScalarError",
     "JsonError",
     "JsonValueError",
+    "LeaseExpiredError",
     "LeaseLostError",
     "ManifestError",
     "ManifestFullError",
@@ -477,6 +479,14 @@ class LeaseLostError(ReplicaError):
     owns the session, and may not move its replicated pointer."""
 
     code: ClassVar[str] = "session.lease_lost"
+
+
+class LeaseExpiredError(LeaseLostError):
+    """This host could not renew its lease for most of its TTL (cut off from the
+    cluster, or paused): another host may own the session by now. It holds until a
+    renewal finds the lease still this host's, or taken (then ``LeaseLostError``)."""
+
+    code: ClassVar[str] = "session.lease_expired"
 
 
 class ReplicaFencedError(ReplicaError):

@@ -452,7 +452,8 @@ class Coordinator:
 
     @property
     def _lost(self) -> CoordinatorError | None:
-        """The lease's loss (``LeaseLostError``), once another host took it."""
+        """The lease's loss (``LeaseLostError``), once another host took it, or its
+        expiry (``LeaseExpiredError``) while it could not be renewed."""
         return None if self.lease is None else self.lease.lost
 
     def _check_held(self) -> None:

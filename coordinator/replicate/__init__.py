@@ -22,6 +22,7 @@ the layout, the fork rule, retention and what each role needs.
 """
 
 from ..errors import (
+    LeaseExpiredError,
     LeaseLostError,
     ReplicaBucketMissingError,
     ReplicaError,
@@ -40,6 +41,7 @@ __all__ = [
     "DEFAULT_GRACE_S",
     "LEASES_BUCKET",
     "POINTERS_BUCKET",
+    "LeaseExpiredError",
     "LeaseLostError",
     "ReplicaBucketMissingError",
     "ReplicaError",

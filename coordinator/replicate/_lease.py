@@ -6,7 +6,10 @@ gives it up when it leaves. A second host is refused (``SessionLeasedError``,
 code ``session.leased``) until the lease has not been renewed for its TTL, or it
 takes the session over explicitly (``take_over=True``): either way its write
 bumps the revision, and the first holder's next renewal fails, so it knows it
-lost the session (``LeaseLostError``, code ``session.lease_lost``).
+lost the session (``LeaseLostError``, code ``session.lease_lost``). A holder that
+could not renew for most of the TTL (cut off, or paused) may have lost it without
+knowing: until a renewal lands again its lease counts as expired
+(``LeaseExpiredError``, code ``session.lease_expired``).
 
 The lease revision is the fence of the replicated tier: every pointer update
 records the lease revision it was made under, a new owner stamps the pointer
@@ -36,7 +39,7 @@ from nats.js.errors import (
 )
 
 from ..bus import NatsBus, checked_stream_config, created
-from ..errors import LeaseLostError, SessionLeasedError
+from ..errors import LeaseExpiredError, LeaseLostError, SessionLeasedError
 from ..events import subject_token
 from ..ids import check_id
 from ..wire import read_json
@@ -48,6 +51,10 @@ __all__ = ["LEASES_BUCKET", "SessionLease"]
 
 LEASES_BUCKET = "CKPT_LEASES"
 MAX_TTL_S = 24 * 3600.0
+# A holder stops counting on its lease this far into the TTL after its last renewal
+# landed (dated before it was sent): a contender whose clock is ahead by less than
+# the rest of the TTL cannot take it while the holder still steps.
+HELD_FOR = 0.9
 _ACQUIRE_ATTEMPTS = 5
 
 
@@ -79,8 +86,10 @@ class SessionLease:
     """``async with SessionLease(bus, "s1") as lease:`` holds session ``s1`` while
     the block runs (renewed every ``ttl / 3`` seconds). ``lease.revision`` is the
     fence; ``await lease.check()`` raises ``LeaseLostError`` once it was taken,
-    and ``lease.lost`` holds it once a renewal found it taken (it is logged too):
-    nothing stops the host's block, so a host checks before each step."""
+    and ``lease.lost`` holds it once a renewal found it taken (it is logged too),
+    or a ``LeaseExpiredError`` while no renewal landed for ``HELD_FOR`` of the TTL
+    (the cluster unreachable, the host paused): nothing stops the host's block, so
+    a host checks before each step (``Coordinator(lease=)`` does)."""
 
     def __init__(
         self,
@@ -100,7 +109,10 @@ class SessionLease:
         self.holder = holder or f"{socket.gethostname()}:{secrets.token_hex(4)}"
         self.instance = secrets.token_hex(16)  # never the caller's choice: unique
         self.revision = 0
-        self.lost: LeaseLostError | None = None
+        self._lost: LeaseLostError | None = None  # taken: for good
+        self._dated = 0.0  # (monotonic) when the value written last was dated
+        self._held_until = math.inf  # (monotonic) until a contender may take it
+        self._expiry_told = False
         self._kv: Any = None
         self._group: Any = None
         self._writing = anyio.Lock()  # a renewal and a check never interleave
@@ -109,7 +121,34 @@ class SessionLease:
     def key(self) -> str:
         return subject_token(self.session_id)
 
+    @property
+    def lost(self) -> LeaseLostError | None:
+        """``LeaseLostError`` once a renewal found the lease taken; a
+        ``LeaseExpiredError`` while no renewal landed for ``HELD_FOR`` of the TTL
+        (until one lands again); else ``None``."""
+        if self._lost is None and time.monotonic() >= self._held_until:
+            return self._expired()
+        return self._lost
+
+    def _expired(self) -> LeaseExpiredError:
+        since = time.monotonic() - self._held_until + self.ttl * HELD_FOR
+        return LeaseExpiredError(
+            f"the lease of session {self.session_id} was last renewed {since:.1f} s ago "
+            f"(its TTL is {self.ttl:g} s; the cluster did not answer, or this host was "
+            f"paused): another host may own the session now. {self.holder} takes no step "
+            "of it until a renewal finds the lease still its own"
+        )
+
+    def _landed(self, revision: int) -> None:
+        """A write of the value dated last landed: held again from that date."""
+        self.revision = revision
+        self._held_until = self._dated + self.ttl * HELD_FOR
+        if self._expiry_told:
+            self._expiry_told = False
+            _log.warning("the lease of session %s is %s's again", self.session_id, self.holder)
+
     def _value(self) -> bytes:
+        self._dated = time.monotonic()
         return msgspec.json.encode(
             LeaseRecord(
                 holder=self.holder, ttl_s=self.ttl, renewed_at=time.time(),
@@ -139,7 +178,7 @@ class SessionLease:
     async def __aexit__(self, *exc: object) -> None:
         self._group.cancel_scope.cancel()
         await self._group.__aexit__(None, None, None)
-        if self.lost is None:  # still ours: let the next host in at once
+        if self._lost is None:  # still ours: let the next host in at once
             # (taken meanwhile, or the bus is gone: then it expires on its own)
             with contextlib.suppress(Exception):
                 try:
@@ -151,7 +190,7 @@ class SessionLease:
     async def _acquire(self) -> None:
         for _ in range(_ACQUIRE_ATTEMPTS):
             try:
-                self.revision = int(await self._kv.create(self.key, self._value()))
+                self._landed(int(await self._kv.create(self.key, self._value())))
                 return
             except (KeyWrongLastSequenceError, KeyNotFoundError, KeyDeletedError):
                 pass  # held, or held once (its holder may be letting it go this moment)
@@ -181,8 +220,8 @@ class SessionLease:
                 "it over explicitly (take_over=True) once the holder is known to be gone"
             )
         try:
-            self.revision = int(
-                await self._kv.update(self.key, self._value(), last=int(entry.revision))
+            self._landed(
+                int(await self._kv.update(self.key, self._value(), last=int(entry.revision)))
             )
         except KeyWrongLastSequenceError:
             raise SessionLeasedError(
@@ -194,23 +233,31 @@ class SessionLease:
             await anyio.sleep(self.ttl / 3)
             try:
                 async with self._writing:
-                    self.revision = int(
-                        await self._kv.update(self.key, self._value(), last=self.revision)
+                    self._landed(
+                        int(await self._kv.update(self.key, self._value(), last=self.revision))
                     )
             except KeyWrongLastSequenceError:
                 try:
                     ours = await self._still_ours()
                 except Exception:  # cannot tell now: the next beat asks again
+                    self._tell_expiry()
                     continue
                 if not ours:
-                    self.lost = LeaseLostError(
+                    self._lost = LeaseLostError(
                         f"the lease of session {self.session_id} was taken over: "
                         f"{self.holder} no longer owns it"
                     )
-                    _log.warning("%s; stop this host's steps of the session", self.lost)
+                    _log.warning("%s; stop this host's steps of the session", self._lost)
                     return
             except Exception:  # the bus is away: try again at the next beat
+                self._tell_expiry()
                 continue
+
+    def _tell_expiry(self) -> None:
+        expired = self.lost
+        if isinstance(expired, LeaseExpiredError) and not self._expiry_told:
+            self._expiry_told = True
+            _log.warning("%s", expired)
 
     async def _still_ours(self) -> bool:
         """Whether the lease's value is still this holder's: a renewal the server
@@ -225,16 +272,22 @@ class SessionLease:
             held = _held(entry.value)
             if held is None or held.instance != self.instance:
                 return False
-            self.revision = int(entry.revision)
+            # (dated by our own wall clock: how long ago, on the monotonic one)
+            self._dated = time.monotonic() - max(0.0, time.time() - held.renewed_at)
+            self._landed(int(entry.revision))
             return True
 
     async def check(self) -> None:
         """``LeaseLostError`` unless the lease is still this holder's;
+        ``LeaseExpiredError`` while no renewal landed for ``HELD_FOR`` of the TTL
+        (the cluster may say it is still ours: a contender may take it any moment);
         ``BusUnavailableError`` if the cluster cannot tell now."""
-        if self.lost is not None:
-            raise self.lost
+        if self._lost is not None:
+            raise self._lost
         with cluster_errors(f"the lease of session {self.session_id}"):
             await self._check()
+        if (expired := self.lost) is not None:
+            raise expired
 
     async def _check(self) -> None:
         async with self._writing:  # (a renewal's new revision is known once it is read)
@@ -244,7 +297,7 @@ class SessionLease:
                 entry = None
             held = entry is not None and int(entry.revision) == self.revision
         if not held and not (entry is not None and await self._still_ours()):
-            self.lost = LeaseLostError(
+            self._lost = LeaseLostError(
                 f"the lease of session {self.session_id} is no longer {self.holder}'s"
             )
-            raise self.lost
+            raise self._lost
