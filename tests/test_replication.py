@@ -3062,6 +3062,33 @@ async def test_a_host_paused_past_its_lease_ttl_captures_nothing_until_it_renews
 
 
 @pytest.mark.asyncio
+async def test_a_replicator_whose_lease_expired_for_a_while_goes_on_once_it_renews(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """An expired lease is not a lost one: the replicator of a host paused past its
+    TTL (nobody took the session meanwhile) waits for the renewal, then moves the
+    pointer; it does not take the session for fenced."""
+    parts = [Part("world", b"w"), Part("agent-a", b"a")]
+    async with (
+        NatsBus(server.url) as bus,
+        FileStore(tmp_path / "a") as store,
+        SessionLease(bus, "s1", ttl=3.0) as lease,
+        Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+        Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE) as host,
+    ):
+        await host.checkpoint(1)
+        await caught_up(replicator)
+        lease._held_until = time.monotonic()  # (as if no renewal had landed for 0.9 TTL)
+        tried = replicator.statistics().retried
+        await host.checkpoint(2)  # (lease= not given: the host commits; the replicator asks)
+        await until(lambda: replicator.statistics().retried > tried or replicator.fenced)
+        await until(lambda: lease.lost is None, timeout=10)
+        await caught_up(replicator)
+        assert replicator.fenced == {} and replicator.statistics().fenced == ()
+    assert await pointer_boundary(server.url) == "2"
+
+
+@pytest.mark.asyncio
 async def test_a_clean_stop_replicates_the_last_checkpoints(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:

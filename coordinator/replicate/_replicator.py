@@ -41,6 +41,7 @@ from ..errors import (
     ArtifactUnavailableError,
     BusUnavailableError,
     CoordinatorError,
+    LeaseExpiredError,
     LeaseLostError,
     ReplicaFencedError,
 )
@@ -266,6 +267,9 @@ class Replicator:
                 continue
             try:
                 await self._converge(session_id, target)
+            except LeaseExpiredError:  # not renewed for a while: ours again once it is
+                self._counts["retried"] += 1
+                again = True
             except (LeaseLostError, ReplicaFencedError) as error:  # another host owns it
                 self._counts["fenced"] += 1
                 self.fenced[session_id] = error
