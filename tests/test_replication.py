@@ -3089,6 +3089,37 @@ async def test_a_replicator_whose_lease_expired_for_a_while_goes_on_once_it_rene
 
 
 @pytest.mark.asyncio
+async def test_a_replicator_stopped_as_it_moves_the_pointer_still_says_replicated(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The flake of test_watch_and_the_dashboard_create_nothing...: the pointer was
+    moved and the session counted caught up, and its `replicated` was still to be
+    queued after one more await; a stop (the block's end) there cancelled it, and
+    watch showed the session replicated behind its pointer. Here the stop comes
+    exactly there: the event is queued all the same."""
+    parts = [Part("world", b"w"), Part("agent-a", b"a")]
+
+    held = anyio.Event()
+
+    class StopsAsItHolds(dict[str, Any]):
+        def __setitem__(self, key: str, value: Any) -> None:
+            super().__setitem__(key, value)
+            held.set()  # (the block ends right at this point)
+
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        async with Coordinator(store, MemoryBus(), parts, session_id="s1",
+                               describe=DESCRIBE) as host:  # fmt: skip
+            await host.checkpoint(1)
+        replicator = Replicator(bus, store, sweep_every=None)
+        replicator._held = StopsAsItHolds()
+        async with replicator:
+            await held.wait()
+        await until(lambda: not bus.pending)
+        latest = await bus.latest_event("s1", "replicated")
+        assert latest is not None and latest.checkpoint_id == f"{host.epoch}-1"
+
+
+@pytest.mark.asyncio
 async def test_a_clean_stop_replicates_the_last_checkpoints(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:

@@ -530,7 +530,9 @@ class Replicator:
         self, pointer: ReplicaPointer, revision: int, target: _Target, sent: int, ms: float
     ) -> None:
         self._counts["replicated"] += 1
-        await self.bus.publish(self._event(pointer, revision, target, sent, ms))
+        # Queued before any await: the session counts as caught up already, and a
+        # stop (the block's end) cancels at the next one.
+        self.bus.publish_nowait(self._event(pointer, revision, target, sent, ms))
 
     async def _announce_again(
         self, pointer: ReplicaPointer, revision: int | None, target: _Target
@@ -548,7 +550,7 @@ class Replicator:
                 # Anyone may publish on the event subjects, under this id too.
                 self.bus.note_foreign(latest, "a replicated event this host did not publish")
             self._counts["announced_again"] += 1
-            await self.bus.publish(self._event(pointer, revision or 0, target, 0, None))
+            self.bus.publish_nowait(self._event(pointer, revision or 0, target, 0, None))
 
     # --- fencing and sweeping ------------------------------------------------------
 
