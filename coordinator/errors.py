@@ -70,6 +70,7 @@ errors (the bytes we were handed are bad) follows h11's Local/RemoteProtocolErro
 
 from __future__ import annotations
 
+import math
 import traceback
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -725,6 +726,16 @@ def started(thread: Any) -> None:
         thread.start()
     except RuntimeError as error:
         raise no_thread(error, f"the {thread.name} thread") from None
+
+
+def check_seconds(value: object, what: str, *, most: float = math.inf) -> float:
+    """``value`` if it is a number of seconds above 0 and at most ``most``;
+    else ``UsageError`` naming ``what`` (NaN, a bool, a string: refused here, not
+    found later as an untyped error or a wait that never ends)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= most:
+        limit = "" if most == math.inf else f", at most {most:g}"
+        raise UsageError(f"{what} is {value!r}: give a number of seconds above 0{limit}")
+    return float(value)
 
 
 def release_frames(error: BaseException) -> None:

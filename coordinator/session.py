@@ -43,6 +43,7 @@ it, and a lost reply, from the store manifest, and never saves again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import math
@@ -71,6 +72,7 @@ from .bus import Bus
 from .cancellation import being_cancelled, raised_on_its_own, whole
 from .envelope import MAX_PAYLOADS
 from .errors import (
+    BusUnavailableError,
     CaptureFailedError,
     CoordinatorError,
     DeadlineExpiredError,
@@ -165,7 +167,9 @@ class ReplicaSource(Protocol):
 
 class Lease(Protocol):
     """A hold on the session across hosts (``replicate.SessionLease``): ``lost`` is
-    the error once another host took the session over."""
+    the error once another host took the session over (or while the hold is not
+    sure, or not taken). A lease with an ``async def check()`` that asks the
+    cluster is asked too before a resume or restore takes a state in or activates."""
 
     @property
     def session_id(self) -> str: ...
@@ -388,6 +392,8 @@ class Coordinator:
             if not self._resumed.is_set():  # (no await otherwise: the close goes on at once)
                 await whole(self._resumed.wait)
             final = self._open and self.final_step is not None
+            if final and isinstance(self._lost, UsageError):  # (released before this close)
+                raise self._lost
             final = final and self._fenced is None and self._lost is None
             if error is None and final:
                 assert self.final_step is not None
@@ -461,6 +467,17 @@ class Coordinator:
         the session is the other host's."""
         if (lost := self._lost) is not None:
             raise lost
+
+    async def _ask_held(self) -> None:
+        """``_check_held``, then the lease asked at the cluster where it can be
+        (``check()``): a take-over its renewals have not seen yet stops a take-in or
+        an activation. A cluster that cannot tell leaves the answer to the lease's
+        own expiry."""
+        self._check_held()
+        check = getattr(self.lease, "check", None)
+        if check is not None:
+            with contextlib.suppress(BusUnavailableError):
+                await check()
 
     def _check_capturing(self, closing: bool = False) -> None:
         if not self._open or (self._shutting and not closing):
@@ -784,7 +801,7 @@ class Coordinator:
         with await source.fetch(self.session_id) as stored:
             manifest = stored.manifest
             payloads = [(name, stored.payload(name)) for name in stored.envelope.names]
-            self._check_held()  # (lost while it fetched)
+            await self._ask_held()  # (lost while it fetched)
             # Once committed, the session goes on from it in this store, as after a
             # crash here: this epoch is abandoned until the restore's fork (a failed
             # or cancelled restore leaves it so). Fenced first: a commit may land
@@ -1231,7 +1248,7 @@ class Coordinator:
             # the next wait: maybe none before step 3 (a stage_restore that never
             # waits, nothing being written). It is asked for here.
             await anyio.lowlevel.checkpoint_if_cancelled()
-            self._check_held()  # (lost while it staged: the session is another host's)
+            await self._ask_held()  # (lost while it staged: the session is another host's)
         except BaseException:
             self.writer.readmit_epoch(old_epoch)
             await self._abort(staged)

@@ -3120,6 +3120,109 @@ async def test_a_replicator_stopped_as_it_moves_the_pointer_still_says_replicate
 
 
 @pytest.mark.asyncio
+async def test_a_take_over_while_a_resume_stages_stops_it_before_activation(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-72's b_resume_after_takeover: host C took the session over (the cluster
+    answering all along) while B's resume(source=) staged; B asked only its lease's
+    own record, which its next renewal (ttl / 3 away) would fix: B activated,
+    forked, and committed its next checkpoint in C's session. The lease is asked
+    at the cluster before the activation: nothing is activated, and B captures
+    nothing more."""
+    from coordinator.errors import LeaseLostError
+
+    await leased_run(server.url, tmp_path / "a", [Part("world", b"A"), Part("agent-a", b"a")],
+                     range(1, 4))  # fmt: skip
+    staging = anyio.Event()
+
+    class Slow(Part):
+        async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
+            staging.set()
+            await anyio.sleep(1.0)
+            return bytes(payload)
+
+    world, agent = Slow("world", b"B"), Part("agent-a", b"b")
+    async with (
+        NatsBus(server.url) as bus,
+        NatsBus(server.url) as other,
+        FileStore(tmp_path / "b") as store,
+        SessionLease(bus, "s1", ttl=30) as lease,
+        Replicator(bus, store, leases=[lease], sweep_every=None) as replicator,
+        Coordinator(store, bus, [world, agent], session_id="s1", describe=DESCRIBE,
+                    lease=lease) as host,
+    ):  # fmt: skip
+        epoch = host.epoch
+
+        done = anyio.Event()
+
+        async def take_over() -> None:
+            await staging.wait()
+            async with SessionLease(other, "s1", ttl=30, take_over=True):
+                await done.wait()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(take_over)
+            with pytest.raises(LeaseLostError):
+                await host.resume(source=replicator.replicas)
+            assert (world.data, agent.data, host.epoch) == (b"B", b"b", epoch)
+            with pytest.raises(LeaseLostError):
+                await host.capture(4)
+            done.set()
+
+
+@pytest.mark.asyncio
+async def test_a_lease_that_is_not_held_is_refused(server: EmbeddedServer, tmp_path: Path) -> None:
+    """helper-72's c_unheld_lease: a lease never entered (or released already) was
+    taken for a held one: the host captured and committed while another host held
+    the session, and a lease block closed before the Coordinator's skipped its
+    final capture without a word. Both are a UsageError saying how to nest them,
+    and a Replicator refuses such a lease."""
+    from coordinator.errors import UsageError
+
+    parts = [Part("world", b"w"), Part("agent-a", b"a")]
+    async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
+        unheld = SessionLease(bus, "s1")
+        with pytest.raises(UsageError, match="not yet held"):
+            async with Replicator(bus, store, leases=[unheld], sweep_every=None):
+                pass
+        async with Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE,
+                               lease=unheld) as host:  # fmt: skip
+            with pytest.raises(UsageError, match="not yet held"):
+                await host.capture(1)
+        lease = SessionLease(bus, "s1")
+        with pytest.raises(UsageError, match="no longer held"):
+            async with Coordinator(store, bus, parts, session_id="s1", describe=DESCRIBE,
+                                   lease=lease, final_step=lambda: 2) as host:  # fmt: skip
+                async with lease:  # (the wrong way round: it ends before the Coordinator)
+                    await host.checkpoint(1)
+        assert [g.boundary for g in store.timeline("s1")] == ["1"]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda bus, store: SessionLease(bus, "s1", ttl=float("nan")),
+        lambda bus, store: SessionLease(bus, "s1", ttl=0),
+        lambda bus, store: SessionLease(bus, "s1", ttl="15"),
+        lambda bus, store: Replicator(bus, store, grace=0),
+        lambda bus, store: Replicator(bus, store, drain_timeout=float("nan")),
+        lambda bus, store: Replicator(bus, store, drain_timeout=-1),
+        lambda bus, store: Replicator(bus, store, sweep_every=float("nan")),
+    ],
+    ids=["ttl-nan", "ttl-0", "ttl-str", "grace-0", "drain-nan", "drain-negative", "sweep-nan"],
+)
+def test_bad_seconds_are_a_typed_refusal(make: Any, tmp_path: Path) -> None:
+    """helper-72: drain_timeout=nan was taken, and the planned stop then failed with
+    anyio's bare ValueError, nothing drained; -1 skipped the drain without a word;
+    a bad ttl or grace was a bare ValueError. Each is a UsageError (code usage)."""
+    from coordinator.errors import UsageError
+
+    with pytest.raises(UsageError) as refused:
+        make(NatsBus("nats://127.0.0.1:1"), FileStore(tmp_path))
+    assert refused.value.code == "usage"
+
+
+@pytest.mark.asyncio
 async def test_a_clean_stop_replicates_the_last_checkpoints(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:

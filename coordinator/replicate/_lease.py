@@ -39,7 +39,13 @@ from nats.js.errors import (
 )
 
 from ..bus import NatsBus, checked_stream_config, created
-from ..errors import LeaseExpiredError, LeaseLostError, SessionLeasedError
+from ..errors import (
+    LeaseExpiredError,
+    LeaseLostError,
+    SessionLeasedError,
+    UsageError,
+    check_seconds,
+)
 from ..events import subject_token
 from ..ids import check_id
 from ..wire import read_json
@@ -100,8 +106,7 @@ class SessionLease:
         take_over: bool = False,
         holder: str | None = None,
     ) -> None:
-        if not 0 < ttl <= MAX_TTL_S:
-            raise ValueError(f"a lease's TTL is positive, at most {MAX_TTL_S:.0f} s")
+        ttl = check_seconds(ttl, "a lease's ttl", most=MAX_TTL_S)
         self.bus = bus
         self.session_id = check_id(session_id)
         self.ttl = ttl
@@ -113,6 +118,7 @@ class SessionLease:
         self._dated = 0.0  # (monotonic) when the value written last was dated
         self._held_until = math.inf  # (monotonic) until a contender may take it
         self._expiry_told = False
+        self._holding = False  # (between the block's start and its end)
         self._kv: Any = None
         self._group: Any = None
         self._writing = anyio.Lock()  # a renewal and a check never interleave
@@ -122,13 +128,23 @@ class SessionLease:
         return subject_token(self.session_id)
 
     @property
-    def lost(self) -> LeaseLostError | None:
+    def lost(self) -> LeaseLostError | UsageError | None:
         """``LeaseLostError`` once a renewal found the lease taken; a
         ``LeaseExpiredError`` while no renewal landed for ``HELD_FOR`` of the TTL
         (until one lands again); else ``None``."""
+        if self._lost is None and not self._holding:
+            return self._not_held()
         if self._lost is None and time.monotonic() >= self._held_until:
             return self._expired()
         return self._lost
+
+    def _not_held(self) -> UsageError:
+        when = "no longer" if self.revision else "not yet"
+        return UsageError(
+            f"the lease of session {self.session_id} is {when} held: a Coordinator given "
+            "it (lease=) runs inside the lease's block (async with SessionLease(...) as "
+            "lease, then the Coordinator), so its close comes before the lease's"
+        )
 
     def _expired(self) -> LeaseExpiredError:
         since = time.monotonic() - self._held_until + self.ttl * HELD_FOR
@@ -170,12 +186,14 @@ class SessionLease:
                 )
             await checked_stream_config(js, f"KV_{LEASES_BUCKET}")
             await self._acquire()
+        self._holding = True
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
         self._group.start_soon(self._renew)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._holding = False
         self._group.cancel_scope.cancel()
         await self._group.__aexit__(None, None, None)
         if self._lost is None:  # still ours: let the next host in at once
@@ -284,6 +302,8 @@ class SessionLease:
         ``BusUnavailableError`` if the cluster cannot tell now."""
         if self._lost is not None:
             raise self._lost
+        if not self._holding:
+            raise self._not_held()
         with cluster_errors(f"the lease of session {self.session_id}"):
             await self._check()
         if (expired := self.lost) is not None:

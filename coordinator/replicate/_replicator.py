@@ -44,6 +44,8 @@ from ..errors import (
     LeaseExpiredError,
     LeaseLostError,
     ReplicaFencedError,
+    UsageError,
+    check_seconds,
 )
 from ..events import Replicated, Timings, event_id, rfc3339_now
 from ..store import (
@@ -146,8 +148,11 @@ class Replicator:
         clock: Callable[[], float] = time.perf_counter,
         drain_timeout: float = DRAIN_TIMEOUT_S,
     ) -> None:
-        if not grace > 0:
-            raise ValueError("the grace period is a positive number of seconds")
+        grace = check_seconds(grace, "grace")
+        if sweep_every not in ("auto", None):
+            check_seconds(sweep_every, "sweep_every")
+        if drain_timeout != 0:  # (0: a stop waits for nothing)
+            drain_timeout = check_seconds(drain_timeout, "drain_timeout")
         self.bus = bus
         self.store = store
         self.replicas = Replicas(bus, grace=grace)
@@ -173,6 +178,9 @@ class Replicator:
         self._group: Any = None
 
     async def __aenter__(self) -> Self:
+        for lease in self.leases.values():
+            if isinstance(not_held := lease.lost, UsageError):
+                raise not_held
         await self.replicas.open(create=True)
         self._commits_seen = self.store.commits  # what came before is caught up, not passed
         for lease in self.leases.values():  # a new owner fences the pointer at once
@@ -196,6 +204,11 @@ class Replicator:
                         "stopping with %d session(s) not replicated after %.0f s: their "
                         "newest checkpoints are on this disk only", self.pending,
                         self.drain_timeout,
+                    )  # fmt: skip
+                for session_id, error in self.fenced.items():  # (helper-72: said nowhere)
+                    _log.warning(
+                        "session %s is another host's now (%s): what this host committed "
+                        "since is on this disk only", session_id, error,
                     )  # fmt: skip
         finally:
             self._group.cancel_scope.cancel()
