@@ -1014,11 +1014,11 @@ class _Screen:
         the table holds twice the fold's sessions, the beats of sessions the fold
         let go are dropped (helper-64: it grew without bound)."""
         from .monitor import MAX_SESSIONS
-        from .presence import as_read, epoch_seconds
+        from .presence import as_read, epoch_seconds, supersedes
 
         session, read = beat.session_id, as_read(beat, time.time())
         kept, rows = self.beats.get(session), self.fleet.sessions
-        if kept is not None and (epoch_seconds(read.time) or 0) < (epoch_seconds(kept.time) or 0):
+        if kept is not None and not supersedes(epoch_seconds(read.time), epoch_seconds(kept.time)):
             return
         if kept is None and session not in rows and len(self.beats) >= MAX_SESSIONS:
             return

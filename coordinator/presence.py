@@ -93,14 +93,28 @@ def epoch_seconds(rfc3339: str) -> float | None:
 FUTURE_S = 5.0  # a beat's time further ahead of the reader's clock is no measurement
 
 
-def as_read(presence: Presence, now: float) -> Presence:
-    """``presence`` as a reader takes it at ``now`` (seconds since 1970, its
+def seconds_as_read(rfc3339: str, now: float) -> float | None:
+    """A beat's time in seconds since 1970 as a reader takes it at ``now`` (its
     clock): a time more than ``FUTURE_S`` ahead (a clock glitch, a forged beat)
     counts as the moment it was read, so it can never keep a dead host alive."""
-    when = epoch_seconds(presence.time)
-    if when is None or when <= now + FUTURE_S:
-        return presence
-    return msgspec.structs.replace(presence, time=rfc3339_at(now))
+    when = epoch_seconds(rfc3339)
+    return now if when is not None and when > now + FUTURE_S else when
+
+
+def as_read(presence: Presence, now: float) -> Presence:
+    """``presence`` with its time as ``seconds_as_read`` takes it."""
+    when = seconds_as_read(presence.time, now)
+    if when == now:
+        return msgspec.structs.replace(presence, time=rfc3339_at(now))
+    return presence
+
+
+def supersedes(when: float | None, kept: float | None) -> bool:
+    """Whether a host's beat of time ``when`` replaces the one kept, of time
+    ``kept`` (both ``seconds_as_read``): an older beat never replaces a newer, nor
+    one with no time one with a time (helper-64, helper-68: a copy of each beat
+    dated back, put right after it, kept a live host gone)."""
+    return kept is None or (when is not None and when >= kept)
 
 
 def rfc3339_at(seconds: float) -> str:

@@ -280,15 +280,15 @@ async def test_a_forged_replicated_event_does_not_stop_its_announcement(
     worlds = [World("world", b"w1"), World("agent-a", b"a")]
     lost: list[Any] = []
     async with NatsBus(server.url) as bus, FileStore(tmp_path / "a") as store:
-        publish = bus.publish
+        publish = bus.publish_nowait
 
-        async def losing_replicated(event: Any) -> None:
+        def losing_replicated(event: Any) -> None:
             if isinstance(event, Replicated):
                 lost.append(event)
             else:
-                await publish(event)
+                publish(event)
 
-        bus.publish = losing_replicated  # type: ignore[method-assign]
+        bus.publish_nowait = losing_replicated  # type: ignore[method-assign]
         async with Replicator(bus, store) as replicator:
             async with Coordinator(store, bus, worlds, session_id="s1", epoch="e1",
                                    describe=HostDescription(agents=["a"])) as host:  # fmt: skip

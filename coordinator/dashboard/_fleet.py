@@ -64,12 +64,12 @@ from ..monitor import (
     unannounced_loss,
 )
 from ..presence import (
-    FUTURE_S,
     LATE_AFTER_BEATS,
     Deafness,
     Presence,
-    epoch_seconds,
     gone_after,
+    seconds_as_read,
+    supersedes,
 )
 
 __all__ = [
@@ -568,8 +568,7 @@ class Dashboard:
         after it, kept a live host gone, and its alert firing, as watch does not)."""
         session = self._session(presence.session_id)
         when = _host_time(presence.time)
-        kept = session.presence_s
-        if kept is not None and (when is None or when < kept):
+        if not supersedes(when, session.presence_s):
             return
         session.presence = presence
         session.presence_s = when
@@ -705,13 +704,8 @@ class Dashboard:
 
 
 def _host_time(rfc3339: str) -> float | None:
-    """A host's time in seconds since 1970; one ahead of ours by more than
-    ``FUTURE_S`` (a clock glitch, a forged beat) counts as the moment we read it,
-    so it can never keep a dead host alive."""
-    when = epoch_seconds(rfc3339)
-    if when is None:
-        return None
-    return min(when, time.time()) if when > time.time() + FUTURE_S else when
+    """A host's time in seconds since 1970, as read now (``seconds_as_read``)."""
+    return seconds_as_read(rfc3339, time.time())
 
 
 def _not_adopted(state: SessionState) -> dict[str, Any] | None:
