@@ -809,7 +809,8 @@ def _restore_replica(args: argparse.Namespace, target: Path, out: TextIO, err: T
         count = export_payloads(stored, str(target), mode=args.mode)
         size = stored.envelope.layout.file_bytes
     print(
-        f"restored {stored.record.checkpoint_id} of session {args.session} from {args.store} "
+        f"restored {stored.record.checkpoint_id} of session {args.session} from "
+        f"{connection.redacted} "
         f"({count} payloads, envelope {size} bytes, verified) to {target}",
         file=out,
     )

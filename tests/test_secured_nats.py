@@ -323,6 +323,18 @@ def test_a_reader_restores_the_replicated_session(secured: Secured, tmp_path: Pa
     assert (target / "world").stat().st_size == 2 << 20
 
 
+def test_a_restore_from_a_url_with_its_password_never_prints_it(
+    secured: Secured, tmp_path: Path
+) -> None:
+    """helper-73: `restore nats://user:password@host` printed the URL whole in its
+    success line (its failures were redacted)."""
+    url = secured.url.replace("://", f"://reader:{PASSWORDS['reader']}@")
+    done = cli("restore", url, "--session", "demo", "--to", str(tmp_path / "restored"),
+               *secured.tls_args(), env=clean_env())  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "verified" in done.stdout
+
+
 def test_a_reader_runs_the_dashboard(secured: Secured) -> None:
     """`coordinator dashboard` with the read-only user: /api/overview shows the
     session the writer published."""
