@@ -478,6 +478,7 @@ class Coordinator:
         if check is not None:
             with contextlib.suppress(BusUnavailableError):
                 await check()
+            self._check_held()  # (helper-74: it may have expired while the check waited)
 
     def _check_capturing(self, closing: bool = False) -> None:
         if not self._open or (self._shutting and not closing):

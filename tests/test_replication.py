@@ -3033,6 +3033,69 @@ async def test_a_host_cut_off_for_its_lease_ttl_steps_no_further(
 
 
 @pytest.mark.asyncio
+async def test_a_resume_cut_off_while_it_stages_stops_within_its_lease(
+    server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """helper-74's a_resume_after_timeout: cut off from the cluster while its resume
+    staged, the host asked the cluster before activating, waited 5-15 s for an
+    answer (longer than its TTL; meanwhile another host took the lease), took the
+    silence for "cannot tell" and activated. The check waits no longer than the
+    lease holds, and an expiry meanwhile stops the resume."""
+    from natsproxy import PartitionProxy
+
+    from coordinator.errors import LeaseLostError
+
+    await leased_run(server.url, tmp_path / "a", [Part("world", b"A"), Part("agent-a", b"a")],
+                     range(1, 4))  # fmt: skip
+    proxy = PartitionProxy(int(server.url.rsplit(":", 1)[1]))
+    await proxy.start()
+
+    class CutOff(Part):
+        async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
+            proxy.blocked = True
+            await anyio.sleep(0.5)
+            return bytes(payload)
+
+    world, agent = CutOff("world", b"B"), Part("agent-a", b"b")
+    try:
+        async with (
+            NatsBus(f"nats://127.0.0.1:{proxy.port}") as bus,
+            FileStore(tmp_path / "b") as store,
+            SessionLease(bus, "s1", ttl=2.0) as lease,
+            Coordinator(store, MemoryBus(), [world, agent], session_id="s1",
+                        describe=DESCRIBE, lease=lease) as host,
+        ):  # fmt: skip
+            started = time.monotonic()
+            with pytest.raises(LeaseLostError):  # (expired: a LeaseExpiredError)
+                await host.resume(source=Replicas(bus))
+            assert time.monotonic() - started < 2.0 + 1.0, "it waited past its lease"
+            assert (world.data, agent.data) == (b"B", b"b")
+    finally:
+        proxy.blocked = False
+        await proxy.close()
+
+
+@pytest.mark.asyncio
+async def test_a_lease_over_a_long_link_stays_held(server: EmbeddedServer) -> None:
+    """helper-74's c_false_expiry_rtt: renewals went out a third of the TTL after the
+    previous one's answer, so with a round trip past about 0.28 TTL the lease
+    counted as expired for part of every beat (13% of the time at TTL 1 s, RTT
+    0.32 s), and the host's captures were refused, while the server held it
+    throughout. They go out a third of the TTL after the previous one was sent."""
+    from natsproxy import NatsProxy
+
+    async with NatsProxy(int(server.url.rsplit(":", 1)[1])) as proxy:
+        proxy.delay = 0.3  # (a round trip of 0.6 s: 0.3 of the TTL)
+        async with NatsBus(proxy.url) as bus, SessionLease(bus, "s1", ttl=2.0) as lease:
+            expired = 0
+            with anyio.move_on_after(5):
+                while True:
+                    expired += lease.lost is not None
+                    await anyio.sleep(0.01)
+            assert expired == 0
+
+
+@pytest.mark.asyncio
 async def test_a_host_paused_past_its_lease_ttl_captures_nothing_until_it_renews(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:

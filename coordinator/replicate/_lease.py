@@ -248,7 +248,10 @@ class SessionLease:
 
     async def _renew(self) -> None:
         while True:
-            await anyio.sleep(self.ttl / 3)
+            # A third of the TTL after the last one was sent, not after its answer
+            # (helper-74: with the round trip added to each beat, a lease the server
+            # held all along expired here once the round trip passed 0.28 TTL).
+            await anyio.sleep(max(0.0, self._dated + self.ttl / 3 - time.monotonic()))
             try:
                 async with self._writing:
                     self._landed(
@@ -298,13 +301,19 @@ class SessionLease:
     async def check(self) -> None:
         """``LeaseLostError`` unless the lease is still this holder's;
         ``LeaseExpiredError`` while no renewal landed for ``HELD_FOR`` of the TTL
-        (the cluster may say it is still ours: a contender may take it any moment);
+        (the cluster may say it is still ours: a contender may take it any moment),
+        or once it expires while the cluster does not answer;
         ``BusUnavailableError`` if the cluster cannot tell now."""
         if self._lost is not None:
             raise self._lost
         if not self._holding:
             raise self._not_held()
-        with cluster_errors(f"the lease of session {self.session_id}"):
+        # No longer than the lease holds (helper-74: a check on a dead link waited
+        # 5-15 s, a resume with it, while a contender could take the lease).
+        with (
+            cluster_errors(f"the lease of session {self.session_id}"),
+            anyio.move_on_after(max(0.0, self._held_until - time.monotonic())),
+        ):
             await self._check()
         if (expired := self.lost) is not None:
             raise expired
