@@ -263,7 +263,10 @@ class Coordinator:
         self.final_step = final_step
         self.install = install  # a restore's one activation, for state across participants
         self.ledger = ArtifactLedger()
-        self.writer = Writer(store, bus, limits=limits, retry=retry, ledger=self.ledger)
+        self.writer = Writer(
+            store, bus, limits=limits, retry=retry, ledger=self.ledger,
+            lost=lambda: self._lost,
+        )  # fmt: skip
         self._hashing: anyio.CapacityLimiter | None = None
         self._fenced: CoordinatorError | None = None
         # Ids are used once, in memory that does not grow with the run: steps go

@@ -377,8 +377,10 @@ class Writer:
         ledger: ArtifactLedger | None = None,
         clock: Callable[[], float] = time.perf_counter,
         flush_timeout: float = 5.0,
+        lost: Callable[[], CoordinatorError | None] = lambda: None,
     ) -> None:
         self.store = store
+        self._lost = lost  # the session's owner lost it (a lease): nothing more commits
         self.bus = bus
         self.limits = limits or WriterLimits()
         self.retry = retry or RetryPolicy()
@@ -951,8 +953,11 @@ class Writer:
         results: list[CommitReceipt | CoordinatorError | None] = list(failures)
         attempts = [1] * len(group)
         ready: list[tuple[int, list[memoryview], bool]] = []  # (index, views, trusted)
+        lost = self._lost()  # (helper-74: captured while it held the session, committed after)
         try:
             for index, job in enumerate(group):
+                if results[index] is None and lost is not None:
+                    results[index] = lost
                 if results[index] is not None:
                     continue
                 try:

@@ -3286,6 +3286,41 @@ def test_bad_seconds_are_a_typed_refusal(make: Any, tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_capture_under_way_when_the_lease_is_lost_never_commits(tmp_path: Path) -> None:
+    """helper-74's b_commit_after_take and f_sigstop_commit: a capture that began
+    while the lease was held (its participant awaiting a device copy, or the host
+    paused in it) was committed after another host took the session, even with
+    lease.lost saying so. The writer asks before it commits: the ticket says
+    Failed (session.lease_lost), and nothing of it is on the disk."""
+    from coordinator.bus import MemoryBus
+    from coordinator.errors import LeaseLostError, SaveFailedError
+    from coordinator.events import Failed
+
+    class Lease:
+        session_id, lost = "s1", None
+
+    class Losing(Part):
+        async def capture(self, scope: CaptureScope) -> bytes:
+            if scope.step == 2:
+                lease.lost = LeaseLostError("taken over while it captured")  # type: ignore[assignment]
+            return self.data
+
+    lease = Lease()
+    async with FileStore(tmp_path) as store:
+        host = Coordinator(store, MemoryBus(), [Part("world", b"w"), Losing("agent-a", b"a")],
+                           session_id="s1", describe=DESCRIBE, lease=lease)  # fmt: skip
+        with pytest.raises(SaveFailedError, match="session.lease_lost"):  # (at the close)
+            async with host:
+                await host.checkpoint(1)
+                ticket = await host.capture(2)
+                outcome = await ticket.wait()
+                assert isinstance(outcome, Failed) and outcome.code == "session.lease_lost"
+                assert [g.boundary for g in store.timeline("s1")] == ["1"]
+                with pytest.raises(LeaseLostError):
+                    await host.capture(3)
+
+
+@pytest.mark.asyncio
 async def test_a_clean_stop_replicates_the_last_checkpoints(
     server: EmbeddedServer, tmp_path: Path
 ) -> None:
