@@ -117,6 +117,32 @@ def test_the_host_state_moves_with_time_alone() -> None:
     assert (row["hostStep"], row["durableStep"]) == ("7", "1")
 
 
+def test_a_host_whose_writer_is_stuck_turns_stale_though_it_goes_on_capturing() -> None:
+    """helper-73's break_hung_disk: the store's disk hung (fsfreeze); the host went
+    on stepping, capturing, and superseding what waited, so some event came every
+    few seconds, and the page said `ok` for 75 s and more (stale was measured from
+    the newest event of any kind). It is measured from the last commit or failure:
+    stale once captures have been in flight 60 s without one."""
+    from coordinator.events import Superseded
+
+    board = Dashboard()
+    board.apply(committed("s", "e1-1", 1, 0))
+    board.apply(captured("s", "e1-2", 2, 1))  # (the writer takes it, and hangs)
+    seq = 3
+    for step in range(3, 12):  # a capture every 8 s, each superseding the one waiting
+        when = 8.0 * (step - 2)
+        board.apply(captured("s", f"e1-{step}", seq, when))
+        if step > 3:
+            board.apply(Superseded(superseded_by=f"e1-{step}",
+                                   **common("s", f"e1-{step - 1}", seq + 1, when, "e1")))  # type: ignore[arg-type]  # fmt: skip
+        seq += 2
+        board.apply_presence(beat("s", when, step=str(step)))
+    assert health(board, "s", 60) == "ok"
+    assert health(board, "s", 72.5) == "stale"
+    row = board.row(board.sessions["s"], NOW + 72.5)
+    assert row["why"].startswith("captures in flight, none committed or failed for 72 s"), row
+
+
 def test_a_dashboard_started_late_sees_a_long_dead_host_gone_at_once() -> None:
     """Staleness is the host's time, not the moment the reader read it."""
     board = Dashboard()

@@ -93,7 +93,7 @@ MAX_MS = 1e12  # a phase longer than this is no measurement (the schema's maximu
 FAILURES = 10  # failures kept per session
 RESTORES = 10
 CODES = 16  # distinct failure codes counted per session; more count as "other"
-STALE_AFTER_S = 60.0  # captures in flight and no event for this long: stale
+STALE_AFTER_S = 60.0  # captures in flight and no outcome for this long: stale
 PAGE_LIMIT = 1000  # the most rows one overview holds
 
 Health = Literal["failing", "gone", "stale", "ok", "finished"]
@@ -157,6 +157,7 @@ class Session:
         "latency",
         "presence",
         "presence_s",
+        "progress_s",
         "restores",
         "size",
         "state",
@@ -179,6 +180,10 @@ class Session:
         self.last_event_s: float | None = None
         self.last_commit_s: float | None = None
         self.last_failure_s: float | None = None
+        # The last commit or failure, or the capture that went in flight after none:
+        # what "no outcome for 60 s" is measured from (a stuck writer's host goes on
+        # capturing and superseding: those are no outcome).
+        self.progress_s: float | None = None
         self.unreplicated_s: float | None = None
         self.cached: dict[str, Any] | None = None  # the overview row's event-made part
         # The host state, its reason (made when read: the age it states moves on),
@@ -222,8 +227,8 @@ class Session:
                           left + gone_after(presence.interval_s)]  # fmt: skip
             else:
                 marks.append(left + STALE_AFTER_S)
-        if event is not None:
-            marks.append(now - deafness.silence(event, now) + STALE_AFTER_S)
+        if self.progress_s is not None:
+            marks.append(now - deafness.silence(self.progress_s, now) + STALE_AFTER_S)
         later = [mark for mark in marks if mark > now]
         return min(later) if later else math.inf
 
@@ -253,15 +258,19 @@ class Session:
                 return "gone", lambda at: f"no event for {silent(at)} (its host sends no heartbeat)"
         if self.last_outcome() == "failed":
             return "failing", _said("its newest outcome is a failure")
+        progress = self.progress_s
         if (
-            event is not None
+            progress is not None
             and self.state.in_flight
-            and deafness.silence(event, now) > STALE_AFTER_S
+            and deafness.silence(progress, now) > STALE_AFTER_S
         ):
-            last: float = event
+            last: float = progress
             return (
                 "stale",
-                lambda at: f"captures in flight, no outcome for {deafness.silence(last, at):.0f} s",
+                lambda at: (
+                    f"captures in flight, none committed or failed for "
+                    f"{deafness.silence(last, at):.0f} s (a stuck writer or disk?)"
+                ),
             )
         return "ok", _said("")
 
@@ -515,6 +524,9 @@ class Dashboard:
         if not late and not isinstance(event, Replicated):
             if when is not None:
                 session.last_event_s = when
+                started = isinstance(event, Captured) and not before.in_flight
+                if started or isinstance(event, Committed | Failed):
+                    session.progress_s = when
             if event.boundary.isdigit():  # the host reached it; a restore sets it back
                 step = int(event.boundary)
                 known = session.event_step
