@@ -6,20 +6,20 @@ Whoever may create one of these streams could make it first with a
 user's permissions (docs/operations.md, "Threat model"). In an account shared
 with anyone but the fleet's own hosts, run ``coordinator setup`` with an
 administrator's credential before the first host, and give the roles the sets
-without ``$JS.API.STREAM.CREATE``. What exists already is checked, never
-changed: one that redirects messages, or does not cover our subjects, is
-refused (``BusConfigError``).
+without ``$JS.API.STREAM.CREATE``. What exists already is checked, and
+changed in one way only: a key-value bucket's rollup headers are turned off (an
+older version made them on). One that redirects messages, or does not cover our
+subjects, is refused (``BusConfigError``).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import msgspec
-from nats.js.errors import BadRequestError, BucketNotFoundError
+from nats.js.errors import BucketNotFoundError
 
-from .bus import NatsBus, checked_stream_config
+from .bus import NatsBus, checked_stream_config, created_bucket, rollups_off
 from .remote import (
     DEFAULT_LEASE_BUCKET,
     DEFAULT_LEASE_TTL,
@@ -58,6 +58,8 @@ async def prepare_account(bus: NatsBus, *, lease_ttl: float = DEFAULT_LEASE_TTL)
         *(f"OBJ_{name}" for name in (CONTENT_BUCKET, DEFAULT_OBJECT_BUCKET)),
     ]
     for stream in streams:
+        if stream.startswith("KV_"):  # (made by an older version: the one change made)
+            await rollups_off(js, stream)
         await checked_stream_config(js, stream)
     return AccountReport(streams=tuple(streams))
 
@@ -66,5 +68,4 @@ async def _key_value(js: Any, bucket: str, replicas: int) -> None:
     try:
         await js.key_value(bucket)
     except BucketNotFoundError:
-        with contextlib.suppress(BadRequestError):  # (made meanwhile: checked after)
-            await js.create_key_value(bucket=bucket, history=1, replicas=replicas)
+        await created_bucket(js, bucket, history=1, replicas=replicas)

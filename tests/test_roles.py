@@ -343,3 +343,62 @@ async def test_a_role_on_an_account_not_set_up_is_told_to_run_setup(
     for name in ("lease", "replicator", "worker"):
         assert isinstance(said.get(name), BusRefusedError), (name, said.get(name))
         assert "coordinator setup" in str(said[name]), said[name]
+
+
+KV_BUCKETS = ("CKPT_COMMITTED", "CKPT_HOSTS", "CKPT_REPLICAS", "CKPT_LEASES", "CKPT_WORKERS")
+
+
+async def rollup_on_own_key(url: str, bucket: str) -> str:
+    """A message with ``Nats-Rollup: all`` on one key of ``bucket`` (as the
+    administrator: the stream's rule holds for every user, narrowed or not); what
+    the server said."""
+    client = await nats.connect(url, user="admin", password=ADMIN)
+    try:
+        await client.jetstream().publish(f"$KV.{bucket}.evil", b"{}",
+                                         headers={"Nats-Rollup": "all"})  # fmt: skip
+    except Exception as error:
+        return str(error)
+    finally:
+        await client.close()
+    return "stored"
+
+
+@pytest.mark.asyncio
+async def test_no_bucket_takes_a_rollup_that_would_wipe_every_session(
+    server: EmbeddedServer,
+) -> None:
+    """helper-73's break_rollup: a user narrowed to its own session's keys published on
+    one of them with `Nats-Rollup: all`, which the KV streams allowed (nats-py's
+    default): every other session's pointer, seq reservation and beat were gone
+    (`restore nats://` failed, the host's events restarted at seq 1). The buckets
+    take no rollup header, so nothing of another session goes."""
+    async with NatsBus(server.url, user="admin", password=ADMIN) as bus:
+        kv = await bus.client.jetstream().key_value("CKPT_COMMITTED")
+        await kv.put("demo", b'{"kept": true}')
+        for bucket in KV_BUCKETS:
+            said = await rollup_on_own_key(server.url, bucket)
+            assert "rollup not permitted" in said, (bucket, said)
+        assert (await kv.get("demo")).value == b'{"kept": true}'
+
+
+@pytest.mark.asyncio
+async def test_setup_turns_off_the_rollups_of_a_bucket_made_before(
+    bare: EmbeddedServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bucket made with rollups (nats-py's defaults, as an older version made
+    ours) is still used, and a host says once how to close it; `coordinator setup`
+    turns them off, its one change to a stream that exists."""
+    client = await nats.connect(bare.url, user="admin", password=ADMIN)
+    try:
+        await client.jetstream().create_key_value(bucket="CKPT_COMMITTED", history=1)
+    finally:
+        await client.close()
+    async with NatsBus(bare.url, user="admin", password=ADMIN):
+        pass
+    assert "CKPT_COMMITTED takes Nats-Rollup headers" in caplog.text
+    assert "coordinator setup" in caplog.text
+    assert "stored" in await rollup_on_own_key(bare.url, "CKPT_COMMITTED")  # (still open)
+    code, _, err = await setup(bare.url, tmp_path)
+    assert code == 0, err
+    for bucket in KV_BUCKETS:
+        assert "rollup not permitted" in await rollup_on_own_key(bare.url, bucket)

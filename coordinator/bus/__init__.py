@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..events import Event, Restored
 from ..presence import Presence
-from ._config import check_stream_config, checked_stream_config, created
+from ._config import (
+    check_stream_config,
+    checked_stream_config,
+    created,
+    created_bucket,
+    rollups_off,
+)
 from ._statistics import BusStatistics
 from .memory import MemoryBus, Subscription
 
@@ -32,6 +38,8 @@ __all__ = [
     "checked_stream_config",
     "connect",
     "created",
+    "created_bucket",
+    "rollups_off",
     "server_address",
 ]
 

@@ -101,7 +101,7 @@ from ..presence import (
     encode_presence,
 )
 from ..wire import read_json
-from ._config import check_stream_config, checked_stream_config
+from ._config import check_stream_config, checked_stream_config, created_bucket
 from ._statistics import BusStatistics
 from .memory import Subscription
 
@@ -334,8 +334,8 @@ class NatsBus:
         except BucketNotFoundError:
             if self.read_only:
                 return
-            self._kv = await self._js.create_key_value(
-                bucket=self.bucket, history=1, replicas=self.replicas
+            self._kv = await created_bucket(
+                self._js, self.bucket, history=1, replicas=self.replicas
             )
         await checked_stream_config(self._js, f"KV_{self.bucket}")
 
@@ -350,15 +350,14 @@ class NatsBus:
             if self.read_only:
                 return True
             try:
-                self._presence = await self._js.create_key_value(
-                    bucket=self.presence_bucket, history=1, replicas=self.replicas,
+                self._presence = await created_bucket(
+                    self._js, self.presence_bucket, history=1, replicas=self.replicas,
                     ttl=PRESENCE_KEPT_S,
                 )  # fmt: skip
-            except APIError as error:
+            except (APIError, BusRefusedError) as error:
                 if not quiet:
-                    _log.warning(
-                        "no presence bucket %s: %s", self.presence_bucket, error.description
-                    )
+                    said = error.description if isinstance(error, APIError) else str(error)
+                    _log.warning("no presence bucket %s: %s", self.presence_bucket, said)
                 return False
         await checked_stream_config(self._js, f"KV_{self.presence_bucket}")
         return True

@@ -73,7 +73,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import (
-    BadRequestError,
     BucketNotFoundError,
     KeyDeletedError,
     KeyNotFoundError,
@@ -82,7 +81,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from ..artifacts import ArtifactHandle, ArtifactLedger, owned_bytes
-from ..bus import NatsBus, checked_stream_config, connect, created
+from ..bus import NatsBus, checked_stream_config, connect, created_bucket
 from ..errors import BusConfigError, CoordinatorError, RemoteWorkerError, UsageError
 from ..events import subject_token
 from ..ids import U64_MAX, check_id, is_digest, is_id
@@ -551,13 +550,8 @@ async def open_lease_bucket(
     try:
         leases = await js.key_value(name)
     except BucketNotFoundError:
-        try:
-            leases = await created(
-                f"bucket {name}",
-                js.create_key_value(bucket=name, ttl=ttl, history=1, replicas=replicas),
-            )
-        except BadRequestError:  # another worker created it first, maybe with another TTL
-            leases = await js.key_value(name)
+        # (another worker may have made it first, maybe with another TTL)
+        leases = await created_bucket(js, name, ttl=ttl, history=1, replicas=replicas)
     max_age = (await checked_stream_config(js, f"KV_{name}")).max_age
     if not max_age:
         raise BusConfigError(

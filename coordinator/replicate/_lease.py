@@ -38,7 +38,7 @@ from nats.js.errors import (
     KeyWrongLastSequenceError,
 )
 
-from ..bus import NatsBus, checked_stream_config, created
+from ..bus import NatsBus, checked_stream_config, created_bucket
 from ..errors import (
     LeaseExpiredError,
     LeaseLostError,
@@ -178,11 +178,8 @@ class SessionLease:
             try:
                 self._kv = await js.key_value(LEASES_BUCKET)
             except BucketNotFoundError:
-                self._kv = await created(
-                    f"bucket {LEASES_BUCKET}",
-                    js.create_key_value(
-                        bucket=LEASES_BUCKET, history=1, replicas=self.bus.replicas
-                    ),
+                self._kv = await created_bucket(
+                    js, LEASES_BUCKET, history=1, replicas=self.bus.replicas
                 )
             await checked_stream_config(js, f"KV_{LEASES_BUCKET}")
             await self._acquire()

@@ -28,7 +28,7 @@ import anyio.to_thread
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from ..bus import NatsBus, checked_stream_config, created
+from ..bus import NatsBus, checked_stream_config, created, created_bucket
 from ..canonical import parse_canonical
 from ..envelope import (
     MAX_MANIFEST_BYTES,
@@ -111,10 +111,7 @@ class Replicas:
         except (BucketNotFoundError, NotFoundError):
             if not create:
                 raise ReplicaBucketMissingError(POINTERS_BUCKET) from None
-            kv = await created(
-                f"bucket {POINTERS_BUCKET}",
-                js.create_key_value(bucket=POINTERS_BUCKET, history=1, replicas=self.replicas),
-            )
+            kv = await created_bucket(js, POINTERS_BUCKET, history=1, replicas=self.replicas)
         await checked_stream_config(js, f"KV_{POINTERS_BUCKET}")
         self._pointers = Pointers(self.client, kv, f"KV_{POINTERS_BUCKET}")
         return self
