@@ -25,6 +25,7 @@ import functools
 import io
 import json
 import logging
+import re
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -513,7 +514,7 @@ def on(session: str, body: bytes) -> tuple[str, bytes]:
 
 @pytest.mark.asyncio
 async def test_watch_and_the_dashboard_replay_forged_events_without_adopting_them(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The attack round's stream: a host's run, and around it forged events far
     ahead, under taken seqs, beyond 2^53, of huge texts and of no form at all."""
@@ -533,6 +534,10 @@ async def test_watch_and_the_dashboard_replay_forged_events_without_adopting_the
         assert (last["highWater"], last["lastSeq"], last["gaps"]) == ("e1-12", 36, 0)
         assert (last["contradicting"], last["invalid"]) == (4, 1)
         assert "folded" not in last and "foldedSeqs" not in last
+        # (helper-73: the log said "1 contradicting" of 19: the rest came after its
+        # first line, within 10 s, and the replay ended untold)
+        told = [int(n) for n in re.findall(r"(\d+) contradicting", caplog.text)]
+        assert sum(told) == 4, caplog.text
         table = io.StringIO()
         assert await watch(["watch", "--nats", server.url, "--replay-only"], table, err) == 0
         assert "4 contradicting, 1 no event" in table.getvalue()
