@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar, cast
 
 import msgspec
 
-from .connection import Connection, add_options, given, resolve
+from .connection import Connection, add_options, given, redact, resolve
 from .envelope import Envelope, decode
 from .errors import (
     BusRefusedError,
@@ -1526,7 +1526,7 @@ def _main(argv: Sequence[str] | None, out: TextIO, err: TextIO) -> int:
             or f"coordinator {args.command}"
         )
         if isinstance(where, str):  # a URL's user and password are nobody's business
-            where = re.sub(r"//[^@/]*@", "//", where)
+            where = redact(where)
         return _report_failure(error, where, err)
     except BrokenPipeError:
         raise  # (an OSError, but no file to name: main ends the command)

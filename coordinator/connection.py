@@ -161,7 +161,9 @@ class Connection:
 
 
 def redact(url: str) -> str:
-    return re.sub(r"//[^@/]*@", "//", url)
+    """``url`` without its user information: up to its last ``@`` before the host
+    (nats-py splits there, so a password may hold an ``@``; helper-75)."""
+    return re.sub(r"//[^/]*@", "//", url)
 
 
 def resolve(

@@ -613,3 +613,20 @@ def test_a_tls_url_or_any_tls_option_means_tls(tmp_path: Path) -> None:
     again = resolve(_parse(), env, url=got.url)
     assert again is not None and again.tls and again.tls_ca == str(pki.ca)
     assert again.tls_cert == str(pki.cert) and again.tls_key == str(pki.key)
+
+
+@pytest.mark.parametrize(
+    "url", ["nats://admin:Kx9@tail-SECRET@h:1", "tls://u:p@SECRET@h:1,nats://x:SECRET@h:2"]
+)
+def test_a_password_holding_an_at_sign_is_never_printed(url: str) -> None:
+    """helper-75: nats-py splits a URL's user information at its last '@', so a
+    password may hold one; every redaction cut at the first, and restore printed
+    the rest of the password ('tail-SECRET-4711@127.0.0.1')."""
+    from coordinator.bus._nats import _redacted, _scrubbed
+    from coordinator.connection import redact
+
+    for first in url.split(","):
+        assert "SECRET" not in redact(first) and redact(first).split("//")[1].startswith("h:")
+    assert "SECRET" not in _redacted(url.split(","))
+    said = _scrubbed(OSError(f"cannot reach {url}"), url.split(","), {})
+    assert "SECRET" not in said, said

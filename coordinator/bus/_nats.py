@@ -70,6 +70,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from ..connection import redact
 from ..errors import (
     BusConfigError,
     BusRefusedError,
@@ -1391,7 +1392,7 @@ def _scrubbed(error: Exception, servers: Sequence[str], options: dict[str, Any])
     for secret in secrets:
         if isinstance(secret, str) and secret:
             text = text.replace(secret, "***")
-    return re.sub(r"//[^@/\s]*@", "//", text)
+    return re.sub(r"//[^/\s]*@", "//", text)  # (to the last @: as redact)
 
 
 _PERMISSION = re.compile(r"permissions violation for (subscription|publish) to \"([^\"]*)\"")
@@ -1617,4 +1618,4 @@ def _outcome(ack: asyncio.Future[Any] | Exception, unacked: Exception) -> Any:
 
 def _redacted(servers: Sequence[str]) -> str:
     """Server URLs without their credentials, for messages."""
-    return ", ".join(re.sub(r"//[^@/]*@", "//", url) for url in servers)
+    return ", ".join(redact(url) for url in servers)
