@@ -136,11 +136,32 @@ def test_a_host_whose_writer_is_stuck_turns_stale_though_it_goes_on_capturing() 
             board.apply(Superseded(superseded_by=f"e1-{step}",
                                    **common("s", f"e1-{step - 1}", seq + 1, when, "e1")))  # type: ignore[arg-type]  # fmt: skip
         seq += 2
-        board.apply_presence(beat("s", when, step=str(step)))
+        board.apply_presence(beat("s", when, step=str(step), in_flight=2, queue_depth=1))
     assert health(board, "s", 60) == "ok"
     assert health(board, "s", 72.5) == "stale"
     row = board.row(board.sessions["s"], NOW + 72.5)
     assert row["why"].startswith("captures in flight, none committed or failed for 72 s"), row
+
+
+def test_a_host_restarted_after_a_crash_is_not_taken_for_a_stuck_one() -> None:
+    """helper-75's break_restart_stale: a host killed with a capture in flight came
+    back 65 s later and resumed for 25 s, beating (a new epoch, nothing in flight):
+    the page said `stale` ("a stuck writer or disk?") all along, since the dead
+    run's capture stays in the fold until the new run's first event. The beat's
+    word on what is in flight is taken when it is newer; the new run's first
+    event starts the clock afresh."""
+    board = Dashboard()
+    board.apply(committed("s", "e1-1", 1, 0))
+    board.apply(captured("s", "e1-2", 2, 1))  # (then SIGKILL)
+    resuming = msgspec.structs.replace(beat("s", 66, in_flight=0), epoch="e2")
+    board.apply_presence(resuming)  # the new run
+    assert health(board, "s", 70) == "ok"
+    assert board.row(board.sessions["s"], NOW + 70)["inFlight"] == 0
+    board.apply(captured("s", "e2-1", 3, 91, epoch="e2"))  # its first capture
+    assert health(board, "s", 95) == "ok"
+    stuck = msgspec.structs.replace(beat("s", 150, in_flight=1), epoch="e2")
+    board.apply_presence(stuck)
+    assert health(board, "s", 152) == "stale"  # (that one stuck: 61 s, the host beating)
 
 
 def test_a_dashboard_started_late_sees_a_long_dead_host_gone_at_once() -> None:

@@ -261,7 +261,7 @@ class Session:
         progress = self.progress_s
         if (
             progress is not None
-            and self.state.in_flight
+            and self.in_flight() > 0
             and deafness.silence(progress, now) > STALE_AFTER_S
         ):
             last: float = progress
@@ -273,6 +273,16 @@ class Session:
                 ),
             )
         return "ok", _said("")
+
+    def in_flight(self) -> int:
+        """Captures in flight now: the beat's word when it is newer than the events
+        (helper-75: a host restarted after a crash beats "none" while it resumes,
+        and the dead run's capture stays in the fold until the new run's first
+        event closes it out: it was shown stale, a stuck writer), else the fold's."""
+        beat, event = self.presence_s, self.last_event_s
+        if self.presence is not None and beat is not None and (event is None or beat >= event):
+            return self.presence.in_flight
+        return len(self.state.in_flight)
 
     def last_outcome(self) -> str | None:
         for row in reversed(self.history.values()):
@@ -524,8 +534,10 @@ class Dashboard:
         if not late and not isinstance(event, Replicated):
             if when is not None:
                 session.last_event_s = when
+                # (a new run's first event closes out the dead run's captures)
+                fresh = event.epoch not in before.epochs
                 started = isinstance(event, Captured) and not before.in_flight
-                if started or isinstance(event, Committed | Failed):
+                if fresh or started or isinstance(event, Committed | Failed):
                     session.progress_s = when
             if event.boundary.isdigit():  # the host reached it; a restore sets it back
                 step = int(event.boundary)
@@ -643,7 +655,7 @@ class Dashboard:
         return {
             "sessionId": folded.session_id, "epoch": folded.epoch,
             "highWater": folded.high_water, "durableStep": folded.high_water_boundary,
-            "hostStep": host_step, "inFlight": len(folded.in_flight), "queue": queue,
+            "hostStep": host_step, "inFlight": session.in_flight(), "queue": queue,
             "committed": folded.committed, "superseded": folded.superseded,
             "failed": folded.failed, "restores": folded.restores,
             "closedOut": folded.closed_out, "gaps": folded.gaps,
