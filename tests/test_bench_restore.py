@@ -64,7 +64,9 @@ def test_restore_group_reports_each_figure_beside_its_baselines() -> None:
         assert positive(cold["warm"][f"{mode}_s"]), mode
     assert cold["warm"]["ratio_to_read_sha256"] > 0
     assert positive(cold["format_floor_s"])  # one SHA-256 pass of the file, same run
-    assert cold["ratio_to_format_floor"] > 0 and 0 < cold["format_floor_over_baseline"] < 1
+    # (> 0 only: one run of 32 MiB on a loaded machine can time the floor's one
+    # pass above the baseline's read and pass; a timing is no unit test's to judge)
+    assert cold["ratio_to_format_floor"] > 0 and cold["format_floor_over_baseline"] > 0
     # two passes and the raw read's own CPU over the cores: never below one pass
     assert positive(cold["cpu_floor_s"]) and cold["ratio_to_cpu_floor"] > 0
     assert all(c >= f for c, f in zip(cold["cpu_floor_s"], cold["format_floor_s"], strict=True))
