@@ -161,9 +161,16 @@ class Connection:
 
 
 def redact(url: str) -> str:
-    """``url`` without its user information: up to its last ``@`` before the host
-    (nats-py splits there, so a password may hold an ``@``; helper-75)."""
-    return re.sub(r"//[^/]*@", "//", url)
+    """``url`` (or several, comma-separated) without user information: all up to
+    the last ``@`` after the scheme, whatever it holds (helper-75, helper-77: a
+    password with an ``@`` or a ``/``, a URL given without its scheme)."""
+    shown = []
+    for one in re.split(r",(?=\w+://)", url):  # (a comma in a password splits nothing)
+        head, sep, rest = one.partition("://")
+        if not sep:
+            head, rest = "", one
+        shown.append(head + sep + rest.rpartition("@")[2])
+    return ",".join(shown)
 
 
 def resolve(

@@ -394,10 +394,9 @@ class Coordinator:
                 await whole(self._restored.wait)  # (asyncio's own cancel too: it ends first)
             if not self._resumed.is_set():  # (no await otherwise: the close goes on at once)
                 await whole(self._resumed.wait)
-            final = self._open and self.final_step is not None
-            if final and isinstance(self._lost, UsageError):  # (released before this close)
+            final = self._open and self.final_step is not None and self._fenced is None
+            if final and self._lost is not None:  # (helper-77: the final capture, dropped unsaid)
                 raise self._lost
-            final = final and self._fenced is None and self._lost is None
             if error is None and final:
                 assert self.final_step is not None
                 # An older unseen failure is raised after it, not instead of it.

@@ -86,6 +86,7 @@ from .errors import (
     DurabilityUnknownError,
     EnvelopeInputError,
     EpochFencedError,
+    LeaseLostError,
     NoThreadError,
     SaveFailedError,
     StorePoisonedError,
@@ -1092,7 +1093,10 @@ class Writer:
             reason = str(result) or repr(result)
             if errors:
                 reason += f"; releasing its handles also failed: {errors[0]!r}"
-            if not isinstance(result, WriterClosedError):
+            # (a lease's loss or expiry is told by the lease's own error, which every
+            # capture raises while it holds; once renewed, an old one would stop the
+            # host's next capture for nothing: helper-77)
+            if not isinstance(result, WriterClosedError | LeaseLostError):
                 self._save_failed(job, result.code, reason)
             durable: Any = "unknown" if isinstance(result, DurabilityUnknownError) else False
             self._finish(

@@ -136,11 +136,27 @@ def test_a_host_whose_writer_is_stuck_turns_stale_though_it_goes_on_capturing() 
             board.apply(Superseded(superseded_by=f"e1-{step}",
                                    **common("s", f"e1-{step - 1}", seq + 1, when, "e1")))  # type: ignore[arg-type]  # fmt: skip
         seq += 2
-        board.apply_presence(beat("s", when, step=str(step), in_flight=2, queue_depth=1))
+        # (the beat's in_flight is the writer's slots: the job being written is not
+        # in it; helper-77 saw a real stuck host beat 0, and 3c68bf2 took its word)
+        board.apply_presence(beat("s", when, step=str(step), in_flight=0, queue_depth=1))
     assert health(board, "s", 60) == "ok"
     assert health(board, "s", 72.5) == "stale"
     row = board.row(board.sessions["s"], NOW + 72.5)
     assert row["why"].startswith("captures in flight, none committed or failed for 72 s"), row
+
+
+def test_a_host_that_captures_rarely_is_not_taken_for_a_stuck_one() -> None:
+    """helper-77's slowcap: quiet for 62 s after a commit, the host began a capture
+    whose participant took 10 s (a device copy); its beat counted that capture in
+    flight (a reserved slot) before any `captured` event, and the page said stale,
+    "a stuck writer or disk?", from the last commit. In flight is what the events
+    say was captured and has no outcome."""
+    board = Dashboard()
+    board.apply(committed("s", "e1-1", 1, 0))
+    board.apply_presence(beat("s", 64, in_flight=1))  # (its participants at it)
+    assert health(board, "s", 67) == "ok"
+    board.apply(captured("s", "e1-2", 2, 72))
+    assert health(board, "s", 73) == "ok"
 
 
 def test_a_host_restarted_after_a_crash_is_not_taken_for_a_stuck_one() -> None:

@@ -87,6 +87,26 @@ class Part:
 DESCRIBE = HostDescription(agents=["a"])
 
 
+class StubLease:
+    """A lease whose ``lost`` a test sets: all a Coordinator reads of one."""
+
+    session_id = "s1"
+    lost: Any = None
+
+
+class LosingAt(Part):
+    """A participant in whose capture of ``step`` the lease is lost (``error``)."""
+
+    def __init__(self, lease: StubLease, step: int, error: Exception) -> None:
+        super().__init__("agent-a", b"a")
+        self.lease, self.step, self.error = lease, step, error
+
+    async def capture(self, scope: CaptureScope) -> bytes:
+        if scope.step == self.step:
+            self.lease.lost = self.error
+        return self.data
+
+
 async def until(predicate: Any, timeout: float = 20) -> None:
     with anyio.fail_after(timeout):
         while not predicate():
@@ -2954,7 +2974,8 @@ async def test_a_coordinator_given_its_lease_stops_once_another_host_took_the_se
     and publishing events that contradict the new owner's, unless its author
     checked lease.lost before each step. Given the lease, the Coordinator refuses
     captures, restores and resumes once the lease is lost (LeaseLostError), and
-    its close makes no final capture."""
+    its close makes no final capture, and says so (helper-77: a close dropped it
+    without a word, its last beat "closed cleanly")."""
     from coordinator.errors import LeaseLostError, UsageError
 
     parts = [Part("world", b"w"), Part("agent-a", b"a")]
@@ -2966,16 +2987,20 @@ async def test_a_coordinator_given_its_lease_stops_once_another_host_took_the_se
                 store, bus, parts, session_id="s1", describe=DESCRIBE, lease=lease,
                 final_step=lambda: 99,
             )  # fmt: skip
-            async with host:
-                await host.checkpoint(1)
-                async with NatsBus(server.url) as other, SessionLease(other, "s1", take_over=True):
-                    await until(lambda: lease.lost is not None, timeout=10)
-                with pytest.raises(LeaseLostError):
-                    await host.capture(2)
-                with pytest.raises(LeaseLostError):
-                    await host.resume()
-                with pytest.raises(LeaseLostError):
-                    await host.restore(new_epoch=host.fresh_epoch())
+            with pytest.raises(LeaseLostError):  # (the close's: no final capture)
+                async with host:
+                    await host.checkpoint(1)
+                    async with (
+                        NatsBus(server.url) as other,
+                        SessionLease(other, "s1", take_over=True),
+                    ):
+                        await until(lambda: lease.lost is not None, timeout=10)
+                    with pytest.raises(LeaseLostError):
+                        await host.capture(2)
+                    with pytest.raises(LeaseLostError):
+                        await host.resume()
+                    with pytest.raises(LeaseLostError):
+                        await host.restore(new_epoch=host.fresh_epoch())
             assert [g.boundary for g in store.timeline("s1")] == ["1"]
 
 
@@ -3293,31 +3318,71 @@ async def test_a_capture_under_way_when_the_lease_is_lost_never_commits(tmp_path
     lease.lost saying so. The writer asks before it commits: the ticket says
     Failed (session.lease_lost), and nothing of it is on the disk."""
     from coordinator.bus import MemoryBus
-    from coordinator.errors import LeaseLostError, SaveFailedError
+    from coordinator.errors import LeaseLostError
     from coordinator.events import Failed
 
-    class Lease:
-        session_id, lost = "s1", None
-
-    class Losing(Part):
-        async def capture(self, scope: CaptureScope) -> bytes:
-            if scope.step == 2:
-                lease.lost = LeaseLostError("taken over while it captured")  # type: ignore[assignment]
-            return self.data
-
-    lease = Lease()
+    lease = StubLease()
+    losing = LosingAt(lease, 2, LeaseLostError("taken over while it captured"))
     async with FileStore(tmp_path) as store:
-        host = Coordinator(store, MemoryBus(), [Part("world", b"w"), Losing("agent-a", b"a")],
-                           session_id="s1", describe=DESCRIBE, lease=lease)  # fmt: skip
-        with pytest.raises(SaveFailedError, match="session.lease_lost"):  # (at the close)
+        host = Coordinator(store, MemoryBus(), [Part("world", b"w"), losing], session_id="s1",
+                           describe=DESCRIBE, lease=lease)  # fmt: skip
+        async with host:  # (the lease's error told it: no SaveFailedError later; helper-77)
+            await host.checkpoint(1)
+            ticket = await host.capture(2)
+            outcome = await ticket.wait()
+            assert isinstance(outcome, Failed) and outcome.code == "session.lease_lost"
+            assert [g.boundary for g in store.timeline("s1")] == ["1"]
+            with pytest.raises(LeaseLostError):
+                await host.capture(3)
+
+
+@pytest.mark.asyncio
+async def test_a_lease_that_comes_back_leaves_no_old_failure_behind(tmp_path: Path) -> None:
+    """helper-77's a_stale_after_comeback: a save the expiry stopped (its ticket
+    Failed, session.lease_expired) was kept as a save failure nobody had seen,
+    and once the lease renewed, the next capture raised it (save.failed) and was
+    not taken: the docs' loop, which catches the lease's errors, died there. The
+    lease's own error is what tells the host; the next capture goes through."""
+    from coordinator.bus import MemoryBus
+    from coordinator.errors import LeaseExpiredError
+    from coordinator.events import Committed, Failed
+
+    lease = StubLease()
+    expiring = LosingAt(lease, 2, LeaseExpiredError("not renewed"))  # (cut off meanwhile)
+    async with FileStore(tmp_path) as store:
+        host = Coordinator(store, MemoryBus(), [Part("world", b"w"), expiring], session_id="s1",
+                           describe=DESCRIBE, lease=lease)  # fmt: skip
+        async with host:
+            await host.checkpoint(1)
+            outcome = await (await host.capture(2)).wait()
+            assert isinstance(outcome, Failed) and outcome.code == "session.lease_expired"
+            with pytest.raises(LeaseExpiredError):
+                await host.capture(3)
+            lease.lost = None  # (renewed)
+            assert isinstance(await (await host.capture(3)).wait(), Committed)
+        assert [g.boundary for g in store.timeline("s1")] == ["3", "1"]
+
+
+@pytest.mark.asyncio
+async def test_a_close_whose_lease_expired_says_its_final_capture_was_not_taken(
+    tmp_path: Path,
+) -> None:
+    """helper-77's b_close_expired_silent: a clean close while the lease was expired
+    dropped the final capture (final_step) and returned, its last beat "closed
+    cleanly" (the page: finished). The close raises the lease's error."""
+    from coordinator.bus import MemoryBus
+    from coordinator.errors import LeaseExpiredError
+
+    lease = StubLease()
+    async with FileStore(tmp_path) as store:
+        host = Coordinator(store, MemoryBus(), [Part("world", b"w"), Part("agent-a", b"a")],
+                           session_id="s1", describe=DESCRIBE, lease=lease,
+                           final_step=lambda: 7)  # fmt: skip
+        with pytest.raises(LeaseExpiredError):
             async with host:
                 await host.checkpoint(1)
-                ticket = await host.capture(2)
-                outcome = await ticket.wait()
-                assert isinstance(outcome, Failed) and outcome.code == "session.lease_lost"
-                assert [g.boundary for g in store.timeline("s1")] == ["1"]
-                with pytest.raises(LeaseLostError):
-                    await host.capture(3)
+                lease.lost = LeaseExpiredError("not renewed")
+        assert [g.boundary for g in store.timeline("s1")] == ["1"]
 
 
 @pytest.mark.asyncio
@@ -3381,15 +3446,12 @@ async def test_a_lease_lost_while_a_resume_stages_stops_it_before_activation(
     from coordinator.bus import MemoryBus
     from coordinator.errors import LeaseLostError
 
-    class Lease:
-        session_id, lost = "s1", None
-
     class Losing(Part):
         async def stage_restore(self, payload: memoryview, scope: RestoreScope) -> bytes:
-            lease.lost = LeaseLostError("taken over while it staged")  # type: ignore[assignment]
+            lease.lost = LeaseLostError("taken over while it staged")
             return bytes(payload)
 
-    lease = Lease()
+    lease = StubLease()
     world, agent = Part("world", b"w1"), Losing("agent-a", b"a1")
     async with FileStore(tmp_path) as store:
         host = Coordinator(store, MemoryBus(), [world, agent], session_id="s1",

@@ -616,7 +616,14 @@ def test_a_tls_url_or_any_tls_option_means_tls(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["nats://admin:Kx9@tail-SECRET@h:1", "tls://u:p@SECRET@h:1,nats://x:SECRET@h:2"]
+    "url",
+    [
+        "nats://admin:Kx9@tail-SECRET@h:1",
+        "tls://u:p@SECRET@h:1,nats://x:SECRET@h:2",
+        "admin:SECRET@h:1",  # (helper-77: no scheme; setup and the dashboard connect so)
+        "nats://admin:ab+cd/EfSECRET==@h:1",  # (helper-77: a '/' in a base64 password)
+        "nats://admin:a,bSECRET@h:1",
+    ],
 )
 def test_a_password_holding_an_at_sign_is_never_printed(url: str) -> None:
     """helper-75: nats-py splits a URL's user information at its last '@', so a
@@ -625,8 +632,14 @@ def test_a_password_holding_an_at_sign_is_never_printed(url: str) -> None:
     from coordinator.bus._nats import _redacted, _scrubbed
     from coordinator.connection import redact
 
-    for first in url.split(","):
-        assert "SECRET" not in redact(first) and redact(first).split("//")[1].startswith("h:")
+    assert "SECRET" not in redact(url) and "h:" in redact(url), redact(url)
     assert "SECRET" not in _redacted(url.split(","))
     said = _scrubbed(OSError(f"cannot reach {url}"), url.split(","), {})
     assert "SECRET" not in said, said
+    from coordinator.bus._nats import server_address
+    from coordinator.errors import UsageError
+
+    try:  # (a URL nats-py cannot read: its refusal names the URL, redacted)
+        server_address(url.split(",")[0])
+    except UsageError as error:
+        assert "SECRET" not in str(error), error

@@ -1389,6 +1389,8 @@ def _scrubbed(error: Exception, servers: Sequence[str], options: dict[str, Any])
     text = f"{type(error).__name__}: {error}"[:200]
     secrets = [options.get("password"), options.get("token")]
     secrets += [urllib.parse.urlsplit(url).password for url in servers]
+    for url in servers:  # (as given: with or without its scheme)
+        text = text.replace(url, redact(url))
     for secret in secrets:
         if isinstance(secret, str) and secret:
             text = text.replace(secret, "***")

@@ -275,13 +275,16 @@ class Session:
         return "ok", _said("")
 
     def in_flight(self) -> int:
-        """Captures in flight now: the beat's word when it is newer than the events
-        (helper-75: a host restarted after a crash beats "none" while it resumes,
-        and the dead run's capture stays in the fold until the new run's first
-        event closes it out: it was shown stale, a stuck writer), else the fold's."""
-        beat, event = self.presence_s, self.last_event_s
-        if self.presence is not None and beat is not None and (event is None or beat >= event):
-            return self.presence.in_flight
+        """Captures in flight now (captured, no outcome yet): the fold's, but for a
+        new run's beat, newer than the events (helper-75: a host restarted after a
+        crash, resuming, was shown stale, a stuck writer, by the dead run's capture,
+        which the new run's first event closes out): its runs' captures are over.
+        (The beat's own count is no measure of this: it leaves out the job being
+        written and counts a capture whose participants are still at it; helper-77.)"""
+        presence, beat, event = self.presence, self.presence_s, self.last_event_s
+        newer = presence is not None and beat is not None and (event is None or beat >= event)
+        if newer and presence is not None and presence.epoch not in self.state.epochs:
+            return 0
         return len(self.state.in_flight)
 
     def last_outcome(self) -> str | None:
