@@ -705,3 +705,22 @@ async def test_a_worker_serves_a_participant_with_a_plain_capture(
                 with await store.read(outcome.checkpoint_id) as stored:
                     assert bytes(stored.payload("agent-fly-a")) == part.state
         group.cancel_scope.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_deleted_capture_leaves_no_marker_behind(server: EmbeddedServer) -> None:
+    """helper-76's repro_remote_markers: nats-py's delete leaves a deleted-object
+    meta in the bucket until its TTL (an hour): one a remote capture, 1,000
+    messages and subjects more a thousand checkpoints, for an hour. The marker is
+    purged with the object."""
+    from coordinator.remote._objects import ObjectBucket
+
+    async with NatsBus(server.url) as bus:
+        js = bus.client.jetstream()
+        bucket = await ObjectBucket.open(js, ttl=3600, replicas=1)
+        for index in range(20):
+            await bucket.put(f"s1/c-{index}/agent-c", memoryview(os.urandom(3000)))
+            assert await bucket.delete(f"s1/c-{index}/agent-c")
+        info = await js.stream_info(bucket._store._stream)
+        assert info.state.messages == 0, info.state
+        assert not await bucket.delete("s1/c-0/agent-c")  # (gone: not there)

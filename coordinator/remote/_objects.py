@@ -658,11 +658,17 @@ class ObjectBucket:
                 await anyio.sleep(0.05)
 
     async def delete(self, name: str) -> bool:
-        """Delete object ``name``; False if it was not there."""
+        """Delete object ``name``; False if it was not there. nats-py leaves a
+        deleted marker in its place until the bucket's TTL: one a capture, an
+        hour of them (helper-76). The marker is purged too (a meta written after
+        it stays), with the right the chunks' purge needs already."""
         try:
             await self._store.delete(name)
         except ObjectNotFoundError:
             return False
+        marker = await self.stored(name)
+        if marker is not None and not marker.live:
+            await self.purge_meta(marker)
         return True
 
     async def names(self) -> list[str]:
