@@ -895,7 +895,7 @@ class Coordinator:
             try:  # an empty local disk: start from the replicated tier
                 await self._adopt(source)
             except GenerationNotFoundError:
-                return Resumed(step=None, report=None)
+                return self._nothing_to_resume()
         elif source is not None:
             chosen = await self._taken_over(source, newest)
         # The fork records the pointer's epoch as seen: this store went on from
@@ -907,10 +907,23 @@ class Coordinator:
         except GenerationNotFoundError:
             if self.store.timeline(self.session_id):
                 raise  # listed, yet not found: not "nothing to restore"
-            return Resumed(step=None, report=None)
+            return self._nothing_to_resume()
         finally:
             self._resuming_over = None
         return Resumed(step=int(report.record.boundary), report=report)
+
+    def _nothing_to_resume(self) -> Resumed:
+        """No checkpoint to go on from: the host starts from the beginning, unless
+        this epoch is fenced (a capture failed before anything was committed),
+        which no restore can lift (helper-76: a host resuming in a loop on the
+        same Coordinator was told "start from the beginning" 3,854 times)."""
+        if self._fenced is not None:
+            raise EpochFencedError(
+                f"epoch {self.epoch} is fenced ({self._fenced}) and session "
+                f"{self.session_id} has no checkpoint to restore: close this Coordinator "
+                "and open a new one, which starts from the beginning in an epoch of its own"
+            )
+        return Resumed(step=None, report=None)
 
     async def _abort(self, staged: Sequence[tuple[Participant, Any]]) -> tuple[str, ...]:
         """Abort every staged participant, whatever one of them raises, within

@@ -941,3 +941,28 @@ async def test_a_plain_capture_that_blocks_past_the_deadline_is_late_whatever_th
             await c.capture(1)
         assert c.ledger.statistics().live == 0
         assert store.lookup("epoch-1-1") is None
+
+
+@pytest.mark.asyncio
+async def test_a_resume_with_nothing_to_restore_says_a_fenced_epoch_stays_fenced(
+    tmp_path: Path,
+) -> None:
+    """helper-76's repro_fenced_before_first: a participant failed before the
+    session's first commit (a remote worker not up yet), which fences the epoch;
+    resume(), as the error says, returned "nothing to restore, start from the
+    beginning" and left it fenced: a host resuming in a loop spun 3,854 times. It
+    says what lifts the fence: a new Coordinator, which does."""
+    from coordinator.errors import CaptureFailedError, EpochFencedError
+
+    ps = parts()
+    ps[0].fail_capture = True
+    async with FileStore(tmp_path) as store:
+        async with coordinator(store, ps) as host:
+            with pytest.raises(CaptureFailedError):
+                await host.capture(1)
+            with pytest.raises(EpochFencedError, match="open a new one"):
+                await host.resume()
+        ps[0].fail_capture = False
+        async with coordinator(store, ps, epoch="epoch-2") as host:
+            assert (await host.resume()).step is None
+            assert isinstance(await (await host.capture(1)).wait(), Committed)
