@@ -643,3 +643,4 @@ def test_a_password_holding_an_at_sign_is_never_printed(url: str) -> None:
         server_address(url.split(",")[0])
     except UsageError as error:
         assert "SECRET" not in str(error), error
+        assert "--password-file" in str(error)  # (the URL shown looks right: say why not)

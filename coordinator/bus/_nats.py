@@ -1450,7 +1450,10 @@ def server_address(url: str) -> tuple[str, int]:
     except ValueError:
         parts, port = None, None
     if parts is None or parts.scheme not in _SCHEMES or not parts.hostname:
-        raise UsageError(f"not a NATS server URL: {_redacted([url])!r} (try nats://127.0.0.1:4222)")
+        hint = "try nats://127.0.0.1:4222"
+        if "@" in url:  # (the redacted URL may look right: its user information broke it)
+            hint = "a password holding '/', '?' or '#' breaks a URL: give it with --password-file"
+        raise UsageError(f"not a NATS server URL: {_redacted([url])!r} ({hint})")
     return parts.hostname, port or _SCHEMES[parts.scheme]
 
 
