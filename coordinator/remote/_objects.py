@@ -672,11 +672,19 @@ class ObjectBucket:
         return True
 
     async def names(self) -> list[str]:
-        """The objects the bucket holds now (deleted ones excluded)."""
-        try:
-            return [info.name for info in await self._store.list(ignore_deletes=True)]
-        except nats.js.errors.NotFoundError:
-            return []
+        """The objects the bucket holds now (deleted ones excluded): each meta
+        subject's last message, read alone. (nats-py's list waits for ever for
+        metas purged between its look and its consumer, as a delete now purges
+        its marker.)"""
+        prefix = f"$O.{self.name}.M."
+        info = await self._js.stream_info(self._store._stream, subjects_filter=f"{prefix}>")
+        found = []
+        for subject in info.state.subjects or {}:
+            name = _object_name(subject, prefix=prefix)
+            stored = None if name is None else await self.stored(name)
+            if stored is not None and stored.live:
+                found.append(stored.name)
+        return found
 
 
 class ObjectArtifact(BaseHandle):
