@@ -284,8 +284,7 @@ class Coordinator:
         self._claimed = False  # this coordinator holds its session on the store
         self._restoring: anyio.CancelScope | None = None  # the restore in progress
         self._resuming_over: str | None = None  # resume(source=): the pointer's epoch
-        self._resuming = False  # a resume is in progress (taking in, or restoring)
-        self._resume_scope: anyio.CancelScope | None = None  # ... which a close cancels
+        self._resume_scope: anyio.CancelScope | None = None  # a resume's, which a close cancels
         self._resumed = anyio.Event()  # set whenever no resume is in progress
         self._resumed.set()
         self._restored = anyio.Event()  # set whenever no restore is in progress
@@ -877,15 +876,15 @@ class Coordinator:
         passed over for an older compatible one (``report.skipped``); when none is
         compatible, ``IncompatibleStateError``."""
         self._check_held()  # (before anything is taken in)
-        if self._resuming or self._restoring is not None:
+        if not self._resumed.is_set() or self._restoring is not None:
             raise UsageError("a restore is already in progress")
-        self._resuming, self._resumed = True, anyio.Event()
+        self._resumed = anyio.Event()
         try:
             with anyio.CancelScope() as self._resume_scope:  # (a close cancels it)
                 return await self._resume(source)
             raise WriterClosedError("the coordinator closed while it resumed")
         finally:
-            self._resuming, self._resume_scope = False, None
+            self._resume_scope = None
             self._resumed.set()
 
     async def _resume(self, source: ReplicaSource | None) -> Resumed:
@@ -977,7 +976,7 @@ class Coordinator:
         differences are recorded, in the store and in the event. Refused
         (``UsageError``) while a restore or a resume is under way.
         """
-        if self._resuming:  # (a resume's own restore is ``_restore``)
+        if not self._resumed.is_set():  # (a resume's own restore is ``_restore``)
             raise UsageError("a restore is already in progress (a resume)")
         return await self._restore(
             checkpoint_id, new_epoch=new_epoch, allow_incompatible=allow_incompatible

@@ -38,6 +38,21 @@ def member(index: int, session: int, **options: Any) -> GroupMember:
     return GroupMember(manifest, payloads)
 
 
+
+def refuse_threads(monkeypatch: pytest.MonkeyPatch, name: str) -> Any:
+    """No thread called ``name`` can start (CPython's error, out of threads);
+    returns the real ``Thread.start``."""
+    real_start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name == name:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    return real_start
+
+
 def test_a_group_keeps_each_files_sequence_and_commits_once(tmp_path: Path) -> None:
     """Three sessions' checkpoints: each file is created, written, fsynced, closed
     and renamed (seed 000 steps 1-3), then one directory fsync (step 4) covers
@@ -517,15 +532,8 @@ def test_a_store_whose_fsync_threads_cannot_start_fails_the_group_and_recovers(
     leaving nothing, and once threads can start again the next group commits
     (helper-18: the threads that never started were still counted, and every
     later group waited for them for ever)."""
-    real_start = threading.Thread.start
-
-    def cannot_start(self: threading.Thread) -> None:
-        if self.name == "coordinator-fsync":
-            raise RuntimeError("can't start new thread")
-        real_start(self)
-
     with SyncStore(tmp_path) as store:
-        monkeypatch.setattr(threading.Thread, "start", cannot_start)
+        real_start = refuse_threads(monkeypatch, "coordinator-fsync")
         for first in (1, 3, 5, 7, 9, 11, 13, 15, 17):  # more failures than threads allowed
             with pytest.raises(NoThreadError):
                 store.commit_group([member(first, 1), member(first + 1, 2)])
@@ -858,15 +866,8 @@ def test_a_seal_thread_that_cannot_start_is_no_thread_typed(
     """helper-71: a large checkpoint's envelope is sealed on a thread of its own;
     when none could start, the commit raised CPython's bare RuntimeError. It is
     NoThreadError, and nothing is left behind."""
-    real_start = threading.Thread.start
-
-    def refuse(self: threading.Thread) -> None:
-        if self.name == "flysess-seal":
-            raise RuntimeError("can't start new thread")
-        real_start(self)
-
     with SyncStore(tmp_path) as store:
-        monkeypatch.setattr(threading.Thread, "start", refuse)
+        real_start = refuse_threads(monkeypatch, "flysess-seal")
         with pytest.raises(NoThreadError):
             store.commit(*checkpoint(1, size=4 << 20, session_id="s1", epoch="e1"))
         monkeypatch.setattr(threading.Thread, "start", real_start)

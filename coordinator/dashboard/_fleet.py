@@ -281,11 +281,20 @@ class Session:
         which the new run's first event closes out): its runs' captures are over.
         (The beat's own count is no measure of this: it leaves out the job being
         written and counts a capture whose participants are still at it; helper-77.)"""
-        presence, beat, event = self.presence, self.presence_s, self.last_event_s
-        newer = presence is not None and beat is not None and (event is None or beat >= event)
-        if newer and presence is not None and presence.epoch not in self.state.epochs:
+        presence = self.presence
+        if (
+            presence is not None
+            and self.beat_is_newest()
+            and presence.epoch not in self.state.epochs
+        ):
             return 0
         return len(self.state.in_flight)
+
+    def beat_is_newest(self) -> bool:
+        """Whether the host's beat is no older than its newest event: its word on
+        what is now (the queue, the step, a new run) is then the newer."""
+        beat, event = self.presence_s, self.last_event_s
+        return beat is not None and (event is None or beat >= event)
 
     def last_outcome(self) -> str | None:
         for row in reversed(self.history.values()):
@@ -648,9 +657,7 @@ class Dashboard:
         queue = folded.queue_depth
         host_step = None if session.event_step is None else str(session.event_step)
         if presence is not None:
-            if session.presence_s is not None and (
-                session.last_event_s is None or session.presence_s >= session.last_event_s
-            ):
+            if session.beat_is_newest():
                 queue = presence.queue_depth  # the newer word on it
                 host_step = presence.step or host_step
             elif host_step is None:

@@ -301,10 +301,8 @@ class SessionLease:
         (the cluster may say it is still ours: a contender may take it any moment),
         or once it expires while the cluster does not answer;
         ``BusUnavailableError`` if the cluster cannot tell now."""
-        if self._lost is not None:
-            raise self._lost
-        if not self._holding:
-            raise self._not_held()
+        if (lost := self.lost) is not None and not isinstance(lost, LeaseExpiredError):
+            raise lost  # (taken, or not held)
         # No longer than the lease holds (helper-74: a check on a dead link waited
         # 5-15 s, a resume with it, while a contender could take the lease).
         with (
