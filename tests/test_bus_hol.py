@@ -453,37 +453,3 @@ async def test_a_refused_remake_is_said_once_and_never_claimed_done(
     said = [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "made again where missing" in m], said
     assert len([m for m in said if "could not be made again" in m]) == 1, said
-
-
-@pytest.mark.asyncio
-async def test_a_partition_that_keeps_the_connection_open_loses_no_event(
-    tmp_path: Path,
-) -> None:
-    """helper-76's repro_partition_events: a 20 s partition that left the TCP
-    connection open gave up 1,024 events (counted undeliverable): every write timed
-    out with the connection "up", which is how a denied publish looks. A server
-    that does not answer a PING either is away: the writes wait, nothing is lost."""
-    from natsproxy import PartitionProxy
-
-    async with EmbeddedServer(tmp_path / "nats") as plain:
-        proxy = PartitionProxy(int(plain.url.rsplit(":", 1)[1]))
-        await proxy.start()
-        try:
-            through = f"nats://127.0.0.1:{proxy.port}"
-            async with NatsBus(through, publish_timeout=0.3, max_attempts=2) as bus:
-                for event in checkpoint("s1", 0):
-                    await bus.publish(event)
-                await wait_until(lambda: not bus.pending, timeout=10)
-                proxy.blocked = True
-                for index in range(1, 6):
-                    for event in checkpoint("s1", index):
-                        await bus.publish(event)
-                await anyio.sleep(3)  # (past max_attempts timeouts, several times over)
-                proxy.blocked = False
-                await wait_until(lambda: not bus.pending, timeout=30)
-                assert bus.counts().get("undeliverable", 0) == 0, bus.counts()
-            async with NatsBus(plain.url) as reader:
-                stored = await reader.history("s1")
-            assert [e.seq for e in stored] == list(range(1, 19))
-        finally:
-            await proxy.close()

@@ -21,12 +21,12 @@ in a KV bucket. The only module that imports ``nats``.
   lane per session, each sent in order by a task of its own, so one session's
   failing write never holds up another's. Each write (a seq reservation, a
   window of events, a KV entry) is retried with the same ids: while the server
-  is away without end, nothing lost; a timeout with it connected throughout and
-  answering a PING (how NATS answers a publish it denies) counts, and the
-  ``max_attempts``th gives the write up, counted and logged (``undeliverable``
-  per event, ``kv_failed``), and the session goes on. Events whose seq cannot
-  be reserved never go out: each is ``undeliverable``. Overflow is counted in
-  ``statistics().dropped``. Durability never waits on the bus: the store manifest is the truth.
+  is away without end, nothing lost; a timeout with it connected throughout (how
+  NATS answers a publish it denies) counts, and the ``max_attempts``th gives the
+  write up, counted and logged (``undeliverable`` per event, ``kv_failed``), and
+  the session goes on. Events whose seq cannot be reserved never go out: each
+  is ``undeliverable``. Overflow is counted in ``statistics().dropped``.
+  Durability never waits on the bus: the store manifest is the truth.
 - Subscribers get a bounded buffer each; a full buffer, or nats-py's own slow
   consumer report, is counted, never only logged.
 - A permission the server refuses (a subscription, a history read, the setup's
@@ -622,13 +622,8 @@ class NatsBus:
                 if not isinstance(error, TRANSIENT):
                     return error
                 connected = self._disconnects == disconnects and self._nc.is_connected
-                # The server may drop a publish it denies: no ack ever. But only a
-                # server that answers a PING meanwhile is there: a partition that
-                # keeps the TCP connection open answers nothing, and is an outage
-                # (helper-76: a 20 s one gave up 1,024 events).
-                timed_out = connected and isinstance(error, TimeoutError)
-                if counted and timed_out and await self._answers():
-                    failures += 1
+                if counted and connected and isinstance(error, TimeoutError):
+                    failures += 1  # (the server may drop a publish it denies: no ack ever)
                     if failures >= self.max_attempts:
                         return error
                 self._counts["retries"] += 1
@@ -937,13 +932,6 @@ class NatsBus:
             return False
         ping.result()  # (its error, if any)
         return True
-
-    async def _answers(self) -> bool:
-        """Whether the server answers a round trip within ``publish_timeout``."""
-        try:
-            return await self._round_trip(self.publish_timeout)
-        except Exception:  # (the connection failed meanwhile: no answer)
-            return False
 
     async def follow_answers(self, deafness: Deafness) -> None:
         """A round trip every ``PROBE_EVERY_S``, for ever, each answered one noted
