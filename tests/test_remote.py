@@ -724,3 +724,22 @@ async def test_a_deleted_capture_leaves_no_marker_behind(server: EmbeddedServer)
         info = await js.stream_info(bucket._store._stream)
         assert info.state.messages == 0, info.state
         assert not await bucket.delete("s1/c-0/agent-c")  # (gone: not there)
+
+
+@pytest.mark.asyncio
+async def test_a_delete_cut_short_leaves_no_marker_once_tried_again(
+    server: EmbeddedServer,
+) -> None:
+    """helper-78: a delete cut short after its marker was written (the companion's
+    publish_timeout) was tried again, found no object, and left the marker until
+    the bucket's TTL. The attempt that finds it gone purges what is left."""
+    from coordinator.remote._objects import ObjectBucket
+
+    async with NatsBus(server.url) as bus:
+        js = bus.client.jetstream()
+        bucket = await ObjectBucket.open(js, ttl=3600, replicas=1)
+        await bucket.put("s1/c-1/agent-c", memoryview(os.urandom(3000)))
+        await bucket._store.delete("s1/c-1/agent-c")  # (the first attempt, cut short here)
+        assert not await bucket.delete("s1/c-1/agent-c")
+        info = await js.stream_info(bucket._store._stream)
+        assert info.state.messages == 0, info.state

@@ -3463,3 +3463,34 @@ async def test_a_lease_lost_while_a_resume_stages_stops_it_before_activation(
             with pytest.raises(LeaseLostError):
                 await host.resume()
             assert (world.data, agent.data, host.epoch) == (b"w2", b"a2", epoch)
+
+
+@pytest.mark.asyncio
+async def test_a_sweep_whose_delete_times_out_is_a_typed_try_again(
+    server: EmbeddedServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """helper-78: with deletes 8 at once (517e002), a chunk purge the server timed
+    out came out of Replicator.sweep as an ExceptionGroup, not the
+    BusUnavailableError ("try again") every other cluster error is."""
+    import nats.errors
+
+    from coordinator.errors import BusUnavailableError
+    from coordinator.remote._objects import ObjectBucket
+
+    async def times_out(self: Any, nuid: str) -> None:
+        raise nats.errors.TimeoutError
+
+    async with (
+        NatsBus(server.url) as bus,
+        FileStore(tmp_path / "a") as store,
+        Replicator(bus, store, grace=0.3, sweep_every=None) as replicator,
+    ):
+        for size in (100, 101, 102):
+            data = os.urandom(size)
+            await replicator.replicas.content.ensure(
+                hashlib.sha256(data).hexdigest(), memoryview(data)
+            )
+        await anyio.sleep(0.6)
+        monkeypatch.setattr(ObjectBucket, "purge_chunks", times_out)
+        with anyio.fail_after(60), pytest.raises(BusUnavailableError):
+            await replicator.sweep()

@@ -664,12 +664,16 @@ class ObjectBucket:
         it stays), with the right the chunks' purge needs already."""
         try:
             await self._store.delete(name)
-        except ObjectNotFoundError:
+        except ObjectNotFoundError:  # (or deleted by an attempt cut short before its purge)
+            await self._purge_marker(name)
             return False
+        await self._purge_marker(name)
+        return True
+
+    async def _purge_marker(self, name: str) -> None:
         marker = await self.stored(name)
         if marker is not None and not marker.live:
             await self.purge_meta(marker)
-        return True
 
     async def names(self) -> list[str]:
         """The objects the bucket holds now (deleted ones excluded): each meta

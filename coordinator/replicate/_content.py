@@ -238,6 +238,8 @@ class ContentBucket:
                         await sweeping.delete(stored, group)
                     else:  # an old deleted marker, or junk (wherever it sits): removed
                         await self.objects.purge_meta(stored)
+            if sweeping.failure is not None:
+                raise sweeping.failure
             if sweeping.stale:
                 continue
             prefix = f"$O.{self.objects.name}.C."
@@ -283,6 +285,7 @@ class _Round:
         self.bucket, self.named, self.done = bucket, named, done
         self.at_once = anyio.Semaphore(_DELETES_AT_ONCE)
         self.stale = False
+        self.failure: Exception | None = None  # a delete's, raised once the round ends
 
     async def delete(self, stored: StoredObject, group: anyio.abc.TaskGroup) -> None:
         nuid = str(stored.info.nuid) if stored.info and stored.info.nuid else ""
@@ -295,6 +298,8 @@ class _Round:
     async def _delete_beside(self, stored: StoredObject, nuid: str) -> None:
         try:
             await self._delete(stored, nuid, purge=True)
+        except Exception as error:  # (as itself, not an ExceptionGroup: helper-78)
+            self.failure = self.failure or error
         finally:
             self.at_once.release()
 
